@@ -1,0 +1,246 @@
+"""Capture a model into an `OpGraph` with `torch.export` (non-strict).
+
+`torch.export` gives a torch.fx graph of aten ops with shapes (`node.meta["val"]`) and module
+paths (`node.meta["nn_module_stack"]`), and works where `torch.fx.symbolic_trace` does not
+(Hugging Face models). The model is wrapped so that whatever it returns (a tensor, a tuple, a
+`ModelOutput` with `logits`) the graph has one tensor output. Real, fake and `meta` tensors all
+work: planning never needs real weights.
+"""
+
+from __future__ import annotations
+
+import inspect
+import operator
+import os
+import traceback
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_leaves
+
+from autopar.errors import CaptureError
+from autopar.flops import FlopCounter
+from autopar.graph import OpGraph, OpNode, TensorInfo
+
+_WRAPPER_PREFIX = "inner."
+
+
+class _TensorOutput(nn.Module):
+    """Calls the model and returns one tensor, so any model exports the same way."""
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        accepts = inspect.signature(inner.forward).parameters
+        self.extra = {"use_cache": False} if "use_cache" in accepts else {}
+
+    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return first_tensor(self.inner(*args, **kwargs, **self.extra))
+
+
+def first_tensor(out: Any) -> torch.Tensor:
+    """The tensor a model's output stands for: itself, `.logits`, or the first tensor inside."""
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    values = out.values() if isinstance(out, dict) else out
+    for leaf in tree_leaves(list(values) if isinstance(out, dict) else values):
+        if isinstance(leaf, torch.Tensor):
+            return leaf
+    raise CaptureError(f"the model returned {type(out).__name__} with no tensor in it; return the logits or loss")
+
+
+def capture(model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None) -> OpGraph:
+    """Export `model` on `example_inputs` and annotate every op with its costs."""
+    args = example_inputs if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    try:
+        exported = torch.export.export(_TensorOutput(model), tuple(args), example_kwargs or {}, strict=False)
+    except CaptureError:
+        raise
+    except Exception as exc:
+        raise CaptureError(_explain(exc, model)) from exc
+    return _build(exported, model)
+
+
+def _explain(exc: Exception, model: nn.Module) -> str:
+    """One message: what failed, where in the user's code, and what usually fixes it."""
+    first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    where = _user_frame(exc)
+    hint = "make the forward's control flow independent of tensor values (torch.cond, masks, or torch.where)"
+    if "data-dependent" in str(exc) or "GuardOnDataDependent" in type(exc).__name__:
+        first = "control flow or a shape depends on the value of a tensor (" + first.strip() + ")"
+    return (
+        f"cannot capture {type(model).__name__} with torch.export: {first}"
+        + (f"\n  at {where}" if where else "")
+        + f"\n  hint: {hint}"
+    )
+
+
+def _user_frame(exc: BaseException) -> str:
+    torch_dir = os.path.dirname(torch.__file__)
+    here = os.path.dirname(__file__)
+    frames = [
+        f for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.startswith((torch_dir, here)) and "site-packages" not in f.filename.split(os.sep)[-4:]
+    ]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
+
+
+def _build(exported: torch.export.ExportedProgram, model: nn.Module) -> OpGraph:
+    sig = exported.graph_signature
+    canonical = _canonical_names(model)
+    param_of = {ph: canonical.get(fqn, _strip(fqn)) for ph, fqn in sig.inputs_to_parameters.items()}
+    buffer_of = {ph: _strip(fqn) for ph, fqn in sig.inputs_to_buffers.items()}
+    user_inputs = set(sig.user_inputs)
+    lists = {name for name, m in model.named_modules() if isinstance(m, nn.ModuleList)}
+    counter = FlopCounter()
+    graph = nx.DiGraph()
+    params: dict[str, TensorInfo] = {}
+    buffers: dict[str, TensorInfo] = {}
+    needs_grad: set[str] = set()
+    for node in exported.graph.nodes:
+        if node.op == "placeholder":
+            info = _infos(node.meta.get("val"))
+            if node.name in param_of:
+                params[param_of[node.name]] = info[0]
+                if info[0].dtype.startswith(("float", "bfloat", "complex")):
+                    needs_grad.add(node.name)
+            elif node.name in buffer_of:
+                buffers[buffer_of[node.name]] = info[0]
+            elif node.name in user_inputs:
+                graph.add_node(node.name, op=OpNode(name=node.name, op="input", outputs=info))
+        elif node.op == "call_function":
+            op = _op_node(node, counter, param_of, buffer_of, needs_grad, lists)
+            graph.add_node(node.name, op=op)
+            for src in node.all_input_nodes:
+                if src.name in graph:
+                    graph.add_edge(src.name, node.name, bytes=_consumed_bytes(src, node))
+    _attribute_params(exported.graph, graph, param_of, params)
+    _fill_layers(graph)
+    outputs = [a.name for a in tree_leaves(next(iter(exported.graph.find_nodes(op="output"))).args) if isinstance(a, fx.Node)]
+    warnings = [f"FLOPs of {op} not counted: {why}" for op, why in counter.failures.items()]
+    return OpGraph(graph, params=params, buffers=buffers, outputs=outputs, warnings=warnings, exported=exported)
+
+
+def _op_node(
+    node: fx.Node, counter: FlopCounter, param_of: dict, buffer_of: dict, needs_grad: set[str], lists: set[str]
+) -> OpNode:
+    target = node.target
+    is_view = target is operator.getitem or bool(getattr(target, "is_view", False))
+    val_of = {n.name: n.meta.get("val") for n in node.all_input_nodes}
+    grad_of = {id(val_of[n.name]) for n in node.all_input_nodes if n.name in needs_grad}
+    out_infos = _infos(node.meta.get("val"))
+    in_infos = tuple(i for n in node.all_input_nodes for i in _infos(val_of[n.name]))
+    if grad_of and any(t.dtype.startswith(("float", "bfloat", "complex")) for t in out_infos):
+        needs_grad.add(node.name)
+    flops = (0.0, 0.0)
+    if not is_view and isinstance(target, torch._ops.OpOverload):
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: val_of[n.name])
+        flops = counter.count(target, args, kwargs, grad_of)
+    mod_path, layer = _module_path(node, lists)
+    return OpNode(
+        name=node.name,
+        op=_op_name(target),
+        inputs=in_infos,
+        outputs=out_infos,
+        flops_fwd=flops[0],
+        flops_bwd=flops[1],
+        bytes_read=0 if is_view else sum(i.nbytes for i in in_infos),
+        bytes_written=0 if is_view else sum(o.nbytes for o in out_infos),
+        buffers={buffer_of[n.name]: _infos(val_of[n.name])[0].nbytes for n in node.all_input_nodes if n.name in buffer_of},
+        module_path=mod_path,
+        layer=layer,
+        is_view=is_view,
+        requires_grad=node.name in needs_grad,
+    )
+
+
+def _infos(val: Any) -> tuple[TensorInfo, ...]:
+    return tuple(
+        TensorInfo(tuple(int(s) for s in t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size())
+        for t in tree_leaves(val)
+        if isinstance(t, torch.Tensor)
+    )
+
+
+def _consumed_bytes(src: fx.Node, dst: fx.Node) -> int:
+    """Bytes of `src`'s output that `dst` reads (one element when it picks from a tuple)."""
+    val = src.meta.get("val")
+    if dst.target is operator.getitem and isinstance(val, (tuple, list)):
+        val = val[dst.args[1]]
+    return sum(t.nbytes for t in _infos(val))
+
+
+def _op_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return getattr(target, "__name__", str(target))
+
+
+def _strip(path: str) -> str:
+    if path == _WRAPPER_PREFIX[:-1]:
+        return ""
+    return path.removeprefix(_WRAPPER_PREFIX)
+
+
+def _module_path(node: fx.Node, lists: set[str]) -> tuple[str, str]:
+    """Innermost module path and its layer hint.
+
+    The hint is the path up to the first ModuleList index ("h.3", "model.layers.3"); outside
+    the repeated blocks it is the child of the module that holds them ("wte", "transformer.ln_f",
+    "stem").
+    """
+    stack = node.meta.get("nn_module_stack") or {}
+    path = _strip(list(stack.values())[-1][0]) if stack else ""
+    parts = path.split(".") if path else []
+    for i, part in enumerate(parts):
+        if part.isdigit() and ".".join(parts[:i]) in lists:
+            return path, ".".join(parts[: i + 1])
+    holders = [h for h in ({lst.rpartition(".")[0] for lst in lists} | {""}) if not h or path.startswith(h + ".")]
+    depth = max(len(h.split(".")) if h else 0 for h in holders)
+    return path, ".".join(parts[: depth + 1])
+
+
+def _fill_layers(graph: nx.DiGraph) -> None:
+    """Ops outside any submodule (the root's own code) join the layer before them, or after."""
+    ops = [graph.nodes[n]["op"] for n in graph.nodes if graph.nodes[n]["op"].op != "input"]
+    previous = next((op.layer for op in ops if op.layer), "")
+    for op in ops:
+        if op.layer:
+            previous = op.layer
+        else:
+            op.layer = previous
+
+
+def _canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every name a parameter is reachable by (tied weights have several) -> its named_parameters() name."""
+    first = {id(p): name for name, p in model.named_parameters()}
+    return {
+        _WRAPPER_PREFIX + name: first[id(p)]
+        for name, p in model.named_parameters(remove_duplicate=False)
+    }
+
+
+def _attribute_params(fx_graph: fx.Graph, graph: nx.DiGraph, param_of: dict, params: dict) -> None:
+    """A parameter belongs to the ops that compute with it, looking through views (e.g. a transpose)."""
+    for ph in fx_graph.find_nodes(op="placeholder"):
+        if ph.name not in param_of:
+            continue
+        fqn = param_of[ph.name]
+        frontier = list(ph.users)
+        while frontier:
+            user = frontier.pop()
+            if user.name not in graph:
+                continue
+            op = graph.nodes[user.name]["op"]
+            if op.is_view:
+                frontier.extend(user.users)
+            else:
+                op.params[fqn] = params[fqn].nbytes

@@ -1,0 +1,159 @@
+"""The operator graph every pass consumes: one node per aten op, one edge per tensor.
+
+An `OpGraph` is plain data (a networkx DiGraph of `OpNode` records keyed by the exported
+graph's node names), so the planner, the cost models and the CLI can read it without torch.fx.
+The `torch.export` program it came from is kept beside it for the runtime.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import networkx as nx
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    shape: tuple[int, ...]
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "float16"
+    nbytes: int
+
+
+@dataclass
+class OpNode:
+    """One aten op (or a user input, with ``op == "input"``) of the captured forward graph."""
+
+    name: str
+    op: str
+    inputs: tuple[TensorInfo, ...] = ()
+    outputs: tuple[TensorInfo, ...] = ()
+    flops_fwd: float = 0.0
+    flops_bwd: float = 0.0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    params: dict[str, int] = field(default_factory=dict)  # named_parameters() FQN -> bytes
+    buffers: dict[str, int] = field(default_factory=dict)
+    module_path: str = ""  # innermost module from nn_module_stack, e.g. "h.3.mlp.fc1"
+    layer: str = ""  # layer hint: module path up to the first ModuleList index, e.g. "h.3"
+    is_view: bool = False  # aliases its input: moves no data, costs nothing
+    requires_grad: bool = False  # its output is differentiated in backward
+
+    @property
+    def output_bytes(self) -> int:
+        return sum(t.nbytes for t in self.outputs)
+
+
+@dataclass(frozen=True)
+class Layer:
+    """A maximal run of consecutive ops that share a layer hint."""
+
+    index: int
+    name: str
+    nodes: tuple[str, ...]
+    flops_fwd: float
+    flops_bwd: float
+    param_bytes: int  # parameters first used in this layer (a tied weight counts once)
+    activation_bytes: int  # bytes produced by the layer's non-view ops in one forward
+
+
+class OpGraph:
+    """Captured operator graph with per-op costs; nodes in the exported (topological) order."""
+
+    def __init__(
+        self,
+        graph: nx.DiGraph,
+        *,
+        params: dict[str, TensorInfo],
+        buffers: dict[str, TensorInfo],
+        outputs: list[str],
+        warnings: list[str] | None = None,
+        exported: Any = None,
+    ) -> None:
+        self.graph = graph
+        self.params = params
+        self.buffers = buffers
+        self.outputs = outputs
+        self.warnings = warnings or []
+        self.exported = exported  # torch.export.ExportedProgram, for the runtime
+        self._order = list(graph.nodes)
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def __iter__(self) -> Iterator[OpNode]:
+        return (self.graph.nodes[n]["op"] for n in self._order)
+
+    def node(self, name: str) -> OpNode:
+        return self.graph.nodes[name]["op"]
+
+    def edges(self) -> Iterator[tuple[str, str, int]]:
+        for src, dst, data in self.graph.edges(data=True):
+            yield src, dst, data["bytes"]
+
+    @property
+    def num_params(self) -> int:
+        return sum(_numel(t.shape) for t in self.params.values())
+
+    @property
+    def param_bytes(self) -> int:
+        return sum(t.nbytes for t in self.params.values())
+
+    @property
+    def flops_fwd(self) -> float:
+        return sum(n.flops_fwd for n in self)
+
+    @property
+    def flops_bwd(self) -> float:
+        return sum(n.flops_bwd for n in self)
+
+    def layers(self) -> list[Layer]:
+        """Group consecutive ops by layer hint; user inputs join the layer that follows them."""
+        runs: list[tuple[str, list[OpNode]]] = []
+        pending: list[OpNode] = []
+        for node in self:
+            if node.op == "input":
+                pending.append(node)
+            elif runs and runs[-1][0] == node.layer:
+                runs[-1][1].append(node)
+            else:
+                runs.append((node.layer, pending + [node]))
+                pending = []
+        if pending:
+            runs.append(("", pending))
+        seen: set[str] = set()
+        return [self._layer(i, name, nodes, seen) for i, (name, nodes) in enumerate(runs)]
+
+    def _layer(self, index: int, name: str, nodes: list[OpNode], seen: set[str]) -> Layer:
+        param_bytes = 0
+        for node in nodes:
+            for fqn, nbytes in node.params.items():
+                if fqn not in seen:
+                    seen.add(fqn)
+                    param_bytes += nbytes
+        return Layer(
+            index=index,
+            name=name,
+            nodes=tuple(n.name for n in nodes),
+            flops_fwd=sum(n.flops_fwd for n in nodes),
+            flops_bwd=sum(n.flops_bwd for n in nodes),
+            param_bytes=param_bytes,
+            activation_bytes=sum(n.output_bytes for n in nodes if not n.is_view and n.op != "input"),
+        )
+
+    def fingerprint(self) -> str:
+        """Structural hash: ops, shapes, dtypes, parameter names and edges; plans are keyed by it."""
+        h = hashlib.sha256()
+        for node in self:
+            h.update(repr((node.name, node.op, node.inputs, node.outputs, sorted(node.params))).encode())
+        for src, dst, nbytes in sorted(self.edges()):
+            h.update(f"{src}>{dst}:{nbytes}".encode())
+        return h.hexdigest()[:16]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for s in shape:
+        n *= s
+    return n

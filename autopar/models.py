@@ -1,0 +1,108 @@
+"""Resolve a MODEL argument (zoo name, `FILE.py:FUNCTION` or `package.module:FUNCTION`) into a workload."""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from autopar.errors import ModelSpecError
+from autopar.zoo import ZOO
+
+
+@dataclass
+class Workload:
+    """A model with inputs of its global batch; loss and synthetic data when the spec provides them."""
+
+    name: str
+    model: nn.Module
+    example_inputs: tuple
+    batch: int
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
+    make_batch: Callable[[int, torch.Generator], tuple[tuple, torch.Tensor]] | None = None
+
+
+def load_workload(spec: str, *, batch: int | None = None, device: str | torch.device = "meta",
+                  dtype: torch.dtype | None = None) -> Workload:
+    """Build the model `spec` names; zoo models are built on `device` (meta: no memory) in `dtype`."""
+    if batch is not None and batch < 1:
+        raise ModelSpecError(f"--batch must be a positive integer, got {batch}")
+    if ":" in spec:
+        return _from_function(spec, batch)
+    entry = ZOO.get(spec)
+    if entry is None:
+        close = difflib.get_close_matches(spec, ZOO, n=3)
+        hint = f"did you mean {', '.join(close)}? " if close else ""
+        raise ModelSpecError(
+            f"unknown model {spec!r}: {hint}zoo models are {', '.join(ZOO)}; "
+            "or give FILE.py:FUNCTION or package.module:FUNCTION returning (model, example_inputs)"
+        )
+    batch = batch or entry.batch
+    with torch.device(device):
+        model = entry.family.build(entry.config).to(dtype or entry.dtype)
+    cfg, fam = entry.config, entry.family
+    return Workload(
+        name=spec,
+        model=model,
+        example_inputs=fam.example_inputs(cfg, batch, device),
+        batch=batch,
+        loss_fn=fam.loss_fn,
+        make_batch=lambda b, gen: fam.make_batch(cfg, b, gen),
+    )
+
+
+def _from_function(spec: str, batch: int | None) -> Workload:
+    target, _, func_name = spec.rpartition(":")
+    module = _import(target, spec)
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise ModelSpecError(f"{spec}: {target} has no function {func_name!r}")
+    try:
+        result = func()
+    except Exception as exc:
+        raise ModelSpecError(f"{spec}: calling {func_name}() failed: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(result, tuple) or len(result) not in (2, 4) or not isinstance(result[0], nn.Module):
+        raise ModelSpecError(
+            f"{spec}: {func_name}() must return (model, example_inputs) or "
+            f"(model, example_inputs, loss_fn, make_batch), got {type(result).__name__}"
+        )
+    model, inputs = result[0], result[1]
+    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+    if first is None:
+        raise ModelSpecError(f"{spec}: example_inputs has no tensor with a batch dimension")
+    if batch is not None:
+        inputs = tuple(_resize_batch(x, batch) for x in inputs)
+    loss_fn, make_batch = (result[2], result[3]) if len(result) == 4 else (None, None)
+    return Workload(spec, model, inputs, batch or first.shape[0], loss_fn, make_batch)
+
+
+def _import(target: str, spec: str) -> Any:
+    try:
+        if target.endswith(".py"):
+            path = Path(target)
+            if not path.is_file():
+                raise ModelSpecError(f"{spec}: no file {target}")
+            module_spec = importlib.util.spec_from_file_location(path.stem, path)
+            module = importlib.util.module_from_spec(module_spec)
+            module_spec.loader.exec_module(module)
+            return module
+        return importlib.import_module(target)
+    except ModelSpecError:
+        raise
+    except Exception as exc:
+        raise ModelSpecError(f"{spec}: cannot import {target}: {type(exc).__name__}: {exc}") from exc
+
+
+def _resize_batch(x: Any, batch: int) -> Any:
+    """Repeat (or cut) the example batch to `batch` rows, keeping values valid (token ids stay ids)."""
+    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+        return x
+    rows = torch.arange(batch, device=x.device) % x.shape[0]
+    return x.index_select(0, rows)

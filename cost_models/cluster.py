@@ -1,0 +1,145 @@
+"""Cluster descriptions: what the cost models know about the hardware.
+
+A `ClusterSpec` is hosts × devices per host, the device's peak FLOP/s per dtype, memory and
+memory bandwidth, and two links: inside a host (per device, one direction) and between hosts (per
+host NIC, one direction). Presets come from public data sheets (../shared/REFERENCES.md);
+`cpu-local` describes this machine, from a calibration file when one exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autopar.errors import ClusterSpecError
+
+GB = 1e9
+GiB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    bandwidth: float  # bytes/s in one direction
+    latency: float  # seconds per message (α)
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    name: str
+    peak_flops: dict[str, float] = field(hash=False)  # dtype name ("float16", ...) -> FLOP/s
+    memory_bytes: int
+    memory_bandwidth: float  # bytes/s
+    efficiency: float = 0.5  # fraction of peak a large matmul reaches; calibration measures it
+
+    def flops_for(self, dtype: str) -> float:
+        """Peak FLOP/s for `dtype`; a dtype the sheet does not list runs at the float32 rate."""
+        return self.peak_flops.get(dtype, self.peak_flops["float32"])
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    name: str
+    num_hosts: int
+    devices_per_host: int
+    device: DeviceSpec
+    intra_host: Link  # per device, e.g. NVLink
+    inter_host: Link  # per host NIC, shared by the host's devices
+    description: str = ""
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_hosts * self.devices_per_host
+
+    def with_mesh(self, hosts: int, devices_per_host: int) -> ClusterSpec:
+        """The same hardware with `hosts` hosts of `devices_per_host` devices each."""
+        if hosts < 1 or devices_per_host < 1:
+            raise ClusterSpecError(f"mesh {hosts}x{devices_per_host}: both sizes must be at least 1")
+        if devices_per_host > self.devices_per_host:
+            raise ClusterSpecError(
+                f"mesh {hosts}x{devices_per_host}: a {self.name} host has {self.devices_per_host} devices; "
+                f"use at most {self.devices_per_host} devices per host (e.g. --mesh "
+                f"{hosts * devices_per_host // self.devices_per_host or 1}x{self.devices_per_host})"
+            )
+        return dataclasses.replace(self, num_hosts=hosts, devices_per_host=devices_per_host)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": "autopar.cluster/1", **dataclasses.asdict(self)}
+
+    def save(self, path: str | Path) -> None:
+        """Write atomically: a crash leaves the old file or the new one, never half of one."""
+        path = Path(path)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+
+    @staticmethod
+    def from_dict(data: Any, source: str = "cluster") -> ClusterSpec:
+        return _parse_cluster(data, source)
+
+    @staticmethod
+    def load(path: str | Path) -> ClusterSpec:
+        try:
+            data = json.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ClusterSpecError(f"cluster file {path} does not exist") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ClusterSpecError(f"cannot read cluster file {path}: {exc}") from None
+        except json.JSONDecodeError as exc:
+            raise ClusterSpecError(f"cluster file {path} is not valid JSON: {exc}") from None
+        return _parse_cluster(data, str(path))
+
+
+def _parse_cluster(data: Any, source: str) -> ClusterSpec:
+    """Build a ClusterSpec from JSON data, naming the first field that is missing or wrong."""
+    if not isinstance(data, dict):
+        raise ClusterSpecError(f"{source}: expected a JSON object, got {type(data).__name__}")
+    schema = data.get("schema", "autopar.cluster/1")
+    if schema != "autopar.cluster/1":
+        raise ClusterSpecError(f"{source}: unknown schema {schema!r}, expected 'autopar.cluster/1'")
+
+    def number(obj: dict, key: str, where: str, integer: bool = False) -> Any:
+        value = obj.get(key) if isinstance(obj, dict) else None
+        ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+        if isinstance(value, bool) or not ok or value <= 0:
+            kind = "a positive integer" if integer else "a positive number"
+            raise ClusterSpecError(f"{source}: {where}{key} must be {kind}, got {value!r}")
+        return value
+
+    def section(key: str) -> dict:
+        value = data.get(key)
+        if not isinstance(value, dict):
+            raise ClusterSpecError(f"{source}: missing object {key!r}")
+        return value
+
+    dev = section("device")
+    flops = dev.get("peak_flops")
+    if not isinstance(flops, dict) or "float32" not in flops:
+        raise ClusterSpecError(f"{source}: device.peak_flops must map dtype names to FLOP/s and include float32")
+    for dtype in flops:
+        number(flops, dtype, "device.peak_flops.")
+    device = DeviceSpec(
+        name=str(dev.get("name", "device")),
+        peak_flops={k: float(v) for k, v in flops.items()},
+        memory_bytes=number(dev, "memory_bytes", "device.", integer=True),
+        memory_bandwidth=float(number(dev, "memory_bandwidth", "device.")),
+        efficiency=float(dev.get("efficiency", 0.5)),
+    )
+    if not 0 < device.efficiency <= 1:
+        raise ClusterSpecError(f"{source}: device.efficiency must be in (0, 1], got {device.efficiency}")
+    links = {
+        key: Link(bandwidth=float(number(section(key), "bandwidth", f"{key}.")),
+                  latency=float(number(section(key), "latency", f"{key}.")))
+        for key in ("intra_host", "inter_host")
+    }
+    return ClusterSpec(
+        name=str(data.get("name", Path(source).stem)),
+        num_hosts=number(data, "num_hosts", "", integer=True),
+        devices_per_host=number(data, "devices_per_host", "", integer=True),
+        device=device,
+        description=str(data.get("description", "")),
+        **links,
+    )
