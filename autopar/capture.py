@@ -28,16 +28,22 @@ _WRAPPER_PREFIX = "inner."
 
 
 class _TensorOutput(nn.Module):
-    """Calls the model and returns one tensor, so any model exports the same way."""
+    """Calls the model and returns one tensor, so any model exports the same way.
+
+    The wrapper takes the model's own signature, so graph inputs keep the model's argument names.
+    """
 
     def __init__(self, inner: nn.Module) -> None:
         super().__init__()
         self.inner = inner
-        accepts = inspect.signature(inner.forward).parameters
-        self.extra = {"use_cache": False} if "use_cache" in accepts else {}
+        sig = inspect.signature(inner.forward)
+        extra = {"use_cache": False} if "use_cache" in sig.parameters else {}
 
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return first_tensor(self.inner(*args, **kwargs, **self.extra))
+        def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+            return first_tensor(inner(*args, **kwargs, **extra))
+
+        forward.__signature__ = sig.replace(parameters=[p for n, p in sig.parameters.items() if n not in extra])
+        self.forward = forward
 
 
 def first_tensor(out: Any) -> torch.Tensor:

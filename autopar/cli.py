@@ -22,7 +22,9 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 def cmd_clusters(args: argparse.Namespace, out: Console) -> Any:
     from cost_models import PRESETS, calibration_file
 
-    clusters = [PRESETS[name]() for name in PRESETS]
+    from cost_models import ClusterSpec
+
+    clusters = [PRESETS[name]() for name in PRESETS] + [ClusterSpec.load(path) for path in args.files]
     if args.json:
         return {"clusters": [c.to_dict() for c in clusters], "calibration_file": str(calibration_file())}
     table = Table(title="cluster presets")
@@ -40,8 +42,7 @@ def cmd_clusters(args: argparse.Namespace, out: Console) -> Any:
     out.print(table)
     for c in clusters:
         out.print(f"  {c.name}: {c.description}")
-    out.print("Use any preset with --cluster NAME and size it with --mesh HOSTSxDEVICES; "
-              f"`autopar calibrate` measures this machine into {calibration_file()}.")
+    out.print(f"cpu-local is read from {calibration_file()} when that file exists ($AUTOPAR_CLUSTER overrides).")
     return None
 
 
@@ -88,7 +89,8 @@ def _parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    command("clusters", cmd_clusters, "list cluster presets")
+    p = command("clusters", cmd_clusters, "list cluster presets (and check cluster files)")
+    p.add_argument("files", nargs="*", help="cluster JSON files to validate and show beside the presets")
     p = command("inspect", cmd_inspect, "capture a model and show per-layer FLOPs, parameters and activations")
     p.add_argument("model", help="zoo name (e.g. gpt-1.3b), FILE.py:FUNCTION or package.module:FUNCTION")
     p.add_argument("--batch", type=int, help="global batch (default: the model's suite default)")
@@ -98,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    out = Console(highlight=False)
+    out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     try:
         result = args.func(args, out)
     except AutoparError as exc:

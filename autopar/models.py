@@ -45,7 +45,9 @@ def load_workload(spec: str, *, batch: int | None = None, device: str | torch.de
         )
     batch = batch or entry.batch
     with torch.device(device):
-        model = entry.family.build(entry.config).to(dtype or entry.dtype)
+        model = entry.family.build(entry.config)
+    if (dtype or entry.dtype) != torch.float32:
+        model = model.to(dtype or entry.dtype)
     cfg, fam = entry.config, entry.family
     return Workload(
         name=spec,

@@ -1,0 +1,136 @@
+"""capture(): shapes, FLOPs, bytes, parameters and module paths of the exported graph."""
+
+import operator
+
+import pytest
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from autopar import CaptureError, capture, load_workload
+from autopar.zoo import ZOO
+
+
+def flop_counter_total(model, inputs, backward):
+    with FlopCounterMode(display=False) as counter:
+        out = model(*inputs)
+        if backward:
+            out.float().sum().backward()
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "moe-tiny", "wresnet-tiny", "mlp-tiny"])
+def test_flops_match_torch_flop_counter(name):
+    w = load_workload(name)  # meta: torch's counter has formulas for meta attention
+    graph = capture(w.model, w.example_inputs)
+    assert graph.flops_fwd > 0
+    assert graph.flops_fwd == pytest.approx(flop_counter_total(w.model, w.example_inputs, False), rel=1e-6)
+    total = flop_counter_total(w.model, w.example_inputs, True)
+    assert graph.flops_fwd + graph.flops_bwd == pytest.approx(total, rel=1e-6)
+
+
+def test_real_meta_and_fake_tensors_give_the_same_graph():
+    graphs = []
+    for device in ("cpu", "meta"):
+        w = load_workload("gpt-tiny", device=device)
+        graphs.append(capture(w.model, w.example_inputs))
+    with FakeTensorMode():
+        w = load_workload("gpt-tiny", device="cpu")
+        graphs.append(capture(w.model, w.example_inputs))
+    real, meta, fake = graphs
+    assert real.fingerprint() == meta.fingerprint() == fake.fingerprint()
+    # FLOPs do not depend on the device: CPU attention is counted through its meta replay
+    assert real.flops_fwd == meta.flops_fwd == fake.flops_fwd
+    assert real.flops_bwd == meta.flops_bwd
+
+
+def test_nodes_carry_shapes_bytes_params_and_module_paths(gpt_tiny_graph):
+    w, graph = gpt_tiny_graph
+    cfg = ZOO["gpt-tiny"].config
+    fc1 = next(n for n in graph if n.module_path == "h.0.mlp.fc1")
+    assert fc1.op == "aten.linear.default"
+    assert fc1.layer == "h.0"
+    tokens = w.batch * cfg.seq
+    assert fc1.outputs[0].shape == (w.batch, cfg.seq, 4 * cfg.hidden)
+    assert fc1.outputs[0].dtype == "float32"
+    assert fc1.params == {"h.0.mlp.fc1.weight": 4 * cfg.hidden * cfg.hidden * 4, "h.0.mlp.fc1.bias": 4 * cfg.hidden * 4}
+    assert fc1.flops_fwd == 2 * tokens * cfg.hidden * 4 * cfg.hidden
+    assert fc1.flops_bwd == 2 * fc1.flops_fwd  # input and weight gradients
+    assert fc1.bytes_written == tokens * 4 * cfg.hidden * 4
+    assert fc1.bytes_read == tokens * cfg.hidden * 4 + sum(fc1.params.values())
+    assert fc1.requires_grad
+
+
+def test_parameters_use_named_parameters_names_and_tied_weight_is_shared(gpt_tiny_graph):
+    w, graph = gpt_tiny_graph
+    assert set(graph.params) == {name for name, _ in w.model.named_parameters()}
+    assert graph.num_params == sum(p.numel() for p in w.model.parameters())
+    users = [n.name for n in graph if "wte.weight" in n.params]
+    assert len(users) == 2  # the input embedding and the tied output projection
+    assert {graph.node(u).module_path for u in users} == {"wte", "lm_head"}
+
+
+def test_edges_carry_consumed_tensor_bytes(gpt_tiny_graph):
+    _, graph = gpt_tiny_graph
+    for src, dst, nbytes in graph.edges():
+        producer, consumer = graph.node(src), graph.node(dst)
+        if consumer.op == "getitem":
+            assert nbytes in [t.nbytes for t in producer.outputs]
+        else:
+            assert nbytes == producer.output_bytes
+    assert graph.node("idx").op == "input"
+    assert any(src == "idx" for src, _, _ in graph.edges())
+
+
+def test_views_move_no_bytes_and_layers_partition_the_graph(gpt_tiny_graph):
+    _, graph = gpt_tiny_graph
+    views = [n for n in graph if n.is_view]
+    assert views and all(n.bytes_read == n.bytes_written == n.flops_fwd == 0 for n in views)
+    layers = graph.layers()
+    assert [layer.name for layer in layers] == ["wte", "wpe", "h.0", "h.1", "ln_f", "lm_head"]
+    assert sum(len(layer.nodes) for layer in layers) == len(graph)
+    assert sum(layer.param_bytes for layer in layers) == graph.param_bytes
+    assert sum(layer.flops_fwd for layer in layers) == graph.flops_fwd
+
+
+def test_first_layer_input_needs_no_gradient():
+    w = load_workload("mlp-tiny")
+    graph = capture(w.model, w.example_inputs)
+    first = next(n for n in graph if n.module_path == "layers.0.fc")
+    assert first.flops_bwd == first.flops_fwd  # weight gradient only: the input is data
+
+
+class _Branchy(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        if x.sum() > 0:  # data-dependent control flow
+            return self.fc(x)
+        return x
+
+
+def test_data_dependent_control_flow_is_a_clear_error():
+    with pytest.raises(CaptureError) as err:
+        capture(_Branchy(), (torch.randn(2, 4),))
+    message = str(err.value)
+    assert "cannot capture _Branchy" in message
+    assert "test_capture.py" in message and "x.sum() > 0" in message
+    assert "hint:" in message
+
+
+class _DictOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return {"aux": None, "logits": self.fc(x)}
+
+
+def test_non_tensor_outputs_are_unwrapped():
+    graph = capture(_DictOut(), torch.randn(2, 4))
+    assert graph.num_params == 15
+    assert graph.node(graph.outputs[0]).op == "aten.linear.default"
