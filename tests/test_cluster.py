@@ -1,0 +1,81 @@
+"""ClusterSpec: presets from data sheets, JSON round trip, validation of malformed files."""
+
+import json
+
+import pytest
+
+from autopar import ClusterSpecError
+from cost_models import PRESETS, ClusterSpec, get_cluster
+
+
+@pytest.mark.parametrize("name", list(PRESETS))
+def test_presets_round_trip_through_json(name, tmp_path):
+    cluster = get_cluster(name)
+    path = tmp_path / "c.json"
+    cluster.save(path)
+    assert ClusterSpec.load(path) == cluster
+    assert get_cluster(str(path)) == cluster
+    assert not list(tmp_path.glob("*.tmp"))  # written atomically, nothing left behind
+
+
+def test_presets_match_data_sheets():
+    v100 = get_cluster("v100-p3")
+    assert (v100.num_hosts, v100.devices_per_host) == (8, 8)
+    assert v100.device.flops_for("float16") == 125e12 and v100.device.memory_bytes == 16 * 2**30
+    assert v100.inter_host.bandwidth == 25e9 / 8  # 25 Gb/s per host
+    a100 = get_cluster("a100-dgx")
+    assert a100.device.flops_for("bfloat16") == 312e12 and a100.inter_host.bandwidth == 200e9  # 8 x 200 Gb/s
+    assert get_cluster("h100-dgx").device.flops_for("bfloat16") == 989e12
+
+
+def test_cpu_local_reads_a_calibration_file(tmp_path, monkeypatch):
+    calibrated = get_cluster("v100-p3").with_mesh(1, 2)
+    path = tmp_path / "cal.json"
+    calibrated.save(path)
+    monkeypatch.setenv("AUTOPAR_CLUSTER", str(path))
+    assert get_cluster("cpu-local") == calibrated
+    monkeypatch.setenv("AUTOPAR_CLUSTER", str(tmp_path / "absent.json"))
+    assert get_cluster("cpu-local").name == "cpu-local"
+
+
+def _valid() -> dict:
+    return get_cluster("a100-dgx").to_dict()
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.pop("device"), "missing object 'device'"),
+        (lambda d: d.update(num_hosts=0), "num_hosts must be a positive integer"),
+        (lambda d: d.update(devices_per_host="8"), "devices_per_host must be a positive integer"),
+        (lambda d: d["inter_host"].update(bandwidth=-1), "inter_host.bandwidth must be a positive number"),
+        (lambda d: d["device"]["peak_flops"].pop("float32"), "include float32"),
+        (lambda d: d["device"].update(efficiency=2), "efficiency must be in"),
+        (lambda d: d.update(schema="autopar.cluster/9"), "unknown schema"),
+    ],
+)
+def test_malformed_cluster_files_name_the_field(mutate, message, tmp_path):
+    data = _valid()
+    mutate(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ClusterSpecError, match=message):
+        ClusterSpec.load(path)
+
+
+def test_unreadable_cluster_files(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ClusterSpecError, match="not valid JSON"):
+        ClusterSpec.load(bad)
+    with pytest.raises(ClusterSpecError, match="does not exist"):
+        ClusterSpec.load(tmp_path / "none.json")
+    with pytest.raises(ClusterSpecError, match="unknown cluster 'tpu-pod'"):
+        get_cluster("tpu-pod")
+
+
+def test_with_mesh():
+    v100 = get_cluster("v100-p3")
+    assert v100.with_mesh(2, 4).num_devices == 8
+    with pytest.raises(ClusterSpecError, match="at most 8 devices per host"):
+        v100.with_mesh(1, 16)

@@ -1,0 +1,85 @@
+"""Cost models against values computed by hand."""
+
+import pytest
+
+from cost_models import (
+    Collective,
+    DeviceSpec,
+    Link,
+    axis_link,
+    collective_time,
+    compute_time,
+    fits,
+    get_cluster,
+    in_flight_microbatches,
+    model_state_memory,
+    p2p_time,
+    training_memory,
+)
+
+LINK = Link(bandwidth=100e9, latency=10e-6)  # 100 GB/s, 10 µs
+B = 1e9  # 1 GB
+
+
+def test_collectives_alpha_beta():
+    # all-reduce over 4: 2·3·10 µs + 2·3/4·1 GB / 100 GB/s = 60 µs + 15 ms
+    assert collective_time("all_reduce", B, 4, LINK) == pytest.approx(60e-6 + 0.015)
+    # all-gather / reduce-scatter / all-to-all over 4: 3·10 µs + 3/4·10 ms
+    for kind in (Collective.ALL_GATHER, Collective.REDUCE_SCATTER, Collective.ALL_TO_ALL):
+        assert collective_time(kind, B, 4, LINK) == pytest.approx(30e-6 + 0.0075)
+    assert p2p_time(B, LINK) == pytest.approx(10e-6 + 0.01)
+    assert collective_time("all_reduce", B, 1, LINK) == 0.0
+    # all-reduce costs exactly a reduce-scatter plus an all-gather
+    assert collective_time("all_reduce", B, 8, LINK) == pytest.approx(
+        collective_time("reduce_scatter", B, 8, LINK) + collective_time("all_gather", B, 8, LINK))
+
+
+def test_axis_links_on_alpa_testbed():
+    v100 = get_cluster("v100-p3")  # 8 hosts × 8 GPUs
+    nvlink, nic = v100.intra_host, v100.inter_host
+    # logical (8, 8): axis 1 is the 8 GPUs of a host, axis 0 one GPU per host, 8 groups share each NIC
+    assert axis_link(v100, (8, 8), 1) == nvlink
+    across = axis_link(v100, (8, 8), 0)
+    assert across.bandwidth == pytest.approx(nic.bandwidth / 8) and across.latency == nic.latency
+    # one ring over all 64: one group per host crosses each NIC
+    assert axis_link(v100, (64,), 0).bandwidth == pytest.approx(nic.bandwidth)
+    # (16, 4): axis 0 has 2 members per host, so 4 groups share a NIC
+    assert axis_link(v100, (16, 4), 0).bandwidth == pytest.approx(nic.bandwidth / 4)
+    # a (1, 8) submesh stays on one host whatever the logical shape
+    assert axis_link(v100, (2, 4), 0, submesh=(1, 8)) == nvlink
+    with pytest.raises(ValueError, match="does not tile"):
+        axis_link(v100, (3, 8), 0)
+
+
+def test_roofline():
+    dev = DeviceSpec(name="d", peak_flops={"float32": 10e12, "float16": 100e12},
+                     memory_bytes=2**30, memory_bandwidth=1e12, efficiency=0.5)
+    assert compute_time(1e12, 0, dev, "float16") == pytest.approx(0.02)  # 1 TFLOP at 50 TFLOP/s
+    assert compute_time(1e12, 0, dev, "float32") == pytest.approx(0.2)
+    assert compute_time(1e9, 1e11, dev, "float16") == pytest.approx(0.1)  # memory bound: 100 GB at 1 TB/s
+    assert compute_time(1e12, 0, dev, "int8") == pytest.approx(0.2)  # unlisted dtype runs at fp32
+
+
+def test_model_state_memory():
+    gb = 1e9
+    # mixed precision Adam: 2 + 2 + 8 + 4 = 16 bytes per parameter
+    assert model_state_memory(1e9, 2).total == pytest.approx(16 * gb)
+    assert model_state_memory(1e9, 4).total == pytest.approx(16 * gb)  # fp32: 4 + 4 + 8
+    assert model_state_memory(1e9, 4, optimizer="sgd").total == pytest.approx(8 * gb)
+    assert model_state_memory(1e9, 2, shard=4).total == pytest.approx(4 * gb)
+    z1 = model_state_memory(1e9, 2, zero_stage=1, dp=4)
+    assert (z1.params, z1.grads, z1.optimizer) == pytest.approx((2 * gb, 2 * gb, 3 * gb))
+    z3 = model_state_memory(1e9, 2, zero_stage=3, dp=4)
+    assert z3.total == pytest.approx(4 * gb)
+    with pytest.raises(ValueError, match="unknown optimizer"):
+        model_state_memory(1, 2, optimizer="lion")
+
+
+def test_activation_memory_and_fit():
+    assert in_flight_microbatches("1f1b", 4, 0, 16) == 4
+    assert in_flight_microbatches("1f1b", 4, 3, 16) == 1
+    assert in_flight_microbatches("1f1b", 8, 0, 2) == 2
+    assert in_flight_microbatches("gpipe", 4, 3, 16) == 16
+    mem = training_memory(model_state_memory(1e9, 2), 1e9, 4)
+    assert mem.activations == 4e9 and mem.total == pytest.approx(20e9)
+    assert fits(mem, 24e9) and not fits(mem, 22e9)  # 10 % reserve: 21.6 GB usable
