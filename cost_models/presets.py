@@ -34,40 +34,25 @@ H100 = DeviceSpec(
 )
 
 
-def _v100_p3() -> ClusterSpec:
+def _gpu_cluster(name: str, device: DeviceSpec, nvlink: float, nic: float, nic_latency: float, about: str) -> ClusterSpec:
+    """8 hosts of 8 GPUs; `nvlink` per GPU and `nic` per host, bytes/s in one direction."""
     return ClusterSpec(
-        name="v100-p3",
+        name=name,
         num_hosts=8,
         devices_per_host=8,
-        device=V100,
-        intra_host=Link(bandwidth=150 * GB, latency=5e-6),
-        inter_host=Link(bandwidth=25e9 / 8, latency=30e-6),
-        description="AWS p3.16xlarge: 8 V100-16GB on NVLink, 25 Gb/s between hosts (Alpa's testbed)",
+        device=device,
+        intra_host=Link(bandwidth=nvlink, latency=5e-6),
+        inter_host=Link(bandwidth=nic, latency=nic_latency),
+        description=about,
     )
 
 
-def _a100_dgx() -> ClusterSpec:
-    return ClusterSpec(
-        name="a100-dgx",
-        num_hosts=8,
-        devices_per_host=8,
-        device=A100,
-        intra_host=Link(bandwidth=300 * GB, latency=5e-6),
-        inter_host=Link(bandwidth=8 * 200e9 / 8, latency=10e-6),
-        description="DGX A100-80GB: NVLink 600 GB/s, 8x200 Gb/s InfiniBand per host (Megatron-LM's)",
-    )
-
-
-def _h100_dgx() -> ClusterSpec:
-    return ClusterSpec(
-        name="h100-dgx",
-        num_hosts=8,
-        devices_per_host=8,
-        device=H100,
-        intra_host=Link(bandwidth=450 * GB, latency=5e-6),
-        inter_host=Link(bandwidth=8 * 400e9 / 8, latency=10e-6),
-        description="DGX H100-80GB: NVLink 900 GB/s, 8x400 Gb/s InfiniBand per host",
-    )
+V100_P3 = _gpu_cluster("v100-p3", V100, 150 * GB, 25e9 / 8, 30e-6,
+                       "AWS p3.16xlarge: 8 V100-16GB on NVLink, 25 Gb/s between hosts (Alpa's testbed)")
+A100_DGX = _gpu_cluster("a100-dgx", A100, 300 * GB, 8 * 200e9 / 8, 10e-6,
+                        "DGX A100-80GB: NVLink 600 GB/s, 8x200 Gb/s InfiniBand per host (Megatron-LM's)")
+H100_DGX = _gpu_cluster("h100-dgx", H100, 450 * GB, 8 * 400e9 / 8, 10e-6,
+                        "DGX H100-80GB: NVLink 900 GB/s, 8x400 Gb/s InfiniBand per host")
 
 
 def calibration_file() -> Path:
@@ -104,7 +89,12 @@ def _cpu_local() -> ClusterSpec:
     )
 
 
-PRESETS = {"v100-p3": _v100_p3, "a100-dgx": _a100_dgx, "h100-dgx": _h100_dgx, "cpu-local": _cpu_local}
+PRESETS = {
+    "v100-p3": lambda: V100_P3,
+    "a100-dgx": lambda: A100_DGX,
+    "h100-dgx": lambda: H100_DGX,
+    "cpu-local": _cpu_local,  # read when asked: a calibration may have written it since
+}
 
 
 def get_cluster(name_or_path: str) -> ClusterSpec:
