@@ -53,8 +53,7 @@ def first_tensor(out: Any) -> torch.Tensor:
     logits = getattr(out, "logits", None)
     if isinstance(logits, torch.Tensor):
         return logits
-    values = out.values() if isinstance(out, dict) else out
-    for leaf in tree_leaves(list(values) if isinstance(out, dict) else values):
+    for leaf in tree_leaves(out):
         if isinstance(leaf, torch.Tensor):
             return leaf
     raise CaptureError(f"the model returned {type(out).__name__} with no tensor in it; return the logits or loss")
@@ -74,15 +73,16 @@ def capture(model: nn.Module, example_inputs: Any, example_kwargs: dict | None =
 
 def _explain(exc: Exception, model: nn.Module) -> str:
     """One message: what failed, where in the user's code, and what usually fixes it."""
-    first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
+    first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__).strip()
     where = _user_frame(exc)
-    hint = "make the forward's control flow independent of tensor values (torch.cond, masks, or torch.where)"
+    hint = ""
     if "data-dependent" in str(exc) or "GuardOnDataDependent" in type(exc).__name__:
-        first = "control flow or a shape depends on the value of a tensor (" + first.strip() + ")"
+        first = f"control flow or a shape depends on the value of a tensor ({first})"
+        hint = "make it independent of tensor values (torch.where, masks, or torch.cond)"
     return (
         f"cannot capture {type(model).__name__} with torch.export: {first}"
         + (f"\n  at {where}" if where else "")
-        + f"\n  hint: {hint}"
+        + (f"\n  hint: {hint}" if hint else "")
     )
 
 
@@ -91,7 +91,7 @@ def _user_frame(exc: BaseException) -> str:
     here = os.path.dirname(__file__)
     frames = [
         f for f in traceback.extract_tb(exc.__traceback__)
-        if not f.filename.startswith((torch_dir, here)) and "site-packages" not in f.filename.split(os.sep)[-4:]
+        if not f.filename.startswith((torch_dir, here, "<")) and "site-packages" not in f.filename.split(os.sep)[-4:]
     ]
     if not frames:
         return ""
@@ -116,19 +116,20 @@ def _build(exported: torch.export.ExportedProgram, model: nn.Module) -> OpGraph:
             info = _infos(node.meta.get("val"))
             if node.name in param_of:
                 params[param_of[node.name]] = info[0]
-                if info[0].dtype.startswith(("float", "bfloat", "complex")):
+                if model.get_parameter(param_of[node.name]).requires_grad:
                     needs_grad.add(node.name)
             elif node.name in buffer_of:
                 buffers[buffer_of[node.name]] = info[0]
             elif node.name in user_inputs:
                 graph.add_node(node.name, op=OpNode(name=node.name, op="input", outputs=info))
         elif node.op == "call_function":
-            op = _op_node(node, counter, param_of, buffer_of, needs_grad, lists)
+            op = _op_node(node, counter, needs_grad, lists)
             graph.add_node(node.name, op=op)
             for src in node.all_input_nodes:
                 if src.name in graph:
                     graph.add_edge(src.name, node.name, bytes=_consumed_bytes(src, node))
-    _attribute_params(exported.graph, graph, param_of, params)
+    _attribute(exported.graph, graph, param_of, params, "params")
+    _attribute(exported.graph, graph, buffer_of, buffers, "buffers")
     _fill_layers(graph)
     outputs = [a.name for a in tree_leaves(next(iter(exported.graph.find_nodes(op="output"))).args) if isinstance(a, fx.Node)]
     warnings = [f"FLOPs of {op} not counted: {why}" for op, why in counter.failures.items()]
@@ -136,7 +137,7 @@ def _build(exported: torch.export.ExportedProgram, model: nn.Module) -> OpGraph:
 
 
 def _op_node(
-    node: fx.Node, counter: FlopCounter, param_of: dict, buffer_of: dict, needs_grad: set[str], lists: set[str]
+    node: fx.Node, counter: FlopCounter, needs_grad: set[str], lists: set[str]
 ) -> OpNode:
     target = node.target
     is_view = target is operator.getitem or bool(getattr(target, "is_view", False))
@@ -158,14 +159,23 @@ def _op_node(
         outputs=out_infos,
         flops_fwd=flops[0],
         flops_bwd=flops[1],
-        bytes_read=0 if is_view else sum(i.nbytes for i in in_infos),
+        bytes_read=0 if is_view else _bytes_read(target, in_infos, out_infos),
         bytes_written=0 if is_view else sum(o.nbytes for o in out_infos),
-        buffers={buffer_of[n.name]: _infos(val_of[n.name])[0].nbytes for n in node.all_input_nodes if n.name in buffer_of},
         module_path=mod_path,
         layer=layer,
         is_view=is_view,
         requires_grad=node.name in needs_grad,
     )
+
+
+_GATHERS = {"aten.embedding.default", "aten.index_select.default", "aten.gather.default", "aten.index.Tensor"}
+
+
+def _bytes_read(target: Any, inputs: tuple[TensorInfo, ...], outputs: tuple[TensorInfo, ...]) -> int:
+    """Gathers read the rows they return (and the indices), not the whole table."""
+    if _op_name(target) in _GATHERS:
+        return sum(i.nbytes for i in inputs[1:]) + sum(o.nbytes for o in outputs)
+    return sum(i.nbytes for i in inputs)
 
 
 def _infos(val: Any) -> tuple[TensorInfo, ...]:
@@ -209,7 +219,10 @@ def _module_path(node: fx.Node, lists: set[str]) -> tuple[str, str]:
     for i, part in enumerate(parts):
         if part.isdigit() and ".".join(parts[:i]) in lists:
             return path, ".".join(parts[: i + 1])
-    holders = [h for h in ({lst.rpartition(".")[0] for lst in lists} | {""}) if not h or path.startswith(h + ".")]
+    all_holders = {lst.rpartition(".")[0] for lst in lists} | {""}
+    if any(h == path or h.startswith(path + ".") for h in all_holders if path):
+        return path, ""  # code of a module that holds the blocks: joins its neighbours (_fill_layers)
+    holders = [h for h in all_holders if not h or path.startswith(h + ".")]
     depth = max(len(h.split(".")) if h else 0 for h in holders)
     return path, ".".join(parts[: depth + 1])
 
@@ -234,12 +247,12 @@ def _canonical_names(model: nn.Module) -> dict[str, str]:
     }
 
 
-def _attribute_params(fx_graph: fx.Graph, graph: nx.DiGraph, param_of: dict, params: dict) -> None:
-    """A parameter belongs to the ops that compute with it, looking through views (e.g. a transpose)."""
+def _attribute(fx_graph: fx.Graph, graph: nx.DiGraph, name_of: dict, infos: dict, field: str) -> None:
+    """A parameter (or buffer) belongs to the ops that compute with it, looking through views."""
     for ph in fx_graph.find_nodes(op="placeholder"):
-        if ph.name not in param_of:
+        if ph.name not in name_of:
             continue
-        fqn = param_of[ph.name]
+        fqn = name_of[ph.name]
         frontier = list(ph.users)
         while frontier:
             user = frontier.pop()
@@ -249,4 +262,4 @@ def _attribute_params(fx_graph: fx.Graph, graph: nx.DiGraph, param_of: dict, par
             if op.is_view:
                 frontier.extend(user.users)
             else:
-                op.params[fqn] = params[fqn].nbytes
+                getattr(op, field)[fqn] = infos[fqn].nbytes

@@ -20,9 +20,7 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def cmd_clusters(args: argparse.Namespace, out: Console) -> Any:
-    from cost_models import PRESETS, calibration_file
-
-    from cost_models import ClusterSpec
+    from cost_models import PRESETS, ClusterSpec, calibration_file
 
     clusters = [PRESETS[name]() for name in PRESETS] + [ClusterSpec.load(path) for path in args.files]
     if args.json:

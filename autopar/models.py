@@ -80,7 +80,7 @@ def _from_function(spec: str, batch: int | None) -> Workload:
     if first is None:
         raise ModelSpecError(f"{spec}: example_inputs has no tensor with a batch dimension")
     if batch is not None:
-        inputs = tuple(_resize_batch(x, batch) for x in inputs)
+        inputs = tuple(_resize_batch(x, first.shape[0], batch) for x in inputs)
     loss_fn, make_batch = (result[2], result[3]) if len(result) == 4 else (None, None)
     return Workload(spec, model, inputs, batch or first.shape[0], loss_fn, make_batch)
 
@@ -102,9 +102,12 @@ def _import(target: str, spec: str) -> Any:
         raise ModelSpecError(f"{spec}: cannot import {target}: {type(exc).__name__}: {exc}") from exc
 
 
-def _resize_batch(x: Any, batch: int) -> Any:
-    """Repeat (or cut) the example batch to `batch` rows, keeping values valid (token ids stay ids)."""
-    if not isinstance(x, torch.Tensor) or x.dim() == 0:
+def _resize_batch(x: Any, old: int, batch: int) -> Any:
+    """Repeat (or cut) the example batch to `batch` rows, keeping values valid (token ids stay ids).
+
+    Only tensors whose first dimension is the example batch are resized (not, e.g., a bias input).
+    """
+    if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[0] != old:
         return x
     rows = torch.arange(batch, device=x.device) % x.shape[0]
     return x.index_select(0, rows)

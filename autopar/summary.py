@@ -14,11 +14,13 @@ def inspect_workload(workload: Workload) -> dict[str, Any]:
     start = time.perf_counter()
     graph = capture(workload.model, workload.example_inputs)
     elapsed = time.perf_counter() - start
-    dtypes = sorted({t.dtype for t in graph.params.values()})
+    by_dtype: dict[str, int] = {}
+    for t in graph.params.values():
+        by_dtype[t.dtype] = by_dtype.get(t.dtype, 0) + t.nbytes
     return {
         "model": workload.name,
         "batch": workload.batch,
-        "dtype": dtypes[0] if len(dtypes) == 1 else dtypes,
+        "dtype": max(by_dtype, key=by_dtype.get) if by_dtype else None,  # of most parameter bytes
         "num_nodes": len(graph),
         "num_params": graph.num_params,
         "param_bytes": graph.param_bytes,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -77,10 +78,6 @@ class ClusterSpec:
         os.replace(tmp, path)
 
     @staticmethod
-    def from_dict(data: Any, source: str = "cluster") -> ClusterSpec:
-        return _parse_cluster(data, source)
-
-    @staticmethod
     def load(path: str | Path) -> ClusterSpec:
         try:
             data = json.loads(Path(path).read_text())
@@ -104,10 +101,15 @@ def _parse_cluster(data: Any, source: str) -> ClusterSpec:
     def number(obj: dict, key: str, where: str, integer: bool = False) -> Any:
         value = obj.get(key) if isinstance(obj, dict) else None
         ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-        if isinstance(value, bool) or not ok or value <= 0:
-            kind = "a positive integer" if integer else "a positive number"
+        if isinstance(value, bool) or not ok or not math.isfinite(value) or value <= 0:
+            kind = "a positive integer" if integer else "a positive, finite number"
             raise ClusterSpecError(f"{source}: {where}{key} must be {kind}, got {value!r}")
         return value
+
+    def known(obj: dict, keys: set[str], where: str) -> None:
+        unknown = sorted(set(obj) - keys)
+        if unknown:
+            raise ClusterSpecError(f"{source}: unknown field {where}{unknown[0]!r}; the fields are {', '.join(sorted(keys))}")
 
     def section(key: str) -> dict:
         value = data.get(key)
@@ -115,7 +117,9 @@ def _parse_cluster(data: Any, source: str) -> ClusterSpec:
             raise ClusterSpecError(f"{source}: missing object {key!r}")
         return value
 
+    known(data, {f.name for f in dataclasses.fields(ClusterSpec)} | {"schema"}, "")
     dev = section("device")
+    known(dev, {f.name for f in dataclasses.fields(DeviceSpec)}, "device.")
     flops = dev.get("peak_flops")
     if not isinstance(flops, dict) or "float32" not in flops:
         raise ClusterSpecError(f"{source}: device.peak_flops must map dtype names to FLOP/s and include float32")
@@ -126,10 +130,12 @@ def _parse_cluster(data: Any, source: str) -> ClusterSpec:
         peak_flops={k: float(v) for k, v in flops.items()},
         memory_bytes=number(dev, "memory_bytes", "device.", integer=True),
         memory_bandwidth=float(number(dev, "memory_bandwidth", "device.")),
-        efficiency=float(dev.get("efficiency", 0.5)),
+        efficiency=float(number(dev, "efficiency", "device.")) if "efficiency" in dev else 0.5,
     )
-    if not 0 < device.efficiency <= 1:
+    if device.efficiency > 1:
         raise ClusterSpecError(f"{source}: device.efficiency must be in (0, 1], got {device.efficiency}")
+    for key in ("intra_host", "inter_host"):
+        known(section(key), {"bandwidth", "latency"}, f"{key}.")
     links = {
         key: Link(bandwidth=float(number(section(key), "bandwidth", f"{key}.")),
                   latency=float(number(section(key), "latency", f"{key}.")))

@@ -15,6 +15,8 @@ from __future__ import annotations
 import math
 from enum import Enum
 
+import numpy as np
+
 from cost_models.cluster import ClusterSpec, Link
 
 
@@ -65,16 +67,20 @@ def collective_time(kind: Collective | str, nbytes: float, n: int, link: Link) -
 
 
 def axis_link(cluster: ClusterSpec, logical: tuple[int, ...], axis: int, submesh: tuple[int, int] | None = None) -> Link:
-    """The effective link of the groups along `axis` of `logical`, laid over `submesh` (hosts, devices)."""
+    """The effective link of the groups along `axis` of `logical`, laid over `submesh` (hosts, devices).
+
+    Groups that cross hosts share each host's NIC: the busiest host divides it among its groups.
+    """
     hosts, per_host = submesh or (cluster.num_hosts, cluster.devices_per_host)
     if math.prod(logical) != hosts * per_host:
         raise ValueError(f"logical mesh {logical} does not tile submesh {hosts}x{per_host}")
-    n, stride = logical[axis], math.prod(logical[axis + 1:])
-    spanned = len({(k * stride) // per_host for k in range(n)})
-    if spanned == 1:
+    device_ids = np.arange(hosts * per_host).reshape(logical)
+    groups = np.moveaxis(device_ids, axis, -1).reshape(-1, logical[axis]) // per_host  # host of each member
+    crossing = [set(g.tolist()) for g in groups if len(set(g.tolist())) > 1]
+    if not crossing:
         return cluster.intra_host
-    groups_per_host = per_host // max(1, n // spanned)
-    nic_share = cluster.inter_host.bandwidth / groups_per_host
+    busiest = max(sum(host in g for g in crossing) for host in range(hosts))
+    nic_share = cluster.inter_host.bandwidth / busiest
     return Link(bandwidth=min(cluster.intra_host.bandwidth, nic_share), latency=cluster.inter_host.latency)
 
 

@@ -1,8 +1,8 @@
 """Memory per device during training: model states under sharding, and activations in flight.
 
-Model states per parameter (Adam): the parameter and its gradient in the training dtype, two fp32
-moments, and an fp32 master copy when training in 16-bit (mixed precision): 16 bytes per parameter
-for fp16/bf16 (2 + 2 + 8 + 4), 16 for fp32 (4 + 4 + 8). Tensor parallelism divides all of it by
+Model states per parameter: the parameter and its gradient in the training dtype, the optimizer's
+fp32 state (Adam: two moments), and an fp32 master copy when training in 16-bit (mixed
+precision). Adam: 16 bytes per parameter for fp16/bf16 (2 + 2 + 8 + 4), 16 for fp32 (4 + 4 + 8). Tensor parallelism divides all of it by
 the tensor-parallel share; ZeRO stage k over the data axis divides optimizer state (k ≥ 1),
 gradients (k ≥ 2) and parameters (k = 3).
 """
@@ -41,7 +41,7 @@ def model_state_memory(
     if zero_stage not in (0, 1, 2, 3):
         raise ValueError(f"ZeRO stage must be 0-3, got {zero_stage}")
     local = num_params / shard
-    master = 4 if dtype_bytes < 4 and OPTIMIZER_STATE_BYTES[optimizer] else 0
+    master = 4 if dtype_bytes < 4 else 0  # mixed precision steps an fp32 copy, whatever the optimizer
     return MemoryBreakdown(
         params=local * dtype_bytes / (dp if zero_stage >= 3 else 1),
         grads=local * dtype_bytes / (dp if zero_stage >= 2 else 1),

@@ -134,3 +134,41 @@ def test_non_tensor_outputs_are_unwrapped():
     graph = capture(_DictOut(), torch.randn(2, 4))
     assert graph.num_params == 15
     assert graph.node(graph.outputs[0]).op == "aten.linear.default"
+
+
+def test_frozen_parameters_get_no_backward_flops():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2))
+    model[0].requires_grad_(False)
+    graph = capture(model, torch.randn(4, 8))
+    first, last = [n for n in graph if n.op == "aten.linear.default"]
+    assert first.flops_bwd == 0 and not first.requires_grad
+    assert last.flops_bwd == last.flops_fwd  # weight gradient only: nothing before it learns
+
+
+def test_embedding_reads_rows_not_the_table(gpt_tiny_graph):
+    w, graph = gpt_tiny_graph
+    emb = next(n for n in graph if n.module_path == "wte")
+    ids, rows = w.example_inputs[0], emb.outputs[0]
+    assert emb.bytes_read == ids.numel() * 8 + rows.nbytes
+    assert emb.params == {"wte.weight": 512 * 64 * 4}
+
+
+class _Masked(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("mask", torch.ones(4, 4))
+
+    def forward(self, x):
+        return x @ self.mask.t()
+
+
+def test_buffers_belong_to_the_op_that_computes_with_them():
+    graph = capture(_Masked(), torch.randn(2, 4))
+    users = [n for n in graph if n.buffers]
+    assert [n.op for n in users] == ["aten.matmul.default"] and users[0].buffers == {"mask": 64}
+
+
+def test_shape_errors_are_reported_without_a_misleading_hint():
+    with pytest.raises(CaptureError) as err:
+        capture(nn.Linear(4, 2), torch.randn(2, 3))
+    assert "cannot capture Linear" in str(err.value) and "hint" not in str(err.value)

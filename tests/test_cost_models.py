@@ -47,6 +47,9 @@ def test_axis_links_on_alpa_testbed():
     assert axis_link(v100, (16, 4), 0).bandwidth == pytest.approx(nic.bandwidth / 4)
     # a (1, 8) submesh stays on one host whatever the logical shape
     assert axis_link(v100, (2, 4), 0, submesh=(1, 8)) == nvlink
+    # uneven: (2, 6) over 3 hosts × 4 — host 1 holds devices of both groups, which share its NIC
+    three = v100.with_mesh(3, 4)
+    assert axis_link(three, (2, 6), 1).bandwidth == pytest.approx(nic.bandwidth / 2)
     with pytest.raises(ValueError, match="does not tile"):
         axis_link(v100, (3, 8), 0)
 
@@ -66,6 +69,7 @@ def test_model_state_memory():
     assert model_state_memory(1e9, 2).total == pytest.approx(16 * gb)
     assert model_state_memory(1e9, 4).total == pytest.approx(16 * gb)  # fp32: 4 + 4 + 8
     assert model_state_memory(1e9, 4, optimizer="sgd").total == pytest.approx(8 * gb)
+    assert model_state_memory(1e9, 2, optimizer="sgd").total == pytest.approx(8 * gb)  # 2 + 2 + fp32 master 4
     assert model_state_memory(1e9, 2, shard=4).total == pytest.approx(4 * gb)
     z1 = model_state_memory(1e9, 2, zero_stage=1, dp=4)
     assert (z1.params, z1.grads, z1.optimizer) == pytest.approx((2 * gb, 2 * gb, 3 * gb))

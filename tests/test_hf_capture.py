@@ -28,7 +28,15 @@ def test_hf_model_is_captured(make):
     graph = capture(model, (torch.randint(0, 256, (2, 16)),))
     assert set(graph.params) == {name for name, _ in model.named_parameters()}
     layer_names = [layer.name for layer in graph.layers()]
-    assert f"{blocks}.0" in layer_names and f"{blocks}.1" in layer_names
+    assert len(layer_names) == len(set(layer_names))  # each layer is one contiguous run
+    assert f"{blocks}.0" in layer_names and f"{blocks}.1" in layer_names and layer_names[-1] == "lm_head"
     assert graph.node(graph.outputs[0]).outputs[0].shape == (2, 16, 256)  # the logits
     linear_flops = sum(n.flops_fwd for n in graph if n.op in ("aten.linear.default", "aten.addmm.default"))
     assert linear_flops > 0 and graph.flops_bwd > graph.flops_fwd
+
+
+def test_keyword_inputs():
+    model, _ = _llama()
+    ids = torch.randint(0, 256, (2, 16))
+    graph = capture(model, (ids,), {"attention_mask": torch.ones(2, 16, dtype=torch.long)})
+    assert [n.name for n in graph if n.op == "input"] == ["input_ids", "attention_mask"]

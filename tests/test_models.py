@@ -61,3 +61,23 @@ def test_bad_functions_are_explained(spec_file, func, message):
 def test_bad_batch():
     with pytest.raises(ModelSpecError, match="positive"):
         load_workload("gpt-tiny", batch=0)
+
+
+def test_batch_scaling_keeps_non_batch_inputs(tmp_path):
+    path = tmp_path / "biased.py"
+    path.write_text(textwrap.dedent('''
+        import torch
+        class AddBias(torch.nn.Module):
+            def forward(self, x, bias):
+                return x + bias
+        def make():
+            return AddBias(), (torch.zeros(3, 8), torch.ones(8))
+    '''))
+    w = load_workload(f"{path}:make", batch=5)
+    assert [tuple(x.shape) for x in w.example_inputs] == [(5, 8), (8,)]
+
+
+def test_moe_batch_must_fill_expert_groups():
+    with pytest.raises(ModelSpecError, match="multiple of 2"):
+        load_workload("moe-380m", batch=3)
+    assert load_workload("moe-380m", batch=4).batch == 4

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from autopar.errors import ModelSpecError
 from autopar.zoo import gpt
 
 
@@ -78,6 +79,16 @@ def build(cfg: MoEConfig) -> gpt.GPT:
     return gpt.GPT(cfg, blocks)
 
 
-example_inputs = gpt.example_inputs
+def example_inputs(cfg: MoEConfig, batch: int, device: torch.device | str) -> tuple[torch.Tensor]:
+    tokens = batch * cfg.seq
+    if tokens > cfg.expert_group and tokens % cfg.expert_group:
+        per_group = cfg.expert_group // math.gcd(cfg.expert_group, cfg.seq)
+        raise ModelSpecError(
+            f"an MoE routes groups of {cfg.expert_group} tokens, so batch × seq ({batch} × {cfg.seq}) must be a "
+            f"multiple of {cfg.expert_group}: use a batch that is a multiple of {per_group}"
+        )
+    return gpt.example_inputs(cfg, batch, device)
+
+
 make_batch = gpt.make_batch
 loss_fn = gpt.loss_fn
