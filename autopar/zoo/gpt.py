@@ -1,6 +1,6 @@
 """GPT in Megatron-LM's form: pre-LayerNorm blocks, learned positions, tied input/output embedding.
 
-Per layer: QKV and output projections (4h² + 4h), MLP h→4h→h (8h² + 5h), two LayerNorms (4h):
+Per layer: Q, K, V and output projections (4h² + 4h), MLP h→4h→h (8h² + 5h), two LayerNorms (4h):
 12h² + 13h. With the embeddings, (V + s)·h. That is Megatron's parameter formula
 `12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h))`, plus the final LayerNorm's 2h, which the formula leaves out.
 """
@@ -34,12 +34,16 @@ class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.heads = cfg.heads
-        self.qkv = nn.Linear(cfg.hidden, 3 * cfg.hidden)
+        # Separate Q, K, V projections (Megatron fuses them with a per-head interleaved layout):
+        # column-parallel sharding then splits heads without re-laying out a fused weight.
+        self.q = nn.Linear(cfg.hidden, cfg.hidden)
+        self.k = nn.Linear(cfg.hidden, cfg.hidden)
+        self.v = nn.Linear(cfg.hidden, cfg.hidden)
         self.proj = nn.Linear(cfg.hidden, cfg.hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        q, k, v = (lin(x).view(b, t, self.heads, c // self.heads).transpose(1, 2) for lin in (self.q, self.k, self.v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
