@@ -133,7 +133,9 @@ def _build(exported: torch.export.ExportedProgram, model: nn.Module) -> OpGraph:
     _fill_layers(graph)
     outputs = [a.name for a in tree_leaves(next(iter(exported.graph.find_nodes(op="output"))).args) if isinstance(a, fx.Node)]
     warnings = [f"FLOPs of {op} not counted: {why}" for op, why in counter.failures.items()]
-    return OpGraph(graph, params=params, buffers=buffers, outputs=outputs, warnings=warnings, exported=exported)
+    trainable = {param_of[ph] for ph in needs_grad if ph in param_of}
+    return OpGraph(graph, params=params, buffers=buffers, outputs=outputs, warnings=warnings, exported=exported,
+                   placeholders={**param_of, **buffer_of}, trainable=trainable)
 
 
 def _op_node(

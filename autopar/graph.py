@@ -70,10 +70,14 @@ class OpGraph:
         outputs: list[str],
         warnings: list[str] | None = None,
         exported: Any = None,
+        placeholders: dict[str, str] | None = None,
+        trainable: set[str] | None = None,
     ) -> None:
         self.graph = graph
         self.params = params
         self.buffers = buffers
+        self.placeholders = placeholders or {}  # exported placeholder name -> parameter / buffer FQN
+        self.trainable = set(params) if trainable is None else trainable  # parameters with requires_grad
         self.outputs = outputs
         self.warnings = warnings or []
         self.exported = exported  # torch.export.ExportedProgram, for the runtime

@@ -1,0 +1,597 @@
+"""Intra-op pass: the sharding of every op of a stage on a logical mesh (dp, tp), by ILP.
+
+1. Describe each op as an einsum (`letters.py`). Anchors (matmuls, convolutions, embeddings,
+   norms, softmax, attention, unknown ops) choose which letter the tensor axis splits, or none;
+   followers (element-wise ops, views, reductions) are merged into the producer they read last,
+   and carry its placement through their letters (Alpa's rule).
+2. The data axis always splits the batch: a tensor's batch dimension is propagated from the
+   inputs through the letters. Parameters on it are `R` (gradients all-reduced) or `S(0)`
+   (ZeRO-3: gathered before use, gradients reduce-scattered) — a choice per anchor.
+3. Each (anchor, strategy) gets a cost: roofline compute on the sharded shapes, forward and
+   backward collectives inside the op, gradient synchronisation of its parameters, and memory
+   (model states + activations). Each edge gets the cost of redistributing the tensor from the
+   producer's placement to the one the consumer needs, both ways.
+4. Identical layers (same structural hash) share their variables, so the ILP (`ilp.py`) has one
+   copy of a repeated block however many layers the stage holds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import operator
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from torch import fx
+
+from autopar import letters as L
+from autopar.graph import OpGraph
+from autopar.ilp import Problem, solve
+from autopar.placement import P, R, edge_time, redistribution, redistribution_time, shard, shard_dim
+from cost_models import ClusterSpec, Link, axis_link, collective_time, compute_time, model_state_memory
+
+log = logging.getLogger(__name__)
+
+DTYPE_BYTES = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2}
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """A logical mesh (dp, tp) laid over a submesh of the cluster, with the link of each axis."""
+
+    dp: int
+    tp: int
+    dp_link: Link
+    tp_link: Link
+
+    @staticmethod
+    def of(cluster: ClusterSpec, submesh: tuple[int, int], logical: tuple[int, int]) -> Mesh:
+        return Mesh(logical[0], logical[1], axis_link(cluster, logical, 0, submesh), axis_link(cluster, logical, 1, submesh))
+
+
+@dataclass(frozen=True)
+class Strategy:
+    letter: str | None  # the letter the tensor axis splits (None: replicated on it)
+    zero: bool  # parameters sharded on the data axis (ZeRO-3)
+
+
+@dataclass
+class _Eval:
+    """One strategy of one anchor group: placements of its nodes and what they cost."""
+
+    out: dict[str, list[str]] = field(default_factory=dict)  # node -> tp placement per output
+    need: dict[str, list[str | None]] = field(default_factory=dict)  # node -> tp placement it needs per input
+    params: dict[str, str] = field(default_factory=dict)  # fqn -> tp placement
+    compute: float = 0.0
+    comm: float = 0.0
+    grad_sync: float = 0.0
+    state_memory: float = 0.0
+    activation_memory: float = 0.0
+    collectives: list[tuple[str, str, str, float]] = field(default_factory=list)  # (node, kind, phase, bytes)
+    letter: str | None = None  # the anchor's split letter
+    tp_grad_sync: bool = False  # some parameter's gradient is reduced over the tensor axis
+
+    @property
+    def time(self) -> float:
+        return self.compute + self.comm + self.grad_sync
+
+
+@dataclass
+class StageSharding:
+    """The intra-op result for one stage: the `params`, `ops` and `cost` of a plan stage."""
+
+    logical_mesh: tuple[int, int]
+    params: dict[str, list[str]]
+    ops: dict[str, list[str]]
+    cost: dict[str, float]
+    memory: dict[str, float]
+    solver: dict[str, Any]
+    collectives: list[dict[str, Any]]
+
+    @property
+    def time(self) -> float:
+        return self.cost["total_s"]
+
+
+class _Stage:
+    """Everything the ILP needs about one stage graph on one mesh."""
+
+    def __init__(self, graph: OpGraph, cluster: ClusterSpec, mesh: Mesh) -> None:
+        self.graph, self.cluster, self.mesh = graph, cluster, mesh
+        self.fx = {n.name: n for n in graph.exported.graph.nodes}
+        self.names = [n.name for n in graph]
+        self.index = {name: i for i, name in enumerate(self.names)}
+        self.sig = {name: self._signature(name) for name in self.names}
+        self.batch = self._batch_dims()
+        self.root = self._roots()
+        self.owner = self._param_owners()
+        self.members: dict[str, list[str]] = {}
+        for name in self.names:
+            if self.root.get(name):
+                self.members.setdefault(self.root[name], []).append(name)
+
+    # ---- structure -------------------------------------------------------------------------
+
+    def _signature(self, name: str) -> L.Signature:
+        node = self.graph.node(name)
+        if node.op == "input":
+            letters = "abcdefgh"[: len(node.outputs[0].shape)] if node.outputs else ""
+            return L.Signature([], [letters], L.ANCHOR, set(letters))
+        sig = L.signature(self.fx[name])
+        if sig.kind == L.UNKNOWN:
+            log.warning("no sharding rule for %s (%s): it runs replicated", node.op, name)
+        return sig
+
+    def _tensor_inputs(self, name: str) -> list[tuple[int, str | None]]:
+        """(position in fx all_input_nodes, producer op name or None for params/buffers/constants)."""
+        if self.graph.node(name).op == "input":
+            return []
+        return [(i, n.name if n.name in self.index else None) for i, n in enumerate(self.fx[name].all_input_nodes)]
+
+    def _batch_dims(self) -> dict[str, list[int | None]]:
+        """Which dimension of each output is the batch (split on the data axis), if any."""
+        out: dict[str, list[int | None]] = {}
+        for name in self.names:
+            sig = self.sig[name]
+            if self.graph.node(name).op == "input":
+                out[name] = [0 if sig.outputs[0] else None]
+                continue
+            letter = None
+            for i, src in self._tensor_inputs(name):
+                if src is None or sig.inputs[i] is None:
+                    continue
+                d = out[src][self._out_index(name, src)] if out.get(src) else None
+                if d is not None and d < len(sig.inputs[i]):
+                    letter = sig.inputs[i][d]
+                    break
+            out[name] = [o.find(letter) if letter and letter in o else None for o in sig.outputs]
+        return out
+
+    def _out_index(self, consumer: str, producer: str) -> int:
+        """Which output of `producer` the consumer reads (getitem picks one; others read the first)."""
+        node = self.fx.get(consumer)
+        if node is not None and node.target is operator.getitem and len(self.sig[producer].outputs) > 1:
+            return node.args[1]
+        return 0
+
+    def _roots(self) -> dict[str, str | None]:
+        """Each follower joins the group of the input it reads last; anchors, sources and unknowns lead one."""
+        root: dict[str, str | None] = {}
+        for name in self.names:
+            sig = self.sig[name]
+            if sig.kind == L.NOOP:
+                root[name] = None
+                continue
+            if sig.kind == L.FOLLOWER:
+                producers = [src for i, src in self._tensor_inputs(name) if src and root.get(src) and sig.inputs[i]]
+                if producers:
+                    root[name] = root[max(producers, key=self.index.__getitem__)]
+                    continue
+            root[name] = name
+        return root
+
+    def _param_owners(self) -> dict[str, str]:
+        owner: dict[str, str] = {}
+        for name in self.names:
+            for fqn in self.graph.node(name).params:
+                owner.setdefault(fqn, name)
+        return owner
+
+    # ---- strategies and their costs --------------------------------------------------------
+
+    def strategies(self, anchor: str) -> list[Strategy]:
+        sig = self.sig[anchor]
+        letters: list[str | None] = [None]
+        if sig.kind in (L.ANCHOR,) and self.mesh.tp > 1:
+            sizes = self._sizes(anchor)
+            batch_letters = self._batch_letters(anchor)
+            for c in sorted(sig.shardable):
+                n = self.mesh.tp * (self.mesh.dp if c in batch_letters else 1)
+                if c in sizes and sizes[c] % n == 0 and sizes[c] >= n:
+                    if any(c in o for o in sig.outputs) or sig.linear:
+                        letters.append(c)
+        has_params = any(self.graph.node(m).params for m in self.members[anchor])
+        zeros = [False, True] if has_params and self.mesh.dp > 1 else [False]
+        return [Strategy(c, z) for c in letters for z in zeros]
+
+    def _sizes(self, name: str) -> dict[str, int]:
+        node = self.graph.node(name)
+        ins = [None] * len(self.sig[name].inputs)
+        if node.op != "input":
+            for i, n in enumerate(self.fx[name].all_input_nodes):
+                val = n.meta.get("val")
+                ins[i] = tuple(val.shape) if hasattr(val, "shape") else None
+        return L.letter_sizes(self.sig[name], ins, [t.shape for t in node.outputs])
+
+    def _batch_letters(self, name: str) -> set[str]:
+        sig = self.sig[name]
+        found = {o[d] for o, d in zip(sig.outputs, self.batch[name]) if d is not None and d < len(o)}
+        for i, src in self._tensor_inputs(name):
+            if src and sig.inputs[i] is not None:
+                d = self.batch[src][self._out_index(name, src)]
+                if d is not None and d < len(sig.inputs[i]):
+                    found.add(sig.inputs[i][d])
+        return found
+
+    def evaluate(self, anchor: str, strategy: Strategy) -> _Eval:
+        ev = _Eval()
+        for name in self.members[anchor]:
+            if name == anchor:
+                self._place_anchor(ev, name, strategy.letter)
+            else:
+                self._place_follower(ev, name)
+            self._cost_node(ev, name, strategy.zero)
+        return ev
+
+    def _place_anchor(self, ev: _Eval, name: str, letter: str | None) -> None:
+        sig = self.sig[name]
+        ev.letter = letter
+        ev.need[name] = [self._placement_of(letter, ls) if ls is not None else None for ls in sig.inputs]
+        ev.out[name] = [self._placement_of(letter, ls, partial=sig.linear) for ls in sig.outputs]
+
+    @staticmethod
+    def _placement_of(letter: str | None, letters: str, partial: bool = False) -> str:
+        if letter is None:
+            return R
+        if letter in letters:
+            return shard(letters.index(letter))
+        return P if partial else R
+
+    def _place_follower(self, ev: _Eval, name: str) -> None:
+        """Carry the primary input's placement through the follower's letters; resolve what cannot pass."""
+        sig = self.sig[name]
+        inputs = self._tensor_inputs(name)
+        primary_i, primary = max(((i, s) for i, s in inputs if s and self.root.get(s) == self.root[name]
+                                  and sig.inputs[i]), key=lambda t: self.index[t[1]])
+        have = ev.out[primary][self._out_index(name, primary)]
+        letter = None
+        if have == P and sig.view:
+            ev.need[name] = [P if i == primary_i else None for i, _ in inputs]
+            ev.out[name] = [P for _ in sig.outputs]
+            return
+        d = shard_dim(have)
+        if d is not None:
+            c = sig.inputs[primary_i][d]
+            outs_with = [c in o for o in sig.outputs]
+            if all(outs_with) and self._divisible(name, c):
+                letter = c
+            elif sig.linear and not any(outs_with):
+                ev.need[name] = [have if i == primary_i else None for i, _ in inputs]
+                ev.out[name] = [P for _ in sig.outputs]
+                return
+        if letter is None and have != R:  # the placement cannot pass: gather or reduce first
+            nbytes = self._in_bytes(name, primary_i, primary)
+            ev.comm += edge_time(have, R, nbytes, self.mesh.tp, self.mesh.tp_link, self._grad(primary))
+            self._record(ev, name, have, R, nbytes)
+        ev.need[name] = [self._placement_of(letter, ls) if ls is not None else None for ls in sig.inputs]
+        ev.need[name][primary_i] = have if letter is not None else R
+        ev.out[name] = [self._placement_of(letter, ls) for ls in sig.outputs]
+
+    def _divisible(self, name: str, letter: str) -> bool:
+        n = self.mesh.tp * (self.mesh.dp if letter in self._batch_letters(name) else 1)
+        size = self._sizes(name).get(letter, 0)
+        return size >= n and size % n == 0
+
+    def _grad(self, name: str | None) -> bool:
+        return bool(name) and self.graph.node(name).requires_grad
+
+    def _dp_share(self, name: str, out_index: int = 0) -> int:
+        d = self.batch[name][out_index] if self.batch.get(name) else None
+        return self.mesh.dp if d is not None else 1
+
+    def _in_bytes(self, name: str, i: int, src: str | None) -> float:
+        """Bytes per data-parallel rank of input i (the full tensor on the tensor axis)."""
+        val = self.fx[name].all_input_nodes[i].meta.get("val")
+        nbytes = val.numel() * val.element_size() if hasattr(val, "numel") else 0
+        return nbytes / (self._dp_share(src, self._out_index(name, src)) if src else 1)
+
+    def _record(self, ev: _Eval, name: str, src: str, dst: str, nbytes: float, phase: str = "forward") -> None:
+        for kind, f in redistribution(src, dst, self.mesh.tp):
+            ev.collectives.append((name, kind.value, phase, nbytes * f))
+
+    def _cost_node(self, ev: _Eval, name: str, zero: bool) -> None:
+        node, sig, mesh = self.graph.node(name), self.sig[name], self.mesh
+        if node.op == "input" or sig.kind == L.NOOP:
+            return
+        split = any(shard_dim(p) is not None for p in ev.out[name]) or (
+            P in ev.out[name] and not sig.view)
+        tp_share = mesh.tp if split else 1
+        dp_share = mesh.dp if (any(d is not None for d in self.batch[name]) or self._batch_letters(name)) else 1
+        if not node.is_view:
+            dtype = node.outputs[0].dtype if node.outputs else "float32"
+            ev.compute += compute_time((node.flops_fwd + node.flops_bwd) / (dp_share * tp_share),
+                                       3 * (node.bytes_read + node.bytes_written) / (dp_share * tp_share),
+                                       self.cluster.device, dtype)
+            for k, out in enumerate(node.outputs):
+                shared = mesh.tp if shard_dim(ev.out[name][k]) is not None else 1
+                ev.activation_memory += out.nbytes / (self._dp_share(name, k) * shared)
+        out_letters = "".join(sig.outputs)
+        for i, src in self._tensor_inputs(name):
+            placement = ev.need[name][i]
+            # the split letter is summed out of this input's gradient: its shards hold partial sums
+            partial = (sig.kind == L.ANCHOR and ev.letter is not None and ev.letter in out_letters
+                       and sig.inputs[i] is not None and ev.letter not in sig.inputs[i])
+            fqn = self.graph.placeholders.get(self.fx[name].all_input_nodes[i].name)
+            if fqn in self.graph.params:
+                self._cost_param(ev, name, fqn, placement or R, zero, partial)
+            elif partial and self._grad(src):
+                nbytes = self._in_bytes(name, i, src)
+                ev.comm += collective_time("all_reduce", nbytes, mesh.tp, mesh.tp_link)
+                ev.collectives.append((name, "all_reduce", "backward", nbytes))
+
+    def _cost_param(self, ev: _Eval, name: str, fqn: str, placement: str, zero: bool, partial: bool) -> None:
+        """Model states and gradient synchronisation of one parameter.
+
+        Gradients are synchronised in buckets (as DDP and FSDP do), so a parameter pays the
+        bandwidth of its bytes; the per-message latency is paid per bucket (`sync_latency`)."""
+        ev.params[fqn] = placement
+        if self.owner[fqn] != name:
+            return  # a tied weight is stored, synchronised and counted by its first user
+        info, mesh = self.graph.params[fqn], self.mesh
+        shards = mesh.tp if shard_dim(placement) is not None else 1
+        local = info.nbytes / shards
+        dp_bw, tp_bw = _bandwidth_only(mesh.dp_link), _bandwidth_only(mesh.tp_link)
+        if fqn in self.graph.trainable:
+            if partial:  # replicated on the tensor axis of a split op: its gradient is partial there
+                ev.grad_sync += collective_time("all_reduce", local, mesh.tp, tp_bw)
+                ev.tp_grad_sync = True
+            if zero:
+                ev.grad_sync += 2 * collective_time("all_gather", local, mesh.dp, dp_bw)
+                ev.grad_sync += collective_time("reduce_scatter", local, mesh.dp, dp_bw)
+            else:
+                ev.grad_sync += collective_time("all_reduce", local, mesh.dp, dp_bw)
+        numel = math.prod(info.shape) / shards
+        states = model_state_memory(numel, DTYPE_BYTES.get(info.dtype, 4), zero_stage=3 if zero else 0, dp=mesh.dp)
+        ev.state_memory += states.total if fqn in self.graph.trainable else states.params
+
+    # ---- repeated layers -------------------------------------------------------------------
+
+    def tie(self, strategies: dict[str, list[Strategy]]) -> None:
+        """Anchors at the same position of identical layers share one ILP variable (`cls`).
+
+        Only the first of each is evaluated: `canon(n)` names the node whose placements stand for
+        n's, and `group(n)` the anchor whose variable decides them.
+        """
+        rep = _representatives(self.graph)
+        self.cls = {}
+        for a in (n for n in self.names if self.root.get(n) == n):
+            b = rep.get(a, a)
+            same = (b != a and self.root.get(b) == b and len(strategies[a]) == len(strategies[b])
+                    and len(self.members[a]) == len(self.members[b])
+                    and all(rep.get(m) == mb for m, mb in zip(self.members[a], self.members[b])))
+            self.cls[a] = b if same else a
+        self.rep = rep
+
+    def group(self, name: str) -> str:
+        return self.cls[self.root[name]]
+
+    def canon(self, name: str) -> str:
+        return self.rep.get(name, name) if self.group(name) != self.root[name] else name
+
+    # ---- edges -----------------------------------------------------------------------------
+
+    def edge_costs(self, evals: dict[str, list[_Eval]]) -> list[tuple[str, str, np.ndarray]]:
+        """(group of producer, group of consumer, cost matrix) for every tensor crossing groups,
+        and for weights tied between groups. Edges of identical layers are costed once."""
+        mesh = self.mesh
+        counts: dict[tuple[str, str, int], int] = {}
+        for name in self.names:
+            if self.root.get(name) is None:
+                continue
+            primary = self._primary(name)
+            for i, src in self._tensor_inputs(name):
+                if src is None or self.root.get(src) is None or src == primary or self.sig[name].inputs[i] is None:
+                    continue
+                key = (src, name, i) if self.canon(name) == name and self.canon(src) == src else \
+                    (self.canon(src), self.canon(name), i)
+                counts[key] = counts.get(key, 0) + 1
+        out = []
+        for (src, name, i), count in counts.items():
+            k, gs, g = self._out_index(name, src), self.group(src), self.group(name)
+            nbytes, grad = self._in_bytes(name, i, src), self._grad(src)
+            m = np.array([[edge_time(a.out[src][k], b.need[name][i] or R, nbytes, mesh.tp, mesh.tp_link, grad)
+                           for b in evals[g]] for a in evals[gs]])
+            out.append((gs, g, m * count))
+        users: dict[str, set[str]] = {}
+        for n in self.names:
+            for fqn in self.graph.node(n).params:
+                users.setdefault(fqn, set()).add(self.root[n])
+        for fqn, owner in self.owner.items():
+            go = self.root[owner]
+            for user in users[fqn] - {go}:
+                if self.cls[user] != user or self.cls[go] != go:
+                    continue  # weights shared inside repeated layers: costed with their layer
+                nbytes = self.graph.params[fqn].nbytes
+                m = np.array([[edge_time(a.params[fqn], b.params[fqn], nbytes, mesh.tp, mesh.tp_link, True)
+                               for b in evals[user]] for a in evals[go]])
+                out.append((go, user, m))
+        return out
+
+    def _primary(self, name: str) -> str | None:
+        if self.sig[name].kind != L.FOLLOWER or self.root[name] == name:
+            return None
+        return max((s for i, s in self._tensor_inputs(name) if s and self.root.get(s) == self.root[name]
+                    and self.sig[name].inputs[i]), key=self.index.__getitem__)
+
+    def output_costs(self, evals: dict[str, list[_Eval]]) -> dict[str, np.ndarray]:
+        """The loss needs whole samples: an output leaves replicated or split by batch, not partial
+        or split along another dimension."""
+        out = {}
+        for name in self.graph.outputs:
+            if self.root.get(name):
+                nbytes = self.graph.node(name).output_bytes / self._dp_share(name)
+                batch = self.batch[name][0]
+                out[name] = np.array([
+                    0.0 if e.out[self.canon(name)][0] == shard(batch if batch is not None else -1)
+                    else redistribution_time(e.out[self.canon(name)][0], R, nbytes, self.mesh.tp, self.mesh.tp_link)
+                    for e in evals[self.group(name)]])
+        return out
+
+
+def _representatives(graph: OpGraph) -> dict[str, str]:
+    """Node -> the node at the same position of the first identical layer (structural hash)."""
+    first: dict[str, tuple[str, ...]] = {}
+    rep: dict[str, str] = {}
+    for layer in graph.layers():
+        h = _layer_hash(graph, layer.nodes)
+        if h in first and len(first[h]) == len(layer.nodes):
+            rep.update(zip(layer.nodes, first[h]))
+        else:
+            first[h] = layer.nodes
+    return rep
+
+
+def _layer_hash(graph: OpGraph, nodes: tuple[str, ...]) -> str:
+    """Structure of a layer without names: ops, shapes, parameter shapes and internal wiring."""
+    pos = {n: i for i, n in enumerate(nodes)}
+    h = hashlib.sha256()
+    for n in nodes:
+        node = graph.node(n)
+        preds = sorted(pos.get(p, -1) - pos[n] if p in pos else -10**6 for p in graph.graph.predecessors(n))
+        params = [(graph.params[f].shape, graph.params[f].dtype) for f in node.params]
+        h.update(repr((node.op, node.inputs, node.outputs, params, preds)).encode())
+    return h.hexdigest()
+
+
+def _bandwidth_only(link: Link) -> Link:
+    return Link(bandwidth=link.bandwidth, latency=0.0)
+
+
+def _sync_latency(stage: _Stage, chosen: list[_Eval], zero: bool) -> float:
+    """Per-message latency of gradient synchronisation, paid once per 25 MB bucket (DDP's default)."""
+    mesh = stage.mesh
+    total = sum(stage.graph.params[f].nbytes for f in stage.graph.trainable)
+    buckets = max(1, math.ceil(total / 25e6)) if total else 0
+    dp = (3 if zero else 2) * (mesh.dp - 1) * mesh.dp_link.latency if mesh.dp > 1 else 0.0
+    tp = 2 * (mesh.tp - 1) * mesh.tp_link.latency if any(e.tp_grad_sync for e in chosen) else 0.0
+    return buckets * (dp + tp)
+
+
+def shard_stage(
+    graph: OpGraph,
+    cluster: ClusterSpec,
+    submesh: tuple[int, int],
+    logical: tuple[int, int],
+    memory_limit: float | None = None,
+    time_limit_s: float = 30.0,
+) -> StageSharding:
+    """Solve the sharding of `graph` on logical mesh `logical` (dp, tp) over `submesh` (hosts, devices)."""
+    mesh = Mesh.of(cluster, submesh, logical)
+    stage = _Stage(graph, cluster, mesh)
+    anchors = [n for n in stage.names if stage.root.get(n) == n]
+    strategies = {a: stage.strategies(a) for a in anchors}
+    stage.tie(strategies)
+    classes = [a for a in anchors if stage.cls[a] == a]
+    evals = {c: [stage.evaluate(c, s) for s in strategies[c]] for c in classes}
+    var = {c: i for i, c in enumerate(classes)}
+    problem = Problem([np.zeros(len(strategies[c])) for c in classes], [np.zeros(len(strategies[c])) for c in classes])
+    for a in anchors:
+        c = stage.cls[a]
+        problem.node_costs[var[c]] += np.array([e.time for e in evals[c]])
+        problem.node_memory[var[c]] += np.array([e.state_memory + e.activation_memory for e in evals[c]])
+    for name, costs in stage.output_costs(evals).items():
+        problem.node_costs[var[stage.group(name)]] += costs
+    for u, v, m in stage.edge_costs(evals):
+        problem.add_edge(var[u], var[v], m)
+    problem.memory_limit = cluster.device.memory_bytes * 0.9 if memory_limit is None else memory_limit
+    sol = solve(problem, time_limit_s)
+    chosen = {c: evals[c][sol.choice[var[c]]] for c in classes}
+    zero = {c: strategies[c][sol.choice[var[c]]].zero for c in classes}
+    return _result(stage, logical, chosen, zero, sol, problem)
+
+
+def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bool], sol, problem) -> StageSharding:
+    params: dict[str, list[str]] = {}
+    ops: dict[str, list[str]] = {}
+    collectives: list[dict[str, Any]] = []
+    anchors = [n for n in stage.names if stage.root.get(n) == n]
+    for name in stage.names:
+        if stage.root.get(name) is None:
+            continue
+        ev = chosen[stage.group(name)]
+        d = stage.batch[name][0] if stage.batch[name] else None
+        outs = ev.out[stage.canon(name)]
+        ops[name] = [shard(d) if d is not None and stage.mesh.dp > 1 else R, outs[0] if outs else R]
+        for fqn, fqn_rep in zip(stage.graph.node(name).params, stage.graph.node(stage.canon(name)).params):
+            if stage.owner[fqn] == name:
+                params[fqn] = ["S(0)" if zero[stage.group(name)] else R, ev.params[fqn_rep]]
+    for a in anchors:  # each anchor's own collectives, under its own node names
+        names = {stage.canon(m): m for m in stage.members[a]}
+        collectives += [{"node": names.get(n, n), "kind": k, "axis": "tp", "phase": ph, "bytes": b}
+                        for n, k, ph, b in chosen[stage.cls[a]].collectives]
+    collectives += _edge_collectives(stage, chosen)
+    for name in stage.graph.outputs:
+        if stage.root.get(name):
+            have, batch = chosen[stage.group(name)].out[stage.canon(name)][0], stage.batch[name][0]
+            if have != shard(batch if batch is not None else -1):
+                nbytes = stage.graph.node(name).output_bytes / stage._dp_share(name)
+                collectives += [{"node": name, "kind": k.value, "axis": "tp", "phase": "forward", "bytes": nbytes * f}
+                                for k, f in redistribution(have, R, stage.mesh.tp)]
+    per_anchor = [chosen[stage.cls[a]] for a in anchors]
+    compute = sum(e.compute for e in per_anchor)
+    comm = sum(e.comm for e in per_anchor)
+    grad_sync = sum(e.grad_sync for e in per_anchor)
+    latency = _sync_latency(stage, per_anchor, any(zero.values()))
+    total = problem.objective(sol.choice) + latency
+    return StageSharding(
+        logical_mesh=tuple(logical),
+        params=dict(sorted(params.items())),
+        ops=ops,
+        cost={"compute_s": compute, "comm_s": comm, "reshard_s": total - latency - compute - comm - grad_sync,
+              "grad_sync_s": grad_sync + latency, "total_s": total},
+        memory={"model_states": sum(e.state_memory for e in per_anchor),
+                "activations": sum(e.activation_memory for e in per_anchor),
+                "total": problem.memory(sol.choice), "limit": problem.memory_limit},
+        solver={"status": sol.status, "objective": sol.objective, "gap": sol.gap, "time_s": sol.solve_time_s,
+                "variables": sol.num_variables, "constraints": sol.num_constraints,
+                "ilp_nodes": len(problem.node_costs), "anchors": len(anchors)},
+        collectives=collectives,
+    )
+
+
+def _edge_collectives(stage: _Stage, chosen: dict[str, _Eval]) -> list[dict[str, Any]]:
+    """The redistributions the chosen placements imply on edges, forward and backward."""
+    out = []
+    for name in stage.names:
+        if stage.root.get(name) is None:
+            continue
+        primary = stage._primary(name)
+        for i, src in stage._tensor_inputs(name):
+            if src is None or stage.root.get(src) is None or src == primary or stage.sig[name].inputs[i] is None:
+                continue
+            have = chosen[stage.group(src)].out[stage.canon(src)][stage._out_index(name, src)]
+            need = chosen[stage.group(name)].need[stage.canon(name)][i] or R
+            nbytes = stage._in_bytes(name, i, src)
+            for kind, f in redistribution(have, need, stage.mesh.tp):
+                out.append({"node": name, "kind": kind.value, "axis": "tp", "phase": "forward", "bytes": nbytes * f})
+            if stage._grad(src):
+                for kind, f in redistribution(need, R if have == P else have, stage.mesh.tp):
+                    out.append({"node": name, "kind": kind.value, "axis": "tp", "phase": "backward", "bytes": nbytes * f})
+    return out
+
+
+def logical_meshes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
+    """Every (dp, tp) with dp × tp = the submesh's devices."""
+    n = submesh[0] * submesh[1]
+    return [(n // tp, tp) for tp in range(1, n + 1) if n % tp == 0]
+
+
+def best_sharding(graph: OpGraph, cluster: ClusterSpec, submesh: tuple[int, int],
+                  memory_limit: float | None = None, time_limit_s: float = 30.0) -> tuple[StageSharding, list]:
+    """Solve every logical mesh of the submesh; keep the fastest that fits."""
+    from autopar.ilp import InfeasibleError
+
+    results, errors = [], []
+    for logical in logical_meshes(submesh):
+        try:
+            results.append(shard_stage(graph, cluster, submesh, logical, memory_limit, time_limit_s))
+        except InfeasibleError as exc:
+            errors.append(exc)
+    if not results:
+        least = min(errors, key=lambda e: e.least_memory)
+        raise InfeasibleError(f"no logical mesh of {submesh[0]}x{submesh[1]} fits: {least}", least.least_memory)
+    # equal times (e.g. batch split on either axis): prefer the plainer layout, more data parallelism
+    return min(results, key=lambda r: (float(f"{r.time:.6g}"), -r.logical_mesh[0])), results

@@ -1,0 +1,479 @@
+"""Every op described as an einsum: one letter per tensor dimension.
+
+A sharding of an op on one mesh axis is the choice of one letter to split (or none). Tensors
+holding the letter are `S(its position)`; the others are replicated; the output is `S(pos)` when
+it holds the letter and `P` (partial sums) when the letter is contracted away by a linear op.
+This one rule gives Megatron's column- (split `n`) and row-parallel (split `k`, output `P`)
+linears, batch and sequence splits, attention by heads, vocabulary-parallel embeddings,
+channel-parallel convolutions and expert-parallel MoE einsums. Followers (element-wise ops,
+views, reductions) are described the same way, so a placement can be carried through them.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import string
+from dataclasses import dataclass, field
+from typing import Any, Iterator
+
+import torch
+from torch import fx
+
+aten = torch.ops.aten
+
+# How an op relates to sharding: anchors choose a letter; followers inherit their input's.
+ANCHOR, FOLLOWER, SOURCE, UNKNOWN, NOOP = "anchor", "follower", "source", "unknown", "noop"
+
+
+@dataclass
+class Signature:
+    inputs: list[str | None]  # letters of each input of fx `all_input_nodes` order (None: not a tensor)
+    outputs: list[str]  # letters of each output tensor
+    kind: str
+    shardable: set[str] = field(default_factory=set)  # letters an anchor may split
+    linear: bool = False  # contracting (or reducing) a letter yields partial sums, P
+    view: bool = False  # moves no data: a partial (P) input stays partial
+
+
+class _Letters:
+    """Fresh letters for one signature."""
+
+    def __init__(self) -> None:
+        self._it: Iterator[str] = iter(string.ascii_letters)
+
+    def take(self, n: int) -> str:
+        return "".join(next(self._it) for _ in range(n))
+
+
+def _shape(val: Any) -> tuple[int, ...] | None:
+    return tuple(int(s) for s in val.shape) if isinstance(val, torch.Tensor) else None
+
+
+def signature(node: fx.Node) -> Signature:
+    """The einsum view of `node`, from its args and the shapes recorded by torch.export."""
+    ins = [_shape(n.meta.get("val")) for n in node.all_input_nodes]
+    val = node.meta.get("val")
+    outs = [_shape(v) for v in (val if isinstance(val, (tuple, list)) else [val])]
+    outs = [o for o in outs if o is not None]
+    if not outs:
+        return Signature([None] * len(ins), [], NOOP)  # assertions and other ops without tensor results
+    if not ins:
+        fresh = _Letters()
+        return Signature([], [fresh.take(len(o)) for o in outs], SOURCE)
+    target = node.target
+    name = str(target).removeprefix("aten.").rsplit(".", 1)[0] if isinstance(target, torch._ops.OpOverload) else ""
+    builder = _BUILDERS.get(name)
+    if builder is not None:
+        sig = builder(node, ins, outs)
+        if sig is not None:
+            return sig
+    if target is operator.getitem:
+        return _getitem(node, ins, outs)
+    if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags and len(outs) == 1:
+        return _pointwise(ins, outs[0])
+    return Signature([_Letters().take(len(s)) if s else None for s in ins], [], UNKNOWN)
+
+
+def _args(node: fx.Node) -> list:
+    """Positional args followed by the schema's defaults, so builders can index them."""
+    schema = getattr(node.target, "_schema", None)
+    args = list(node.args)
+    if schema is not None:
+        for arg in schema.arguments[len(args):]:
+            args.append(node.kwargs.get(arg.name, arg.default_value if arg.has_default_value() else None))
+    return args
+
+
+def _input_index(node: fx.Node, arg: Any) -> int | None:
+    return node.all_input_nodes.index(arg) if isinstance(arg, fx.Node) else None
+
+
+def _place(node: fx.Node, ins: list, assign: dict[int, str]) -> list[str | None]:
+    """Letters per input (fx order) from {index in all_input_nodes: letters}; other tensors get fresh ones."""
+    fresh = _Letters()
+    used = set("".join(assign.values()))
+    out: list[str | None] = []
+    for i, shape in enumerate(ins):
+        if i in assign:
+            out.append(assign[i])
+        elif shape is None:
+            out.append(None)
+        else:
+            letters = ""
+            while len(letters) < len(shape):
+                c = fresh.take(1)
+                if c not in used:
+                    letters += c
+            out.append(letters)
+    return out
+
+
+# ---- anchors -------------------------------------------------------------------------------
+
+def _matmul_letters(a: tuple, b: tuple, out: tuple) -> tuple[str, str, str]:
+    """numpy matmul broadcasting: batch dims aligned right, then m k @ k n."""
+    batch = "bcdefg"[: len(out) - 2] if len(out) >= 2 else ""
+    m, k, n = "m", "k", "n"
+    la = (batch[len(batch) - (len(a) - 2):] + m + k) if len(a) >= 2 else k
+    lb = (batch[len(batch) - (len(b) - 2):] + k + n) if len(b) >= 2 else k
+    lo = batch + (m if len(a) >= 2 else "") + (n if len(b) >= 2 else "")
+    return la, lb, lo
+
+
+def _linear(node, ins, outs):
+    args = _args(node)
+    x, w = _shape(args[0].meta["val"]), _shape(args[1].meta["val"])
+    lead = string.ascii_lowercase[: len(x) - 1].replace("k", "z").replace("n", "y")
+    assign = {_input_index(node, args[0]): lead + "k", _input_index(node, args[1]): "nk"}
+    if isinstance(args[2], fx.Node):
+        assign[_input_index(node, args[2])] = "n"
+    return Signature(_place(node, ins, assign), [lead + "n"], ANCHOR, set(lead + "kn"), linear=True)
+
+
+def _mm(node, ins, outs, bias_first: bool = False):
+    args = _args(node)
+    a, b = (args[1], args[2]) if bias_first else (args[0], args[1])
+    la, lb, lo = _matmul_letters(_shape(a.meta["val"]), _shape(b.meta["val"]), outs[0])
+    assign = {_input_index(node, a): la, _input_index(node, b): lb}
+    if bias_first and isinstance(args[0], fx.Node):
+        bias = _shape(args[0].meta["val"])
+        assign[_input_index(node, args[0])] = lo[len(lo) - len(bias):] if bias else ""
+    if len(set(assign.values())) < len(assign) and _input_index(node, a) == _input_index(node, b):
+        return None  # x @ x: one input in two roles; leave to the fallback
+    return Signature(_place(node, ins, assign), [lo], ANCHOR, set(la + lb), linear=True)
+
+
+def _einsum(node, ins, outs):
+    args = _args(node)
+    lhs, _, rhs = args[0].replace(" ", "").partition("->")
+    terms = lhs.split(",")
+    if "." in args[0] or len(terms) != len(args[1]) or len(set(args[1])) != len(args[1]):
+        return None
+    assign = {_input_index(node, t): term for t, term in zip(args[1], terms)}
+    return Signature(_place(node, ins, assign), [rhs], ANCHOR, set(lhs) - {","}, linear=True)
+
+
+def _conv(node, ins, outs):
+    args = _args(node)
+    x, w = _shape(args[0].meta["val"]), _shape(args[1].meta["val"])
+    groups = args[-1] if isinstance(args[-1], int) else 1
+    if groups != 1 or len(x) != len(w):
+        return None
+    spatial_in, spatial_w, spatial_out = "HWD"[: len(x) - 2], "KLM"[: len(x) - 2], "XYZ"[: len(x) - 2]
+    assign = {_input_index(node, args[0]): "bc" + spatial_in, _input_index(node, args[1]): "oc" + spatial_w}
+    if isinstance(args[2], fx.Node):
+        assign[_input_index(node, args[2])] = "o"
+    return Signature(_place(node, ins, assign), ["bo" + spatial_out], ANCHOR, {"b", "o", "c"}, linear=True)
+
+
+def _embedding(node, ins, outs):
+    args = _args(node)
+    idx = _shape(args[1].meta["val"])
+    lead = "abcdefg"[: len(idx)]
+    assign = {_input_index(node, args[0]): "vh", _input_index(node, args[1]): lead}
+    return Signature(_place(node, ins, assign), [lead + "h"], ANCHOR, set(lead + "vh"), linear=True)
+
+
+def _norm(node, ins, outs, normalized: int | None = None):
+    """layer_norm / rms_norm over the last `normalized` dims; batch_norm over all but channels."""
+    args = _args(node)
+    x = _shape(args[0].meta["val"])
+    letters = string.ascii_lowercase[: len(x)]
+    if normalized is None:  # batch norm: per-channel statistics, so batch and channels can be split
+        norm_letters, shardable = letters[:1] + letters[2:], {letters[0], letters[1]}
+        params = letters[1]
+    else:
+        norm_letters = letters[len(x) - normalized:]
+        shardable, params = set(letters) - set(norm_letters), norm_letters
+    assign = {_input_index(node, args[0]): letters}
+    for a in args[1:]:
+        if isinstance(a, fx.Node) and _shape(a.meta["val"]) is not None:
+            assign[_input_index(node, a)] = params
+    stats = [letters if i == 0 else "".join(c if c not in norm_letters else c.upper() for c in letters)[: len(o)]
+             for i, o in enumerate(outs)]
+    return Signature(_place(node, ins, assign), stats, ANCHOR, shardable)
+
+
+def _layer_norm(node, ins, outs):
+    return _norm(node, ins, outs, len(_args(node)[1]))
+
+
+def _batch_norm(node, ins, outs):
+    return _norm(node, ins, outs, None)
+
+
+def _softmax(node, ins, outs):
+    args = _args(node)
+    x = _shape(args[0].meta["val"])
+    letters = string.ascii_lowercase[: len(x)]
+    dim = args[1] % len(x)
+    return Signature(_place(node, ins, {0: letters}), [letters], ANCHOR, set(letters) - {letters[dim]})
+
+
+def _sdpa(node, ins, outs):
+    args = _args(node)
+    q = _shape(args[0].meta["val"])
+    if len(q) != 4:
+        return None
+    assign = {_input_index(node, args[0]): "bhsd", _input_index(node, args[1]): "bhtd", _input_index(node, args[2]): "bhte"}
+    if len(assign) < 3:
+        return None
+    mask = args[3] if len(args) > 3 and isinstance(args[3], fx.Node) else None
+    if mask is not None:
+        m = _shape(mask.meta["val"])
+        assign[_input_index(node, mask)] = "".join(c if size != 1 else c.upper() for c, size in zip("bhst"[4 - len(m):], m))
+    out_letters = ["bhse"] + [("bhs" + "XYZ")[: len(o)] for o in outs[1:]]
+    return Signature(_place(node, ins, assign), out_letters, ANCHOR, {"b", "h"})
+
+
+def _cross_entropy(node, ins, outs):
+    args = _args(node)
+    logits, target = _shape(args[0].meta["val"]), _shape(args[1].meta["val"])
+    if len(logits) != 2 or len(target) != 1:
+        return None
+    assign = {_input_index(node, args[0]): "bv", _input_index(node, args[1]): "b"}
+    out = "b" if outs and outs[0] else ""  # reduction "none" keeps the batch; mean and sum reduce it
+    return Signature(_place(node, ins, assign), [out], ANCHOR, {"b"}, linear=True)
+
+
+# ---- followers -----------------------------------------------------------------------------
+
+def _pointwise(ins, out):
+    letters = string.ascii_lowercase[: len(out)]
+    fresh = iter(string.ascii_uppercase)
+    placed = []
+    for shape in ins:
+        if shape is None:
+            placed.append(None)
+            continue
+        lead = len(out) - len(shape)
+        placed.append("".join(letters[lead + i] if size == out[lead + i] else next(fresh) for i, size in enumerate(shape)))
+    return Signature(placed, [letters], FOLLOWER)
+
+
+def _same(node, ins, outs):
+    letters = string.ascii_lowercase[: len(ins[0])]
+    return Signature(_place(node, ins, {0: letters}), [letters], FOLLOWER, view=True)
+
+
+def _reshape(node, ins, outs):
+    """Merged dims keep the outer dim's letter; a split dim gives its letter to the outer part."""
+    src, dst = ins[0], outs[0]
+    a, b = _Letters().take(len(src)), list(string.ascii_uppercase[: len(dst)])
+    i = j = 0
+    while i < len(src) and j < len(dst):
+        gi, gj, pi, pj = [i], [j], src[i], dst[j]
+        while pi != pj:
+            if (pi < pj and i + 1 >= len(src)) or (pi > pj and j + 1 >= len(dst)):
+                break
+            if pi < pj:
+                i += 1
+                gi.append(i)
+                pi *= src[i]
+            else:
+                j += 1
+                gj.append(j)
+                pj *= dst[j]
+        first_in = next((k for k in gi if src[k] != 1), None)
+        first_out = next((k for k in gj if dst[k] != 1), None)
+        if first_in is not None and first_out is not None:
+            b[first_out] = a[first_in]
+        i, j = i + 1, j + 1
+    return Signature(_place(node, ins, {0: a}), ["".join(b)], FOLLOWER, view=True)
+
+
+def _permute(node, ins, outs):
+    args = _args(node)
+    letters = string.ascii_lowercase[: len(ins[0])]
+    if node.target in (aten.t.default,):
+        perm = [1, 0][: len(letters)]
+    elif node.target == aten.transpose.int:
+        perm = list(range(len(letters)))
+        d0, d1 = args[1] % len(letters), args[2] % len(letters)
+        perm[d0], perm[d1] = perm[d1], perm[d0]
+    else:
+        perm = [d % len(letters) for d in args[1]]
+    return Signature(_place(node, ins, {0: letters}), ["".join(letters[p] for p in perm)], FOLLOWER, view=True)
+
+
+def _expand_like(node, ins, outs):
+    """expand / unsqueeze / squeeze / select / slice: letters kept where the size is kept."""
+    src, dst = ins[0], outs[0]
+    a = string.ascii_lowercase[: len(src)]
+    args = _args(node)
+    keep = {}
+    if node.target in (aten.expand.default,):
+        lead = len(dst) - len(src)
+        keep = {i: lead + i for i in range(len(src)) if src[i] == dst[lead + i]}
+    elif node.target in (aten.unsqueeze.default,):
+        d = args[1] % (len(src) + 1)
+        keep = {i: i if i < d else i + 1 for i in range(len(src))}
+    elif node.target in (aten.select.int,):
+        d = args[1] % len(src)
+        keep = {i: i if i < d else i - 1 for i in range(len(src)) if i != d}
+    elif node.target in (aten.slice.Tensor,):
+        d = args[1] % len(src)
+        keep = {i: i for i in range(len(src)) if i != d or src[i] == dst[i]}
+    else:  # squeeze: drop size-1 dims
+        kept = [i for i in range(len(src)) if not (src[i] == 1 and len(dst) < len(src))]
+        if len(kept) != len(dst):
+            kept = [i for i in range(len(src)) if src[i] != 1]
+        keep = {k: j for j, k in enumerate(kept)} if len(kept) == len(dst) else {}
+    out = list(string.ascii_uppercase[: len(dst)])
+    for i, j in keep.items():
+        out[j] = a[i]
+    return Signature(_place(node, ins, {0: a}), ["".join(out)], FOLLOWER, view=True)
+
+
+def _split(node, ins, outs):
+    args = _args(node)
+    letters = string.ascii_lowercase[: len(ins[0])]
+    d = args[2] % len(letters) if len(args) > 2 and isinstance(args[2], int) else 0
+    out = letters[:d] + "Z" + letters[d + 1:]
+    return Signature(_place(node, ins, {0: letters}), [out] * len(outs), FOLLOWER, view=True)
+
+
+def _getitem(node, ins, outs):
+    src = node.args[0].meta.get("val")
+    producer = signature(node.args[0]) if isinstance(src, (tuple, list)) else None
+    letters = producer.outputs[node.args[1]] if producer and node.args[1] < len(producer.outputs) else None
+    if letters is None or len(letters) != len(outs[0]):
+        letters = string.ascii_lowercase[: len(outs[0])]
+    return Signature([letters], [letters], FOLLOWER, view=True)
+
+
+def _reduction(node, ins, outs, linear: bool):
+    args = _args(node)
+    src = ins[0]
+    letters = string.ascii_lowercase[: len(src)]
+    dims = args[1] if len(args) > 1 else None
+    if dims is None or dims == []:
+        dims = list(range(len(src)))
+    dims = {d % len(src) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
+    keepdim = bool(args[2]) if len(args) > 2 and isinstance(args[2], bool) else False
+    out = "".join(("Q" if keepdim else "") if i in dims else c for i, c in enumerate(letters))
+    return Signature(_place(node, ins, {0: letters}), [out] + [out] * (len(outs) - 1), FOLLOWER, linear=linear)
+
+
+def _sum(node, ins, outs):
+    return _reduction(node, ins, outs, True)
+
+
+def _max(node, ins, outs):
+    return _reduction(node, ins, outs, False)
+
+
+def _along(node, ins, outs):
+    """cumsum and friends: one dim is scanned, the others carry through."""
+    args = _args(node)
+    letters = string.ascii_lowercase[: len(ins[0])]
+    d = args[1] % len(letters)
+    return Signature(_place(node, ins, {0: letters}), [letters[:d] + "Z" + letters[d + 1:]], FOLLOWER)
+
+
+def _pool(node, ins, outs):
+    """Pooling: batch and channels carry through, the window's dims do not."""
+    src = ins[0]
+    letters = string.ascii_lowercase[: len(src)]
+    lead = len(src) - 2
+    out = letters[:lead] + "XY"
+    return Signature(_place(node, ins, {0: letters}), [out] * len(outs), FOLLOWER)
+
+
+def _cat(node, ins, outs):
+    args = _args(node)
+    rank = len(outs[0])
+    d = (args[1] if len(args) > 1 and isinstance(args[1], int) else 0) % rank
+    letters = string.ascii_lowercase[:rank]
+    shared = letters[:d] + "Z" + letters[d + 1:]
+    if node.target == aten.stack.default:
+        shared = letters[:d] + letters[d + 1:]
+    placed = [shared if s is not None else None for s in ins]
+    return Signature(placed, [letters[:d] + "Y" + letters[d + 1:]], FOLLOWER)
+
+
+_BUILDERS = {
+    "linear": _linear,
+    "mm": _mm,
+    "bmm": _mm,
+    "matmul": _mm,
+    "addmm": lambda n, i, o: _mm(n, i, o, bias_first=True),
+    "baddbmm": lambda n, i, o: _mm(n, i, o, bias_first=True),
+    "einsum": _einsum,
+    "conv1d": _conv,
+    "conv2d": _conv,
+    "conv3d": _conv,
+    "convolution": _conv,
+    "embedding": _embedding,
+    "layer_norm": _layer_norm,
+    "native_layer_norm": _layer_norm,
+    "rms_norm": _layer_norm,
+    "batch_norm": _batch_norm,
+    "_native_batch_norm_legit_functional": _batch_norm,
+    "_native_batch_norm_legit_no_training": _batch_norm,
+    "softmax": _softmax,
+    "_softmax": _softmax,
+    "log_softmax": _softmax,
+    "_log_softmax": _softmax,
+    "scaled_dot_product_attention": _sdpa,
+    "_scaled_dot_product_flash_attention_for_cpu": _sdpa,
+    "_scaled_dot_product_efficient_attention": _sdpa,
+    "_scaled_dot_product_flash_attention": _sdpa,
+    "cross_entropy_loss": _cross_entropy,
+    "view": _reshape,
+    "_unsafe_view": _reshape,
+    "reshape": _reshape,
+    "flatten": _reshape,
+    "unflatten": _reshape,
+    "transpose": _permute,
+    "t": _permute,
+    "permute": _permute,
+    "expand": _expand_like,
+    "unsqueeze": _expand_like,
+    "squeeze": _expand_like,
+    "select": _expand_like,
+    "slice": _expand_like,
+    "split": _split,
+    "split_with_sizes": _split,
+    "chunk": _split,
+    "unbind": _split,
+    "alias": _same,
+    "detach": _same,
+    "clone": _same,
+    "contiguous": _same,
+    "_to_copy": _same,
+    "to": _same,
+    "type_as": _same,
+    "dropout": _same,
+    "sum": _sum,
+    "mean": _sum,
+    "amax": _max,
+    "amin": _max,
+    "max": _max,
+    "min": _max,
+    "argmax": _max,
+    "argmin": _max,
+    "var": _max,
+    "std": _max,
+    "cumsum": _along,
+    "cumprod": _along,
+    "max_pool2d": _pool,
+    "max_pool2d_with_indices": _pool,
+    "avg_pool2d": _pool,
+    "adaptive_avg_pool2d": _pool,
+    "_adaptive_avg_pool2d": _pool,
+    "cat": _cat,
+    "stack": _cat,
+}
+
+
+def letter_sizes(sig: Signature, ins: list, outs: list) -> dict[str, int]:
+    """Size of each letter (a letter present in several tensors has one size, or it is not splittable)."""
+    sizes: dict[str, int] = {}
+    for letters, shape in [*zip(sig.inputs, ins), *zip(sig.outputs, outs)]:
+        if letters is None or shape is None:
+            continue
+        for c, n in zip(letters, shape):
+            sizes[c] = math.gcd(sizes[c], n) if c in sizes else n
+    return sizes
