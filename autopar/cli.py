@@ -75,6 +75,83 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> Any:
     return None
 
 
+def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
+    from rich.progress import Progress
+
+    from autopar.jsonio import write_json
+    from autopar.models import load_workload
+    from autopar.planner import parse_mesh, plan_single_stage
+    from cost_models import get_cluster
+
+    mesh = parse_mesh(args.mesh)
+    if args.stages != 1:
+        raise AutoparError("only --stages 1 is planned so far (the intra-op pass); pipeline stages come with "
+                           "the inter-op pass")
+    cluster = get_cluster(args.cluster)
+    limit = args.memory_limit * 2**30 if args.memory_limit else None
+    with Progress(console=Console(stderr=True), transient=True) as bar:
+        task = bar.add_task(f"capturing {args.model}", total=None)
+        workload = load_workload(args.model, batch=args.batch)
+
+        def step(logical: tuple[int, int]) -> None:
+            bar.update(task, description=f"sharding on logical mesh {logical[0]}x{logical[1]}")
+
+        plan = plan_single_stage(workload, cluster, mesh, memory_limit=limit, time_limit_s=args.time_limit,
+                                 progress=step)
+    if args.out:
+        write_json(args.out, plan)
+    if args.json:
+        return plan
+    _print_plan(plan, out)
+    if args.out:
+        out.print(f"plan written to {args.out}")
+    return None
+
+
+def _print_plan(plan: dict, out: Console) -> None:
+    stage = plan["stages"][0]
+    table = Table(title=f"{plan['model']} (batch {plan['batch']}) on {plan['cluster']} {plan['mesh'][0]}x{plan['mesh'][1]}")
+    for col in ("logical mesh (dp × tp)", "step time", "memory / device", "solver"):
+        table.add_column(col, justify="right")
+    for c in sorted((c for c in plan["candidates"] if c["logical_mesh"]), key=lambda c: c["step_time_s"]):
+        chosen = c["logical_mesh"] == stage["logical_mesh"]
+        table.add_row(("→ " if chosen else "") + f"{c['logical_mesh'][0]} × {c['logical_mesh'][1]}",
+                      f"{c['step_time_s'] * 1e3:.2f} ms", human_bytes(c["peak_memory_bytes"]), c["solver_status"])
+    out.print(table)
+    cost = stage["cost"]
+    out.print("predicted step: " + ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.2f} ms" for k, v in cost.items()))
+    weights = Table(title="parameter placements [data axis, tensor axis] (biases and norms omitted)")
+    weights.add_column("layers")
+    weights.add_column("placements")
+    for names, text in _placement_runs(stage["params"]):
+        weights.add_row(names, text)
+    out.print(weights)
+    solver = stage["solver"]
+    out.print(f"ILP: {solver['status']}, {solver['ilp_nodes']} strategy groups for {solver['anchors']} ops, "
+              f"{solver['variables']} variables, solved in {solver['time_s']:.2f} s · planned in "
+              f"{plan['planning_time_s']:.1f} s (capture {plan['capture_time_s']:.1f} s)")
+
+
+def _placement_runs(params: dict[str, list[str]]) -> list[tuple[str, str]]:
+    """Weights grouped by layer; consecutive layers with the same placements share one row."""
+    by_layer: dict[str, list[str]] = {}
+    for fqn, placement in params.items():
+        if fqn.endswith(".weight") and len(fqn.split(".")) > 2 and "ln" not in fqn and "norm" not in fqn or \
+                fqn.count(".") == 1 and fqn.endswith("weight"):
+            parts = fqn.split(".")
+            cut = next((i + 1 for i, p in enumerate(parts) if p.isdigit()), 1)
+            by_layer.setdefault(".".join(parts[:cut]), []).append(
+                f"{'.'.join(parts[cut:])} {'/'.join(placement)}")
+    runs: list[tuple[list[str], str]] = []
+    for layer, items in by_layer.items():
+        text = " · ".join(items)
+        if runs and runs[-1][1] == text:
+            runs[-1][0].append(layer)
+        else:
+            runs.append(([layer], text))
+    return [(names[0] if len(names) == 1 else f"{names[0]} … {names[-1]} ({len(names)})", text) for names, text in runs]
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
@@ -93,6 +170,15 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="zoo name (e.g. gpt-1.3b), FILE.py:FUNCTION or package.module:FUNCTION")
     p.add_argument("--batch", type=int, help="global batch (default: the model's suite default)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="build zoo models in this dtype")
+    p = command("plan", cmd_plan, "plan how to shard a model over a cluster (intra-op ILP per logical mesh)")
+    p.add_argument("model", help="zoo name, FILE.py:FUNCTION or package.module:FUNCTION")
+    p.add_argument("--cluster", default="cpu-local", help="preset name or cluster JSON file (default cpu-local)")
+    p.add_argument("--mesh", required=True, help="HOSTSxDEVICES, e.g. 1x8")
+    p.add_argument("--batch", type=int, help="global batch (default: the model's suite default)")
+    p.add_argument("--stages", type=int, default=1, help="pipeline stages (only 1 so far)")
+    p.add_argument("--memory-limit", type=float, help="GiB per device the plan may use (default: 90%% of memory)")
+    p.add_argument("--time-limit", type=float, default=30.0, help="seconds per ILP solve (default 30)")
+    p.add_argument("--out", help="write the plan JSON here")
     return parser
 
 

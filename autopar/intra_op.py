@@ -29,7 +29,7 @@ from torch import fx
 
 from autopar import letters as L
 from autopar.graph import OpGraph
-from autopar.ilp import Problem, solve
+from autopar.ilp import InfeasibleError, Problem, solve
 from autopar.placement import P, R, edge_time, redistribution, redistribution_time, shard, shard_dim
 from cost_models import ClusterSpec, Link, axis_link, collective_time, compute_time, model_state_memory
 
@@ -318,8 +318,10 @@ class _Stage:
             if fqn in self.graph.params:
                 self._cost_param(ev, name, fqn, placement or R, zero, partial)
             elif partial and self._grad(src):
+                # consumers' partial gradients add up locally first: one all-reduce, shared among them
                 nbytes = self._in_bytes(name, i, src)
-                ev.comm += collective_time("all_reduce", nbytes, mesh.tp, mesh.tp_link)
+                consumers = max(1, sum(1 for _ in self.graph.graph.successors(src)))
+                ev.comm += collective_time("all_reduce", nbytes, mesh.tp, mesh.tp_link) / consumers
                 ev.collectives.append((name, "all_reduce", "backward", nbytes))
 
     def _cost_param(self, ev: _Eval, name: str, fqn: str, placement: str, zero: bool, partial: bool) -> None:
@@ -582,8 +584,6 @@ def logical_meshes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
 def best_sharding(graph: OpGraph, cluster: ClusterSpec, submesh: tuple[int, int],
                   memory_limit: float | None = None, time_limit_s: float = 30.0) -> tuple[StageSharding, list]:
     """Solve every logical mesh of the submesh; keep the fastest that fits."""
-    from autopar.ilp import InfeasibleError
-
     results, errors = [], []
     for logical in logical_meshes(submesh):
         try:

@@ -11,12 +11,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from autopar.errors import ClusterSpecError
+from autopar.jsonio import write_json
 
 GB = 1e9
 GiB = 2**30
