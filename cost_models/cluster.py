@@ -71,11 +71,7 @@ class ClusterSpec:
         return {"schema": "autopar.cluster/1", **dataclasses.asdict(self)}
 
     def save(self, path: str | Path) -> None:
-        """Write atomically: a crash leaves the old file or the new one, never half of one."""
-        path = Path(path)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")
-        os.replace(tmp, path)
+        write_json(path, self.to_dict())
 
     @staticmethod
     def load(path: str | Path) -> ClusterSpec:
