@@ -70,7 +70,7 @@ class _Eval:
     grad_sync: float = 0.0
     state_memory: float = 0.0
     activation_memory: float = 0.0
-    collectives: list[tuple[str, str, str, float]] = field(default_factory=list)  # (node, kind, phase, bytes)
+    collectives: list[tuple] = field(default_factory=list)  # (node, kind, phase, bytes[, axis]); axis tp if absent
     letter: str | None = None  # the anchor's split letter
     tp_grad_sync: bool = False  # some parameter's gradient is reduced over the tensor axis
 
@@ -143,12 +143,16 @@ class _Stage:
             for i, src in self._tensor_inputs(name):
                 if src is None or sig.inputs[i] is None:
                     continue
-                d = out[src][self._out_index(name, src)] if out.get(src) else None
+                d = self._batch_of(src, self._out_index(name, src), out)
                 if d is not None and d < len(sig.inputs[i]):
                     letter = sig.inputs[i][d]
                     break
             out[name] = [o.find(letter) if letter and letter in o else None for o in sig.outputs]
         return out
+
+    def _batch_of(self, name: str, k: int, batch: dict | None = None) -> int | None:
+        dims = (self.batch if batch is None else batch).get(name) or []
+        return dims[k] if k < len(dims) else None
 
     def _out_index(self, consumer: str, producer: str) -> int:
         """Which output of `producer` the consumer reads (getitem picks one; others read the first)."""
@@ -211,7 +215,7 @@ class _Stage:
         found = {o[d] for o, d in zip(sig.outputs, self.batch[name]) if d is not None and d < len(o)}
         for i, src in self._tensor_inputs(name):
             if src and sig.inputs[i] is not None:
-                d = self.batch[src][self._out_index(name, src)]
+                d = self._batch_of(src, self._out_index(name, src))
                 if d is not None and d < len(sig.inputs[i]):
                     found.add(sig.inputs[i][d])
         return found
@@ -279,8 +283,7 @@ class _Stage:
         return bool(name) and self.graph.node(name).requires_grad
 
     def _dp_share(self, name: str, out_index: int = 0) -> int:
-        d = self.batch[name][out_index] if self.batch.get(name) else None
-        return self.mesh.dp if d is not None else 1
+        return self.mesh.dp if self._batch_of(name, out_index) is not None else 1
 
     def _in_bytes(self, name: str, i: int, src: str | None) -> float:
         """Bytes per data-parallel rank of input i (the full tensor on the tensor axis)."""
@@ -309,6 +312,12 @@ class _Stage:
                 shared = mesh.tp if shard_dim(ev.out[name][k]) is not None else 1
                 ev.activation_memory += out.nbytes / (self._dp_share(name, k) * shared)
         out_letters = "".join(sig.outputs)
+        if sig.kind == L.UNKNOWN and mesh.dp > 1:  # runs on whole tensors: gather the batch first
+            for i, src in self._tensor_inputs(name):
+                if src and self._batch_of(src, self._out_index(name, src)) is not None:
+                    nbytes = self._in_bytes(name, i, src) * mesh.dp
+                    ev.comm += collective_time("all_gather", nbytes, mesh.dp, mesh.dp_link)
+                    ev.collectives.append((name, "all_gather", "forward", nbytes, "dp"))
         for i, src in self._tensor_inputs(name):
             placement = ev.need[name][i]
             # the split letter is summed out of this input's gradient: its shards hold partial sums
@@ -337,14 +346,18 @@ class _Stage:
         local = info.nbytes / shards
         dp_bw, tp_bw = _bandwidth_only(mesh.dp_link), _bandwidth_only(mesh.tp_link)
         if fqn in self.graph.trainable:
-            if partial:  # replicated on the tensor axis of a split op: its gradient is partial there
-                ev.grad_sync += collective_time("all_reduce", local, mesh.tp, tp_bw)
+            syncs = []
+            if partial and mesh.tp > 1:  # replicated on the tensor axis of a split op: its gradient is partial
+                syncs.append(("tp", "all_reduce", "backward", mesh.tp, tp_bw))
                 ev.tp_grad_sync = True
-            if zero:
-                ev.grad_sync += 2 * collective_time("all_gather", local, mesh.dp, dp_bw)
-                ev.grad_sync += collective_time("reduce_scatter", local, mesh.dp, dp_bw)
-            else:
-                ev.grad_sync += collective_time("all_reduce", local, mesh.dp, dp_bw)
+            if mesh.dp > 1 and zero:  # ZeRO-3: gathered for forward and again for backward, grads scattered
+                syncs += [("dp", "all_gather", "forward", mesh.dp, dp_bw), ("dp", "all_gather", "backward", mesh.dp, dp_bw),
+                          ("dp", "reduce_scatter", "backward", mesh.dp, dp_bw)]
+            elif mesh.dp > 1:
+                syncs.append(("dp", "all_reduce", "backward", mesh.dp, dp_bw))
+            for axis, kind, phase, n, link in syncs:
+                ev.grad_sync += collective_time(kind, local, n, link)
+                ev.collectives.append((name, kind, phase, local, axis))
         numel = math.prod(info.shape) / shards
         states = model_state_memory(numel, DTYPE_BYTES.get(info.dtype, 4), zero_stage=3 if zero else 0, dp=mesh.dp)
         ev.state_memory += states.total if fqn in self.graph.trainable else states.params
@@ -425,7 +438,7 @@ class _Stage:
         for name in self.graph.outputs:
             if self.root.get(name):
                 nbytes = self.graph.node(name).output_bytes / self._dp_share(name)
-                batch = self.batch[name][0]
+                batch = self._batch_of(name, 0)
                 out[name] = np.array([
                     0.0 if e.out[self.canon(name)][0] == shard(batch if batch is not None else -1)
                     else redistribution_time(e.out[self.canon(name)][0], R, nbytes, self.mesh.tp, self.mesh.tp_link)
@@ -514,7 +527,7 @@ def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bo
         if stage.root.get(name) is None:
             continue
         ev = chosen[stage.group(name)]
-        d = stage.batch[name][0] if stage.batch[name] else None
+        d = stage._batch_of(name, 0)
         outs = ev.out[stage.canon(name)]
         ops[name] = [shard(d) if d is not None and stage.mesh.dp > 1 else R, outs[0] if outs else R]
         for fqn, fqn_rep in zip(stage.graph.node(name).params, stage.graph.node(stage.canon(name)).params):
@@ -522,12 +535,12 @@ def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bo
                 params[fqn] = ["S(0)" if zero[stage.group(name)] else R, ev.params[fqn_rep]]
     for a in anchors:  # each anchor's own collectives, under its own node names
         names = {stage.canon(m): m for m in stage.members[a]}
-        collectives += [{"node": names.get(n, n), "kind": k, "axis": "tp", "phase": ph, "bytes": b}
-                        for n, k, ph, b in chosen[stage.cls[a]].collectives]
+        collectives += [{"node": names.get(n, n), "kind": k, "axis": (rest or ("tp",))[0], "phase": ph, "bytes": b}
+                        for n, k, ph, b, *rest in chosen[stage.cls[a]].collectives]
     collectives += _edge_collectives(stage, chosen)
     for name in stage.graph.outputs:
         if stage.root.get(name):
-            have, batch = chosen[stage.group(name)].out[stage.canon(name)][0], stage.batch[name][0]
+            have, batch = chosen[stage.group(name)].out[stage.canon(name)][0], stage._batch_of(name, 0)
             if have != shard(batch if batch is not None else -1):
                 nbytes = stage.graph.node(name).output_bytes / stage._dp_share(name)
                 collectives += [{"node": name, "kind": k.value, "axis": "tp", "phase": "forward", "bytes": nbytes * f}

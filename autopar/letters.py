@@ -72,7 +72,10 @@ def signature(node: fx.Node) -> Signature:
         return _getitem(node, ins, outs)
     if isinstance(target, torch._ops.OpOverload) and torch.Tag.pointwise in target.tags and len(outs) == 1:
         return _pointwise(ins, outs[0])
-    return Signature([_Letters().take(len(s)) if s else None for s in ins], [], UNKNOWN)
+    # no rule: every tensor gets letters of its own, so nothing can stay split through the op
+    fresh = _Letters()
+    return Signature([fresh.take(len(s)) if s is not None else None for s in ins],
+                     [fresh.take(len(o)).upper() for o in outs], UNKNOWN)
 
 
 def _args(node: fx.Node) -> list:

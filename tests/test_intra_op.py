@@ -1,0 +1,141 @@
+"""The intra-op pass rediscovers the layouts people write by hand, where they are optimal."""
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autopar import capture
+from autopar.ilp import InfeasibleError
+from autopar.intra_op import best_sharding, logical_meshes, shard_stage
+from autopar.zoo import gpt, moe
+from cost_models import get_cluster
+
+HOST = get_cluster("a100-dgx").with_mesh(1, 8)  # one host of 8 GPUs on NVLink
+
+
+class TwoLayerMLP(nn.Module):
+    def __init__(self, d: int, f: int) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(d, f), nn.Linear(f, d)
+
+    def forward(self, x):
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+def mlp_graph(d, f, batch):
+    with torch.device("meta"):
+        return capture(TwoLayerMLP(d, f), torch.zeros(batch, d, device="meta"))
+
+
+def forward(result, axis="tp"):
+    return [(c["node"], c["kind"]) for c in result.collectives if c["phase"] == "forward" and c["axis"] == axis]
+
+
+def test_large_weights_small_batch_is_megatron_tensor_parallel():
+    best, _ = best_sharding(mlp_graph(8192, 32768, 8), HOST, (1, 8))
+    assert best.logical_mesh == (1, 8)
+    assert best.params["fc1.weight"] == ["R", "S(0)"]  # column-parallel (torch stores [out, in])
+    assert best.params["fc2.weight"] == ["R", "S(1)"]  # row-parallel
+    assert best.ops["gelu"] == ["R", "S(1)"]  # the hidden activation never leaves its device
+    assert forward(best) == [("linear_1", "all_reduce")]  # Megatron's one all-reduce in forward
+
+
+def test_tiny_weights_large_batch_is_data_parallel():
+    best, _ = best_sharding(mlp_graph(64, 256, 65536), HOST, (1, 8))
+    dp, tp = best.logical_mesh
+    assert all(p == ["R", "R"] for p in best.params.values())  # every device holds every weight
+    for name, (on_dp, on_tp) in best.ops.items():  # and every activation is split by samples
+        assert on_dp == ("S(0)" if dp > 1 else "R") and on_tp == ("S(0)" if tp > 1 else "R"), name
+    assert not forward(best) and not forward(best, "dp")
+    assert {c["kind"] for c in best.collectives} == {"all_reduce"}  # gradients only
+
+
+def gpt_block_graph():
+    cfg = gpt.GPTConfig(vocab=51200, seq=1024, hidden=2048, layers=2, heads=16)
+    with torch.device("meta"):
+        model = gpt.build(cfg).half()
+    return capture(model, (torch.zeros(1, 1024, dtype=torch.long, device="meta"),))
+
+
+def test_gpt_block_on_tensor_axis_splits_heads_like_megatron():
+    graph = gpt_block_graph()
+    r = shard_stage(graph, HOST, (1, 8), (1, 8))
+    for layer in ("h.0", "h.1"):
+        for proj in ("q", "k", "v"):
+            assert r.params[f"{layer}.attn.{proj}.weight"] == ["R", "S(0)"]  # QKV column-parallel
+        assert r.params[f"{layer}.attn.proj.weight"] == ["R", "S(1)"]  # output row-parallel
+        assert r.params[f"{layer}.mlp.fc1.weight"] == ["R", "S(0)"]
+        assert r.params[f"{layer}.mlp.fc2.weight"] == ["R", "S(1)"]
+    attention = [n for n in graph if n.op == "aten.scaled_dot_product_attention.default"]
+    assert all(r.ops[n.name] == ["R", "S(1)"] for n in attention)  # [batch, heads, seq, dim]: by heads
+    per_layer = [c for c in forward(r) if c[1] == "all_reduce"]
+    assert len([c for c in per_layer if c[0] != graph.outputs[0]]) == 2 * 2  # two per block, as Megatron
+
+
+def test_repeated_layers_are_solved_once():
+    sizes = []
+    for layers in (2, 8):
+        cfg = gpt.GPTConfig(vocab=512, seq=64, hidden=256, layers=layers, heads=4)
+        with torch.device("meta"):
+            g = capture(gpt.build(cfg), (torch.zeros(8, 64, dtype=torch.long, device="meta"),))
+        r = shard_stage(g, HOST, (1, 8), (2, 4))
+        sizes.append((r.solver["ilp_nodes"], r.solver["variables"], r.solver["anchors"]))
+    assert sizes[0][:2] == sizes[1][:2]  # the ILP does not grow with the number of layers
+    assert sizes[1][2] > 3 * sizes[0][2] // 2  # while the ops it places do
+
+
+def test_lower_memory_limit_shards_parameters_then_fails_clearly():
+    graph = mlp_graph(4096, 16384, 512)
+    free = shard_stage(graph, HOST, (1, 8), (8, 1))
+    assert all(p[0] == "R" for p in free.params.values())  # plenty of memory: plain data parallelism
+    tight = shard_stage(graph, HOST, (1, 8), (8, 1), memory_limit=free.memory["total"] * 0.6)
+    assert any(p[0] == "S(0)" for p in tight.params.values())  # ZeRO-3 where memory needs it
+    assert tight.memory["total"] <= free.memory["total"] * 0.6
+    assert tight.time > free.time  # and it costs communication
+    with pytest.raises(InfeasibleError, match=r"needs \d+\.\d\d GiB per device") as err:
+        shard_stage(graph, HOST, (1, 8), (8, 1), memory_limit=free.memory["total"] * 0.05)
+    assert err.value.least_memory > free.memory["total"] * 0.05
+
+
+def test_moe_experts_split_with_all_to_all():
+    cfg = moe.MoEConfig(vocab=1024, seq=256, hidden=1024, layers=2, heads=16, experts=8, expert_group=256)
+    with torch.device("meta"):
+        graph = capture(moe.build(cfg).half(), (torch.zeros(8, 256, dtype=torch.long, device="meta"),))
+    r = shard_stage(graph, HOST, (1, 8), (1, 8))
+    assert r.params["h.0.mlp.wi"] == ["R", "S(0)"] and r.params["h.0.mlp.wo"] == ["R", "S(0)"]  # by expert
+    assert any(c["kind"] == "all_to_all" for c in r.collectives)
+
+
+class Flipper(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(64, 64)
+
+    def forward(self, x):
+        return self.fc(torch.flip(self.fc(x), dims=[1]))
+
+
+def test_unknown_op_runs_replicated_with_one_warning(caplog):
+    graph = capture(Flipper(), torch.randn(64, 64))
+    with caplog.at_level(logging.WARNING, logger="autopar.intra_op"):
+        r = shard_stage(graph, HOST, (1, 8), (1, 8))
+    warnings = [rec for rec in caplog.records if "flip" in rec.getMessage()]
+    assert len(warnings) == 1
+    flip = next(n.name for n in graph if n.op == "aten.flip.default")
+    assert r.ops[flip][1] == "R"
+
+
+@pytest.mark.parametrize("name", ["wresnet-tiny", "moe-tiny", "gpt-tiny", "mlp-tiny"])
+def test_every_zoo_family_plans_on_every_logical_mesh(name):
+    from autopar import load_workload
+
+    w = load_workload(name)
+    graph = capture(w.model, w.example_inputs)
+    for logical in logical_meshes((1, 4)):
+        r = shard_stage(graph, HOST.with_mesh(1, 4), (1, 4), logical)
+        assert r.solver["status"] == "optimal" and r.time > 0
+        assert set(r.params) == set(graph.params)
+        assert all(len(p) == 2 for p in r.ops.values())
