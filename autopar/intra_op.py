@@ -121,8 +121,10 @@ class _Stage:
             letters = "abcdefgh"[: len(node.outputs[0].shape)] if node.outputs else ""
             return L.Signature([], [letters], L.ANCHOR, set(letters))
         sig = L.signature(self.fx[name])
-        if sig.kind == L.UNKNOWN:
-            log.warning("no sharding rule for %s (%s): it runs replicated", node.op, name)
+        warning = f"no sharding rule for {node.op}: it runs replicated"
+        if sig.kind == L.UNKNOWN and warning not in self.graph.warnings:  # once per op kind and graph
+            self.graph.warnings.append(warning)
+            log.warning("%s (first: %s)", warning, name)
         return sig
 
     def _tensor_inputs(self, name: str) -> list[tuple[int, str | None]]:

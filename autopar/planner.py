@@ -64,7 +64,8 @@ def plan_single_stage(
         "num_microbatches": 1,
         "estimate": {"step_time_s": best.time, "peak_memory_bytes": best.memory["total"]},
         "candidates": [{"logical_mesh": list(r.logical_mesh), "step_time_s": r.time,
-                        "peak_memory_bytes": r.memory["total"], "solver_status": r.solver["status"]}
+                        "peak_memory_bytes": r.memory["total"], "solver_status": r.solver["status"],
+                        "solve_time_s": r.solver["time_s"]}
                        for r in results]
                       + [{"logical_mesh": None, "infeasible": str(e)} for e in failures],
         "capture_time_s": round(capture_s, 3),

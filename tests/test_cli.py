@@ -71,6 +71,11 @@ UNCAPTURABLE = textwrap.dedent('''
         (["inspect", "{tmp}/branchy.py:make"], "cannot capture Branchy"),
         (["clusters", "{tmp}/cluster.json"], "is not valid JSON"),
         (["inspect", "gpt-tiny", "--batch", "-2"], "--batch must be a positive integer"),
+        (["plan", "gpt-tiny", "--mesh", "8"], "malformed mesh '8'"),
+        (["plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x16"], "at most 8 devices per host"),
+        (["plan", "gpt-tiny", "--mesh", "1x2", "--stages", "2"], "only --stages 1"),
+        (["plan", "gpt-tiny", "--cluster", "v100-p3", "--mesh", "1x2", "--memory-limit", "0.0001"],
+         "fits on no logical mesh of 1x2: the leanest sharding needs"),
     ],
 )
 def test_bad_input_is_one_message_without_traceback(argv, message, tmp_path):
@@ -82,3 +87,19 @@ def test_bad_input_is_one_message_without_traceback(argv, message, tmp_path):
     assert message in proc.stderr and "Traceback" not in proc.stderr
     if "branchy" in argv[1]:
         assert "branchy.py:5" in proc.stderr  # points at the user's line
+
+
+def test_plan_json_and_out_file(capsys, tmp_path):
+    out = tmp_path / "plan.json"
+    plan = run_json(capsys, "plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x4", "--out", str(out))
+    assert json.loads(out.read_text()) == plan
+    stage = plan["stages"][0]
+    assert stage["submesh"] == [1, 4] and stage["logical_mesh"] in ([4, 1], [2, 2], [1, 4])
+    assert set(stage["params"]) == {name for name, _ in load_workload("gpt-tiny").model.named_parameters()}
+    assert all(len(p) == 2 and all(x in ("R", "P") or x.startswith("S(") for x in p) for p in stage["params"].values())
+    assert stage["solver"]["status"] == "optimal" and stage["cost"]["total_s"] == plan["estimate"]["step_time_s"]
+    assert sorted(tuple(c["logical_mesh"]) for c in plan["candidates"]) == [(1, 4), (2, 2), (4, 1)]
+    assert plan["planning_time_s"] > 0 and plan["graph_hash"]
+    assert main(["plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x4"]) == 0
+    text = capsys.readouterr().out
+    assert "logical mesh" in text and "h.0" in text and "ILP: optimal" in text

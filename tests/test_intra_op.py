@@ -122,6 +122,7 @@ def test_unknown_op_runs_replicated_with_one_warning(caplog):
     graph = capture(Flipper(), torch.randn(64, 64))
     with caplog.at_level(logging.WARNING, logger="autopar.intra_op"):
         r = shard_stage(graph, HOST, (1, 8), (1, 8))
+        shard_stage(graph, HOST, (1, 8), (2, 4))
     warnings = [rec for rec in caplog.records if "flip" in rec.getMessage()]
     assert len(warnings) == 1
     flip = next(n.name for n in graph if n.op == "aten.flip.default")

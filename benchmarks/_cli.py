@@ -1,0 +1,24 @@
+"""Run one `autopar` command in a fresh process, as a user would: wall time, peak memory, its JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+_CHILD = (
+    "import resource, sys; from autopar.cli import main; rc = main(sys.argv[1:]); "
+    "sys.stdout.flush(); sys.stderr.write('MAXRSS %d' % resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); "
+    "sys.exit(rc)"
+)
+
+
+def run_cli(*args: str) -> tuple[dict, float, int]:
+    """(the command's JSON, wall seconds including Python's start and imports, peak RSS bytes)."""
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-c", _CHILD, *args, "--json"], capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"autopar {' '.join(args)} failed:\n{proc.stderr}")
+    return json.loads(proc.stdout), wall, int(proc.stderr.rsplit("MAXRSS", 1)[1]) * 1024
