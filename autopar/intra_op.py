@@ -22,7 +22,7 @@ import logging
 import math
 import operator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from torch import fx
@@ -395,16 +395,10 @@ class _Stage:
         and for weights tied between groups. Edges of identical layers are costed once."""
         mesh = self.mesh
         counts: dict[tuple[str, str, int], int] = {}
-        for name in self.names:
-            if self.root.get(name) is None:
-                continue
-            primary = self._primary(name)
-            for i, src in self._tensor_inputs(name):
-                if src is None or self.root.get(src) is None or src == primary or self.sig[name].inputs[i] is None:
-                    continue
-                key = (src, name, i) if self.canon(name) == name and self.canon(src) == src else \
-                    (self.canon(src), self.canon(name), i)
-                counts[key] = counts.get(key, 0) + 1
+        for src, name, i in self.cross_edges():
+            key = (src, name, i) if self.canon(name) == name and self.canon(src) == src else \
+                (self.canon(src), self.canon(name), i)
+            counts[key] = counts.get(key, 0) + 1
         out = []
         for (src, name, i), count in counts.items():
             k, gs, g = self._out_index(name, src), self.group(src), self.group(name)
@@ -426,6 +420,17 @@ class _Stage:
                                for b in evals[user]] for a in evals[go]])
                 out.append((go, user, m))
         return out
+
+    def cross_edges(self):
+        """(producer, consumer, input position) of every tensor whose placement an edge decides:
+        all inputs of anchors, and the inputs of followers other than the one they follow."""
+        for name in self.names:
+            if self.root.get(name) is None:
+                continue
+            primary = self._primary(name)
+            for i, src in self._tensor_inputs(name):
+                if src is not None and self.root.get(src) is not None and src != primary and self.sig[name].inputs[i]:
+                    yield src, name, i
 
     def _primary(self, name: str) -> str | None:
         if self.sig[name].kind != L.FOLLOWER or self.root[name] == name:
@@ -572,21 +577,15 @@ def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bo
 def _edge_collectives(stage: _Stage, chosen: dict[str, _Eval]) -> list[dict[str, Any]]:
     """The redistributions the chosen placements imply on edges, forward and backward."""
     out = []
-    for name in stage.names:
-        if stage.root.get(name) is None:
-            continue
-        primary = stage._primary(name)
-        for i, src in stage._tensor_inputs(name):
-            if src is None or stage.root.get(src) is None or src == primary or stage.sig[name].inputs[i] is None:
-                continue
-            have = chosen[stage.group(src)].out[stage.canon(src)][stage._out_index(name, src)]
-            need = chosen[stage.group(name)].need[stage.canon(name)][i] or R
-            nbytes = stage._in_bytes(name, i, src)
-            for kind, f in redistribution(have, need, stage.mesh.tp):
-                out.append({"node": name, "kind": kind.value, "axis": "tp", "phase": "forward", "bytes": nbytes * f})
-            if stage._grad(src):
-                for kind, f in redistribution(need, R if have == P else have, stage.mesh.tp):
-                    out.append({"node": name, "kind": kind.value, "axis": "tp", "phase": "backward", "bytes": nbytes * f})
+    for src, name, i in stage.cross_edges():
+        have = chosen[stage.group(src)].out[stage.canon(src)][stage._out_index(name, src)]
+        need = chosen[stage.group(name)].need[stage.canon(name)][i] or R
+        nbytes = stage._in_bytes(name, i, src)
+        for kind, f in redistribution(have, need, stage.mesh.tp):
+            out.append({"node": name, "kind": kind.value, "axis": "tp", "phase": "forward", "bytes": nbytes * f})
+        if stage._grad(src):
+            for kind, f in redistribution(need, R if have == P else have, stage.mesh.tp):
+                out.append({"node": name, "kind": kind.value, "axis": "tp", "phase": "backward", "bytes": nbytes * f})
     return out
 
 
@@ -596,17 +595,23 @@ def logical_meshes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
     return [(n // tp, tp) for tp in range(1, n + 1) if n % tp == 0]
 
 
-def best_sharding(graph: OpGraph, cluster: ClusterSpec, submesh: tuple[int, int],
-                  memory_limit: float | None = None, time_limit_s: float = 30.0) -> tuple[StageSharding, list]:
-    """Solve every logical mesh of the submesh; keep the fastest that fits."""
+def best_sharding(graph: OpGraph, cluster: ClusterSpec, submesh: tuple[int, int], memory_limit: float | None = None,
+                  time_limit_s: float = 30.0, progress: Callable[[tuple[int, int]], None] | None = None,
+                  ) -> tuple[StageSharding, list[StageSharding]]:
+    """Solve every logical mesh of the submesh; keep the fastest that fits (ties: more data parallelism)."""
     results, errors = [], []
     for logical in logical_meshes(submesh):
+        if progress:
+            progress(logical)
         try:
             results.append(shard_stage(graph, cluster, submesh, logical, memory_limit, time_limit_s))
         except InfeasibleError as exc:
             errors.append(exc)
     if not results:
-        least = min(errors, key=lambda e: e.least_memory)
-        raise InfeasibleError(f"no logical mesh of {submesh[0]}x{submesh[1]} fits: {least}", least.least_memory)
-    # equal times (e.g. batch split on either axis): prefer the plainer layout, more data parallelism
+        least = min(e.least_memory for e in errors)
+        limit = cluster.device.memory_bytes * 0.9 if memory_limit is None else memory_limit
+        raise InfeasibleError(
+            f"fits on no logical mesh of {submesh[0]}x{submesh[1]}: the leanest sharding needs "
+            f"{least / 2**30:.2f} GiB per device, {limit / 2**30:.2f} GiB is available; "
+            "use more devices or a smaller batch", least)
     return min(results, key=lambda r: (float(f"{r.time:.6g}"), -r.logical_mesh[0])), results

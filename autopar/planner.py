@@ -8,7 +8,7 @@ from typing import Any, Callable
 
 from autopar.capture import capture
 from autopar.errors import AutoparError
-from autopar.intra_op import StageSharding, logical_meshes, shard_stage
+from autopar.intra_op import StageSharding, best_sharding
 from autopar.ilp import InfeasibleError
 from autopar.models import Workload
 from cost_models import ClusterSpec
@@ -36,23 +36,10 @@ def plan_single_stage(
     cluster = cluster.with_mesh(*mesh)
     graph = capture(workload.model, workload.example_inputs)
     capture_s = time.perf_counter() - start
-    results: list[StageSharding] = []
-    failures: list[InfeasibleError] = []
-    for logical in logical_meshes(mesh):
-        if progress:
-            progress(logical)
-        try:
-            results.append(shard_stage(graph, cluster, mesh, logical, memory_limit, time_limit_s))
-        except InfeasibleError as exc:
-            failures.append(exc)
-    if not results:
-        least = min(failures, key=lambda e: e.least_memory)
-        limit = memory_limit if memory_limit is not None else cluster.device.memory_bytes * 0.9
-        raise InfeasibleError(
-            f"{workload.name} (batch {workload.batch}) fits on no logical mesh of {mesh[0]}x{mesh[1]}: the leanest "
-            f"sharding needs {least.least_memory / 2**30:.2f} GiB per device, {limit / 2**30:.2f} GiB is available; "
-            "use more devices or a smaller batch", least.least_memory)
-    best = min(results, key=lambda r: (float(f"{r.time:.6g}"), -r.logical_mesh[0]))
+    try:
+        best, results = best_sharding(graph, cluster, mesh, memory_limit, time_limit_s, progress)
+    except InfeasibleError as exc:
+        raise InfeasibleError(f"{workload.name} (batch {workload.batch}) {exc}", exc.least_memory) from None
     stage = {"layers": [0, len(graph.layers())], "submesh": list(mesh), **_stage_json(best)}
     return {
         "model": workload.name,
@@ -66,8 +53,7 @@ def plan_single_stage(
         "candidates": [{"logical_mesh": list(r.logical_mesh), "step_time_s": r.time,
                         "peak_memory_bytes": r.memory["total"], "solver_status": r.solver["status"],
                         "solve_time_s": r.solver["time_s"]}
-                       for r in results]
-                      + [{"logical_mesh": None, "infeasible": str(e)} for e in failures],
+                       for r in results],
         "capture_time_s": round(capture_s, 3),
         "planning_time_s": round(time.perf_counter() - start, 3),
     }
