@@ -113,11 +113,14 @@ def _print_plan(plan: dict, out: Console) -> None:
     table = Table(title=f"{plan['model']} (batch {plan['batch']}) on {plan['cluster']} {plan['mesh'][0]}x{plan['mesh'][1]}")
     for col in ("logical mesh (dp × tp)", "step time", "memory / device", "solver"):
         table.add_column(col, justify="right")
-    for c in sorted((c for c in plan["candidates"] if c["logical_mesh"]), key=lambda c: c["step_time_s"]):
+    for c in sorted((c for c in plan["candidates"] if "step_time_s" in c), key=lambda c: c["step_time_s"]):
         chosen = c["logical_mesh"] == stage["logical_mesh"]
         table.add_row(("→ " if chosen else "") + f"{c['logical_mesh'][0]} × {c['logical_mesh'][1]}",
                       f"{c['step_time_s'] * 1e3:.2f} ms", human_bytes(c["peak_memory_bytes"]), c["solver_status"])
     out.print(table)
+    for c in plan["candidates"]:
+        if "rejected" in c:
+            out.print(f"  {c['logical_mesh'][0]} × {c['logical_mesh'][1]} rejected: {c['rejected']}")
     cost = stage["cost"]
     out.print("predicted step: " + ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.2f} ms" for k, v in cost.items()))
     weights = Table(title="parameter placements [data axis, tensor axis] (biases and norms omitted)")

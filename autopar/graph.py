@@ -7,6 +7,7 @@ The `torch.export` program it came from is kept beside it for the runtime.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass, field
 from typing import Any, Iterator
@@ -82,6 +83,11 @@ class OpGraph:
         self.warnings = warnings or []
         self.exported = exported  # torch.export.ExportedProgram, for the runtime
         self._order = list(graph.nodes)
+
+    @functools.cached_property
+    def fx_nodes(self) -> dict[str, Any]:
+        """The exported graph's torch.fx nodes by name (what the sharding rules read arguments from)."""
+        return {n.name: n for n in self.exported.graph.nodes} if self.exported is not None else {}
 
     def __len__(self) -> int:
         return len(self._order)

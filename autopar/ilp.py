@@ -32,6 +32,14 @@ class InfeasibleError(AutoparError):
         self.least_memory = least_memory
 
 
+class SolverError(AutoparError):
+    """The solver stopped (time limit) before it found any assignment."""
+
+
+def problem_size(problem: Problem) -> str:
+    return f"{len(problem.node_costs)} groups, {len(problem.edges)} edges"
+
+
 @dataclass
 class Problem:
     node_costs: list[np.ndarray]  # per node: cost of each strategy (seconds)
@@ -96,6 +104,9 @@ def solve(problem: Problem, time_limit_s: float = 30.0) -> Solution:
                        for m, var in zip(mem, vars_) if m) <= problem.memory_limit, "memory")
     objective.SetMinimization()
     status = solver.Solve()
+    if status == pywraplp.Solver.NOT_SOLVED or status == pywraplp.Solver.ABNORMAL:
+        raise SolverError(f"the ILP solver found no assignment within {time_limit_s:g} s "
+                          f"({problem_size(problem)}): raise the time limit (--time-limit)")
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         raise InfeasibleError(
             f"no sharding fits in {problem.memory_limit / 2**30:.2f} GiB per device "

@@ -71,7 +71,7 @@ class _Eval:
     state_memory: float = 0.0
     activation_memory: float = 0.0
     collectives: list[tuple] = field(default_factory=list)  # (node, kind, phase, bytes[, axis]); axis tp if absent
-    letter: str | None = None  # the anchor's split letter
+    letters: dict[str, str | None] = field(default_factory=dict)  # node -> the letter split on the tensor axis
     tp_grad_sync: bool = False  # some parameter's gradient is reduced over the tensor axis
 
     @property
@@ -101,13 +101,17 @@ class _Stage:
 
     def __init__(self, graph: OpGraph, cluster: ClusterSpec, mesh: Mesh) -> None:
         self.graph, self.cluster, self.mesh = graph, cluster, mesh
-        self.fx = {n.name: n for n in graph.exported.graph.nodes}
+        self.fx = graph.fx_nodes
         self.names = [n.name for n in graph]
         self.index = {name: i for i, name in enumerate(self.names)}
         self.sig = {name: self._signature(name) for name in self.names}
+        self.param_views = self._param_views()
         self.batch = self._batch_dims()
+        self._check_batch()
         self.root = self._roots()
         self.owner = self._param_owners()
+        self._size_cache: dict[str, dict[str, int]] = {}
+        self._batch_letter_cache: dict[str, set[str]] = {}
         self.members: dict[str, list[str]] = {}
         for name in self.names:
             if self.root.get(name):
@@ -128,18 +132,66 @@ class _Stage:
         return sig
 
     def _tensor_inputs(self, name: str) -> list[tuple[int, str | None]]:
-        """(position in fx all_input_nodes, producer op name or None for params/buffers/constants)."""
+        """(position in fx all_input_nodes, producer op name, or None for parameters, their views,
+        buffers and constants)."""
         if self.graph.node(name).op == "input":
             return []
-        return [(i, n.name if n.name in self.index else None) for i, n in enumerate(self.fx[name].all_input_nodes)]
+        return [(i, n.name if n.name in self.index and n.name not in self.param_views else None)
+                for i, n in enumerate(self.fx[name].all_input_nodes)]
+
+    def _param_views(self) -> dict[str, tuple[str, list[str]]]:
+        """Views of a parameter (e.g. `W.t()`): node -> (FQN, the view nodes from the parameter to it).
+
+        They are not ops of their own: the consumer's placement maps back through them to the weight."""
+        out: dict[str, tuple[str, list[str]]] = {}
+        for name in self.names:
+            node = self.fx.get(name)
+            if node is None or not self.sig[name].view or len(node.all_input_nodes) != 1:
+                continue
+            src = node.all_input_nodes[0].name
+            fqn = self.graph.placeholders.get(src)
+            if fqn in self.graph.params:
+                out[name] = (fqn, [name])
+            elif src in out:
+                out[name] = (out[src][0], out[src][1] + [name])
+        return out
+
+    def _param_input(self, name: str, i: int, placement: str) -> tuple[str | None, str]:
+        """The parameter input i of `name` reads (directly or through views), and its placement there."""
+        src = self.fx[name].all_input_nodes[i].name
+        if src in self.param_views:
+            fqn, chain = self.param_views[src]
+            for view in reversed(chain):  # map the placement back through each view's letters
+                d = shard_dim(placement)
+                if d is not None:
+                    letter = self.sig[view].outputs[0][d]
+                    placement = shard(self.sig[view].inputs[0].index(letter)) if letter in self.sig[view].inputs[0] else R
+            return fqn, placement
+        fqn = self.graph.placeholders.get(src)
+        return (fqn if fqn in self.graph.params else None), placement
+
+    def _check_batch(self) -> None:
+        """The data axis splits every batch dimension: it must divide them."""
+        if self.mesh.dp == 1:
+            return
+        for name in self.names:
+            for k, d in enumerate(self.batch[name]):
+                size = self.graph.node(name).outputs[k].shape[d] if d is not None else None
+                if size is not None and size % self.mesh.dp:
+                    raise InfeasibleError(
+                        f"data-parallel size {self.mesh.dp} does not divide the batch dimension ({size}) of {name}",
+                        least_memory=0.0)
 
     def _batch_dims(self) -> dict[str, list[int | None]]:
         """Which dimension of each output is the batch (split on the data axis), if any."""
         out: dict[str, list[int | None]] = {}
         for name in self.names:
             sig = self.sig[name]
-            if self.graph.node(name).op == "input":
-                out[name] = [0 if sig.outputs[0] else None]
+            node = self.graph.node(name)
+            if node.op == "input":  # the batch is dim 0 of the inputs that share the first input's dim 0
+                first = next(self.graph.node(n).outputs for n in self.names if self.graph.node(n).op == "input")
+                same = node.outputs and first and node.outputs[0].shape[:1] == first[0].shape[:1]
+                out[name] = [0 if sig.outputs[0] and same else None]
                 continue
             letter = None
             for i, src in self._tensor_inputs(name):
@@ -168,7 +220,7 @@ class _Stage:
         root: dict[str, str | None] = {}
         for name in self.names:
             sig = self.sig[name]
-            if sig.kind == L.NOOP:
+            if sig.kind == L.NOOP or name in self.param_views:
                 root[name] = None
                 continue
             if sig.kind == L.FOLLOWER:
@@ -180,10 +232,15 @@ class _Stage:
         return root
 
     def _param_owners(self) -> dict[str, str]:
+        """Each parameter's first user (through views): it stores and synchronises the weight."""
         owner: dict[str, str] = {}
         for name in self.names:
-            for fqn in self.graph.node(name).params:
-                owner.setdefault(fqn, name)
+            if self.root.get(name) is None:
+                continue
+            for i, _ in self._tensor_inputs(name):
+                fqn, _ = self._param_input(name, i, R)
+                if fqn is not None:
+                    owner.setdefault(fqn, name)
         return owner
 
     # ---- strategies and their costs --------------------------------------------------------
@@ -199,11 +256,16 @@ class _Stage:
                 if c in sizes and sizes[c] % n == 0 and sizes[c] >= n:
                     if any(c in o for o in sig.outputs) or sig.linear:
                         letters.append(c)
-        has_params = any(self.graph.node(m).params for m in self.members[anchor])
+        has_params = any(self.owner.get(f) in self.members[anchor] for f in self.owner)
         zeros = [False, True] if has_params and self.mesh.dp > 1 else [False]
         return [Strategy(c, z) for c in letters for z in zeros]
 
     def _sizes(self, name: str) -> dict[str, int]:
+        if name not in self._size_cache:
+            self._size_cache[name] = self._letter_sizes(name)
+        return self._size_cache[name]
+
+    def _letter_sizes(self, name: str) -> dict[str, int]:
         node = self.graph.node(name)
         ins = [None] * len(self.sig[name].inputs)
         if node.op != "input":
@@ -213,6 +275,11 @@ class _Stage:
         return L.letter_sizes(self.sig[name], ins, [t.shape for t in node.outputs])
 
     def _batch_letters(self, name: str) -> set[str]:
+        if name not in self._batch_letter_cache:
+            self._batch_letter_cache[name] = self._find_batch_letters(name)
+        return self._batch_letter_cache[name]
+
+    def _find_batch_letters(self, name: str) -> set[str]:
         sig = self.sig[name]
         found = {o[d] for o, d in zip(sig.outputs, self.batch[name]) if d is not None and d < len(o)}
         for i, src in self._tensor_inputs(name):
@@ -234,7 +301,7 @@ class _Stage:
 
     def _place_anchor(self, ev: _Eval, name: str, letter: str | None) -> None:
         sig = self.sig[name]
-        ev.letter = letter
+        ev.letters[name] = letter
         ev.need[name] = [self._placement_of(letter, ls) if ls is not None else None for ls in sig.inputs]
         ev.out[name] = [self._placement_of(letter, ls, partial=sig.linear) for ls in sig.outputs]
 
@@ -254,6 +321,7 @@ class _Stage:
                                   and sig.inputs[i]), key=lambda t: self.index[t[1]])
         have = ev.out[primary][self._out_index(name, primary)]
         letter = None
+        ev.letters[name] = None
         if have == P and sig.view:
             ev.need[name] = [P if i == primary_i else None for i, _ in inputs]
             ev.out[name] = [P for _ in sig.outputs]
@@ -272,6 +340,7 @@ class _Stage:
             nbytes = self._in_bytes(name, primary_i, primary)
             ev.comm += edge_time(have, R, nbytes, self.mesh.tp, self.mesh.tp_link, self._grad(primary))
             self._record(ev, name, have, R, nbytes)
+        ev.letters[name] = letter
         ev.need[name] = [self._placement_of(letter, ls) if ls is not None else None for ls in sig.inputs]
         ev.need[name][primary_i] = have if letter is not None else R
         ev.out[name] = [self._placement_of(letter, ls) for ls in sig.outputs]
@@ -301,10 +370,10 @@ class _Stage:
         node, sig, mesh = self.graph.node(name), self.sig[name], self.mesh
         if node.op == "input" or sig.kind == L.NOOP:
             return
-        split = any(shard_dim(p) is not None for p in ev.out[name]) or (
-            P in ev.out[name] and not sig.view)
+        split = any(shard_dim(p) is not None for p in ev.out[name]) or (P in ev.out[name] and not sig.view)
         tp_share = mesh.tp if split else 1
-        dp_share = mesh.dp if (any(d is not None for d in self.batch[name]) or self._batch_letters(name)) else 1
+        batched = any(d is not None for d in self.batch[name]) or self._batch_letters(name)
+        dp_share = mesh.dp if batched and sig.kind != L.UNKNOWN else 1
         if not node.is_view:
             dtype = node.outputs[0].dtype if node.outputs else "float32"
             ev.compute += compute_time((node.flops_fwd + node.flops_bwd) / (dp_share * tp_share),
@@ -313,56 +382,57 @@ class _Stage:
             for k, out in enumerate(node.outputs):
                 shared = mesh.tp if shard_dim(ev.out[name][k]) is not None else 1
                 ev.activation_memory += out.nbytes / (self._dp_share(name, k) * shared)
-        out_letters = "".join(sig.outputs)
         if sig.kind == L.UNKNOWN and mesh.dp > 1:  # runs on whole tensors: gather the batch first
             for i, src in self._tensor_inputs(name):
                 if src and self._batch_of(src, self._out_index(name, src)) is not None:
                     nbytes = self._in_bytes(name, i, src) * mesh.dp
                     ev.comm += collective_time("all_gather", nbytes, mesh.dp, mesh.dp_link)
                     ev.collectives.append((name, "all_gather", "forward", nbytes, "dp"))
+        letter, out_letters = ev.letters.get(name), "".join(sig.outputs)
         for i, src in self._tensor_inputs(name):
-            placement = ev.need[name][i]
+            if sig.inputs[i] is None:
+                continue
             # the split letter is summed out of this input's gradient: its shards hold partial sums
-            partial = (sig.kind == L.ANCHOR and ev.letter is not None and ev.letter in out_letters
-                       and sig.inputs[i] is not None and ev.letter not in sig.inputs[i])
-            fqn = self.graph.placeholders.get(self.fx[name].all_input_nodes[i].name)
-            if fqn in self.graph.params:
-                self._cost_param(ev, name, fqn, placement or R, zero, partial)
+            partial = letter is not None and letter in out_letters and letter not in sig.inputs[i]
+            fqn, placement = self._param_input(name, i, ev.need[name][i] or R)
+            if fqn is not None:
+                self._cost_param(ev, name, fqn, placement, zero, partial)
             elif partial and self._grad(src):
                 # consumers' partial gradients add up locally first: one all-reduce, shared among them
                 nbytes = self._in_bytes(name, i, src)
-                consumers = max(1, sum(1 for _ in self.graph.graph.successors(src)))
-                ev.comm += collective_time("all_reduce", nbytes, mesh.tp, mesh.tp_link) / consumers
+                anchors = sum(1 for n in self.graph.graph.successors(src) if self.sig[n].kind == L.ANCHOR)
+                ev.comm += collective_time("all_reduce", nbytes, mesh.tp, mesh.tp_link) / max(1, anchors)
                 ev.collectives.append((name, "all_reduce", "backward", nbytes))
 
     def _cost_param(self, ev: _Eval, name: str, fqn: str, placement: str, zero: bool, partial: bool) -> None:
         """Model states and gradient synchronisation of one parameter.
 
-        Gradients are synchronised in buckets (as DDP and FSDP do), so a parameter pays the
-        bandwidth of its bytes; the per-message latency is paid per bucket (`sync_latency`)."""
+        Every user whose split leaves the weight's gradient partial all-reduces it on the tensor axis;
+        the first user stores the weight and synchronises it on the data axis. Gradients move in
+        buckets (as DDP and FSDP do): a parameter pays the bandwidth of its bytes, the per-message
+        latency is paid per bucket (`_sync_latency`)."""
         ev.params[fqn] = placement
-        if self.owner[fqn] != name:
-            return  # a tied weight is stored, synchronised and counted by its first user
         info, mesh = self.graph.params[fqn], self.mesh
         shards = mesh.tp if shard_dim(placement) is not None else 1
         local = info.nbytes / shards
         dp_bw, tp_bw = _bandwidth_only(mesh.dp_link), _bandwidth_only(mesh.tp_link)
-        if fqn in self.graph.trainable:
-            syncs = []
-            if partial and mesh.tp > 1:  # replicated on the tensor axis of a split op: its gradient is partial
-                syncs.append(("tp", "all_reduce", "backward", mesh.tp, tp_bw))
-                ev.tp_grad_sync = True
-            if mesh.dp > 1 and zero:  # ZeRO-3: gathered for forward and again for backward, grads scattered
+        trainable = fqn in self.graph.trainable
+        syncs = []
+        if trainable and partial and mesh.tp > 1:
+            syncs.append(("tp", "all_reduce", "backward", mesh.tp, tp_bw))
+            ev.tp_grad_sync = True
+        if self.owner[fqn] == name:
+            if trainable and mesh.dp > 1 and zero:  # ZeRO-3: gathered for forward and backward, grads scattered
                 syncs += [("dp", "all_gather", "forward", mesh.dp, dp_bw), ("dp", "all_gather", "backward", mesh.dp, dp_bw),
                           ("dp", "reduce_scatter", "backward", mesh.dp, dp_bw)]
-            elif mesh.dp > 1:
+            elif trainable and mesh.dp > 1:
                 syncs.append(("dp", "all_reduce", "backward", mesh.dp, dp_bw))
-            for axis, kind, phase, n, link in syncs:
-                ev.grad_sync += collective_time(kind, local, n, link)
-                ev.collectives.append((name, kind, phase, local, axis))
-        numel = math.prod(info.shape) / shards
-        states = model_state_memory(numel, DTYPE_BYTES.get(info.dtype, 4), zero_stage=3 if zero else 0, dp=mesh.dp)
-        ev.state_memory += states.total if fqn in self.graph.trainable else states.params
+            numel = math.prod(info.shape) / shards
+            states = model_state_memory(numel, DTYPE_BYTES.get(info.dtype, 4), zero_stage=3 if zero else 0, dp=mesh.dp)
+            ev.state_memory += states.total if trainable else states.params
+        for axis, kind, phase, n, link in syncs:
+            ev.grad_sync += collective_time(kind, local, n, link)
+            ev.collectives.append((name, kind, phase, local, axis))
 
     # ---- repeated layers -------------------------------------------------------------------
 
@@ -474,7 +544,9 @@ def _layer_hash(graph: OpGraph, nodes: tuple[str, ...]) -> str:
         node = graph.node(n)
         preds = sorted(pos.get(p, -1) - pos[n] if p in pos else -10**6 for p in graph.graph.predecessors(n))
         params = [(graph.params[f].shape, graph.params[f].dtype) for f in node.params]
-        h.update(repr((node.op, node.inputs, node.outputs, params, preds)).encode())
+        fx_node = graph.fx_nodes.get(n)  # scalar arguments too: transpose dims, softmax dim, is_causal
+        scalars = repr(fx.node.map_arg((fx_node.args, fx_node.kwargs), lambda _: None)) if fx_node is not None else ""
+        h.update(repr((node.op, node.inputs, node.outputs, params, preds, scalars)).encode())
     return h.hexdigest()
 
 
@@ -562,7 +634,7 @@ def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bo
         logical_mesh=tuple(logical),
         params=dict(sorted(params.items())),
         ops=ops,
-        cost={"compute_s": compute, "comm_s": comm, "reshard_s": total - latency - compute - comm - grad_sync,
+        cost={"compute_s": compute, "comm_s": comm, "reshard_s": max(0.0, total - latency - compute - comm - grad_sync),
               "grad_sync_s": grad_sync + latency, "total_s": total},
         memory={"model_states": sum(e.state_memory for e in per_anchor),
                 "activations": sum(e.activation_memory for e in per_anchor),
@@ -597,9 +669,11 @@ def logical_meshes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
 
 def best_sharding(graph: OpGraph, cluster: ClusterSpec, submesh: tuple[int, int], memory_limit: float | None = None,
                   time_limit_s: float = 30.0, progress: Callable[[tuple[int, int]], None] | None = None,
-                  ) -> tuple[StageSharding, list[StageSharding]]:
-    """Solve every logical mesh of the submesh; keep the fastest that fits (ties: more data parallelism)."""
-    results, errors = [], []
+                  ) -> tuple[StageSharding, list[StageSharding], dict[tuple[int, int], str]]:
+    """Solve every logical mesh of the submesh; keep the fastest that fits (ties: more data parallelism).
+
+    Returns the best, every feasible result, and why each other logical mesh was rejected."""
+    results, errors, rejected = [], [], {}
     for logical in logical_meshes(submesh):
         if progress:
             progress(logical)
@@ -607,11 +681,15 @@ def best_sharding(graph: OpGraph, cluster: ClusterSpec, submesh: tuple[int, int]
             results.append(shard_stage(graph, cluster, submesh, logical, memory_limit, time_limit_s))
         except InfeasibleError as exc:
             errors.append(exc)
+            rejected[logical] = str(exc)
     if not results:
-        least = min(e.least_memory for e in errors)
+        if all(e.least_memory == 0 for e in errors):  # nothing failed on memory: the batch does not split
+            raise InfeasibleError(f"no logical mesh of {submesh[0]}x{submesh[1]} can split the batch: "
+                                  + "; ".join(str(e) for e in errors), 0.0)
+        least = min(e.least_memory for e in errors if e.least_memory > 0)
         limit = cluster.device.memory_bytes * 0.9 if memory_limit is None else memory_limit
         raise InfeasibleError(
             f"fits on no logical mesh of {submesh[0]}x{submesh[1]}: the leanest sharding needs "
             f"{least / 2**30:.2f} GiB per device, {limit / 2**30:.2f} GiB is available; "
             "use more devices or a smaller batch", least)
-    return min(results, key=lambda r: (float(f"{r.time:.6g}"), -r.logical_mesh[0])), results
+    return min(results, key=lambda r: (float(f"{r.time:.6g}"), -r.logical_mesh[0])), results, rejected

@@ -78,6 +78,20 @@ def signature(node: fx.Node) -> Signature:
                      [fresh.take(len(o)).upper() for o in outs], UNKNOWN)
 
 
+def _arg(node: fx.Node, name: str, default: Any = None) -> Any:
+    """An argument by its schema name, positional or keyword."""
+    schema = getattr(node.target, "_schema", None)
+    if name in node.kwargs:
+        return node.kwargs[name]
+    if schema is not None:
+        for i, arg in enumerate(schema.arguments):
+            if arg.name == name:
+                if i < len(node.args):
+                    return node.args[i]
+                return arg.default_value if arg.has_default_value() else default
+    return default
+
+
 def _args(node: fx.Node) -> list:
     """Positional args followed by the schema's defaults, so builders can index them."""
     schema = getattr(node.target, "_schema", None)
@@ -116,17 +130,18 @@ def _place(node: fx.Node, ins: list, assign: dict[int, str]) -> list[str | None]
 
 def _matmul_letters(a: tuple, b: tuple, out: tuple) -> tuple[str, str, str]:
     """numpy matmul broadcasting: batch dims aligned right, then m k @ k n."""
-    batch = "bcdefg"[: len(out) - 2] if len(out) >= 2 else ""
-    m, k, n = "m", "k", "n"
-    la = (batch[len(batch) - (len(a) - 2):] + m + k) if len(a) >= 2 else k
-    lb = (batch[len(batch) - (len(b) - 2):] + k + n) if len(b) >= 2 else k
-    lo = batch + (m if len(a) >= 2 else "") + (n if len(b) >= 2 else "")
-    return la, lb, lo
+    batch = "bcdefg"[: len(out) - 2]
+    la = batch[len(batch) - (len(a) - 2):] + "mk"
+    lb = batch[len(batch) - (len(b) - 2):] + "kn"
+    # a broadcast (size-1) batch dim is not the output's: give it a letter of its own
+    la = "".join(c if i >= len(a) - 2 or a[i] == out[len(out) - len(a) + i] else c.upper() for i, c in enumerate(la))
+    lb = "".join(c if i >= len(b) - 2 or b[i] == out[len(out) - len(b) + i] else c.upper() for i, c in enumerate(lb))
+    return la, lb, batch + "mn"
 
 
 def _linear(node, ins, outs):
     args = _args(node)
-    x, w = _shape(args[0].meta["val"]), _shape(args[1].meta["val"])
+    x = _shape(args[0].meta["val"])
     lead = string.ascii_lowercase[: len(x) - 1].replace("k", "z").replace("n", "y")
     assign = {_input_index(node, args[0]): lead + "k", _input_index(node, args[1]): "nk"}
     if isinstance(args[2], fx.Node):
@@ -137,6 +152,8 @@ def _linear(node, ins, outs):
 def _mm(node, ins, outs, bias_first: bool = False):
     args = _args(node)
     a, b = (args[1], args[2]) if bias_first else (args[0], args[1])
+    if len(_shape(a.meta["val"])) < 2 or len(_shape(b.meta["val"])) < 2:
+        return None  # matrix-vector products: no rule, the fallback replicates them
     la, lb, lo = _matmul_letters(_shape(a.meta["val"]), _shape(b.meta["val"]), outs[0])
     assign = {_input_index(node, a): la, _input_index(node, b): lb}
     if bias_first and isinstance(args[0], fx.Node):
@@ -260,6 +277,11 @@ def _same(node, ins, outs):
     return Signature(_place(node, ins, {0: letters}), [letters], FOLLOWER, view=True)
 
 
+def _elementwise(node, ins, outs):
+    letters = string.ascii_lowercase[: len(ins[0])]
+    return Signature(_place(node, ins, {0: letters}), [letters] * len(outs), FOLLOWER)
+
+
 def _reshape(node, ins, outs):
     """Merged dims keep the outer dim's letter; a split dim gives its letter to the outer part."""
     src, dst = ins[0], outs[0]
@@ -337,6 +359,12 @@ def _split(node, ins, outs):
     return Signature(_place(node, ins, {0: letters}), [out] * len(outs), FOLLOWER, view=True)
 
 
+def _unbind(node, ins, outs):
+    d = _arg(node, "dim", 0) % len(ins[0])
+    letters = string.ascii_lowercase[: len(ins[0])]
+    return Signature(_place(node, ins, {0: letters}), [letters[:d] + letters[d + 1:]] * len(outs), FOLLOWER, view=True)
+
+
 def _getitem(node, ins, outs):
     src = node.args[0].meta.get("val")
     producer = signature(node.args[0]) if isinstance(src, (tuple, list)) else None
@@ -350,11 +378,11 @@ def _reduction(node, ins, outs, linear: bool):
     args = _args(node)
     src = ins[0]
     letters = string.ascii_lowercase[: len(src)]
-    dims = args[1] if len(args) > 1 else None
+    dims = _arg(node, "dim", None)
     if dims is None or dims == []:
         dims = list(range(len(src)))
     dims = {d % len(src) for d in (dims if isinstance(dims, (list, tuple)) else [dims])}
-    keepdim = bool(args[2]) if len(args) > 2 and isinstance(args[2], bool) else False
+    keepdim = bool(_arg(node, "keepdim", False))
     out = "".join(("Q" if keepdim else "") if i in dims else c for i, c in enumerate(letters))
     return Signature(_place(node, ins, {0: letters}), [out] + [out] * (len(outs) - 1), FOLLOWER, linear=linear)
 
@@ -440,7 +468,7 @@ _BUILDERS = {
     "split": _split,
     "split_with_sizes": _split,
     "chunk": _split,
-    "unbind": _split,
+    "unbind": _unbind,
     "alias": _same,
     "detach": _same,
     "clone": _same,
@@ -448,7 +476,7 @@ _BUILDERS = {
     "_to_copy": _same,
     "to": _same,
     "type_as": _same,
-    "dropout": _same,
+    "dropout": _elementwise,
     "sum": _sum,
     "mean": _sum,
     "amax": _max,

@@ -37,7 +37,7 @@ def plan_single_stage(
     graph = capture(workload.model, workload.example_inputs)
     capture_s = time.perf_counter() - start
     try:
-        best, results = best_sharding(graph, cluster, mesh, memory_limit, time_limit_s, progress)
+        best, results, rejected = best_sharding(graph, cluster, mesh, memory_limit, time_limit_s, progress)
     except InfeasibleError as exc:
         raise InfeasibleError(f"{workload.name} (batch {workload.batch}) {exc}", exc.least_memory) from None
     stage = {"layers": [0, len(graph.layers())], "submesh": list(mesh), **_stage_json(best)}
@@ -53,7 +53,8 @@ def plan_single_stage(
         "candidates": [{"logical_mesh": list(r.logical_mesh), "step_time_s": r.time,
                         "peak_memory_bytes": r.memory["total"], "solver_status": r.solver["status"],
                         "solve_time_s": r.solver["time_s"]}
-                       for r in results],
+                       for r in results]
+                      + [{"logical_mesh": list(logical), "rejected": why} for logical, why in rejected.items()],
         "capture_time_s": round(capture_s, 3),
         "planning_time_s": round(time.perf_counter() - start, 3),
     }

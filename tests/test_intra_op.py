@@ -35,7 +35,7 @@ def forward(result, axis="tp"):
 
 
 def test_large_weights_small_batch_is_megatron_tensor_parallel():
-    best, _ = best_sharding(mlp_graph(8192, 32768, 8), HOST, (1, 8))
+    best, _, _ = best_sharding(mlp_graph(8192, 32768, 8), HOST, (1, 8))
     assert best.logical_mesh == (1, 8)
     assert best.params["fc1.weight"] == ["R", "S(0)"]  # column-parallel (torch stores [out, in])
     assert best.params["fc2.weight"] == ["R", "S(1)"]  # row-parallel
@@ -44,7 +44,7 @@ def test_large_weights_small_batch_is_megatron_tensor_parallel():
 
 
 def test_tiny_weights_large_batch_is_data_parallel():
-    best, _ = best_sharding(mlp_graph(64, 256, 65536), HOST, (1, 8))
+    best, _, _ = best_sharding(mlp_graph(64, 256, 65536), HOST, (1, 8))
     dp, tp = best.logical_mesh
     assert all(p == ["R", "R"] for p in best.params.values())  # every device holds every weight
     for name, (on_dp, on_tp) in best.ops.items():  # and every activation is split by samples
@@ -71,8 +71,9 @@ def test_gpt_block_on_tensor_axis_splits_heads_like_megatron():
         assert r.params[f"{layer}.mlp.fc2.weight"] == ["R", "S(1)"]
     attention = [n for n in graph if n.op == "aten.scaled_dot_product_attention.default"]
     assert all(r.ops[n.name] == ["R", "S(1)"] for n in attention)  # [batch, heads, seq, dim]: by heads
-    per_layer = [c for c in forward(r) if c[1] == "all_reduce"]
-    assert len([c for c in per_layer if c[0] != graph.outputs[0]]) == 2 * 2  # two per block, as Megatron
+    in_blocks = [c for c in forward(r) if c[1] == "all_reduce" and graph.node(c[0]).layer.startswith("h.")]
+    assert len(in_blocks) == 2 * 2  # two per block, as Megatron
+    assert r.params["wte.weight"] == ["R", "S(0)"]  # vocabulary-parallel embedding, tied to the output layer
 
 
 def test_repeated_layers_are_solved_once():
@@ -140,3 +141,44 @@ def test_every_zoo_family_plans_on_every_logical_mesh(name):
         assert r.solver["status"] == "optimal" and r.time > 0
         assert set(r.params) == set(graph.params)
         assert all(len(p) == 2 for p in r.ops.values())
+
+
+class TiedAndViewed(nn.Module):
+    """An embedding tied to the output layer, a weight used through .t(), and a follower's bias."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(4096, 1024)
+        self.w = nn.Parameter(torch.randn(1024, 1024))
+        self.bias = nn.Parameter(torch.zeros(1024))
+
+    def forward(self, idx):
+        h = self.emb(idx) @ self.w.t() + self.bias
+        return h @ self.emb.weight.t()
+
+
+def test_tied_weights_views_and_follower_parameters_are_priced():
+    with torch.device("meta"):
+        graph = capture(TiedAndViewed(), torch.zeros(64, 128, dtype=torch.long, device="meta"))
+    for logical in logical_meshes((1, 8)):
+        r = shard_stage(graph, HOST, (1, 8), logical)
+        assert set(r.params) == {"emb.weight", "w", "bias"}  # the .t() view maps back to w
+        states = r.memory["model_states"]
+        assert states >= sum(p.nbytes for p in graph.params.values()) * 16 / 4 / 8 * 0.99  # all three stored
+        syncs = {(c["node"], c["axis"]) for c in r.collectives if c["phase"] == "backward" and c["kind"] == "all_reduce"}
+        dp, tp = logical
+        if tp > 1:
+            split_by_batch = [n for n, (on_dp, on_tp) in r.ops.items() if on_tp == "S(0)"]
+            if split_by_batch:  # batch split on the tensor axis: every replicated weight reduces its gradient there
+                for fqn, (_, on_tp) in r.params.items():
+                    if on_tp == "R":
+                        users = [n.name for n in graph if fqn in n.params]
+                        assert any((u, "tp") in syncs for u in users), fqn
+
+
+def test_data_axis_must_divide_the_batch():
+    graph = mlp_graph(64, 64, 6)
+    with pytest.raises(InfeasibleError, match="does not divide the batch"):
+        shard_stage(graph, HOST, (1, 8), (8, 1))
+    best, results, rejected = best_sharding(graph, HOST, (1, 8))
+    assert (8, 1) in rejected and (4, 2) in rejected and best.logical_mesh in ((2, 4), (1, 8))
