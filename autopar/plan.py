@@ -1,0 +1,200 @@
+"""The Plan: the one contract between the planner and the runtime (`"schema": "autopar.plan/1"`).
+
+Keyed by stable strings only (parameter FQNs, exported node names, layer names), so a plan
+written by the planner, by the hand-written 3D generator or by a person runs the same way, and
+round-trips through JSON byte for byte. Timings of the search itself are not part of the plan:
+the same inputs give the same file.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autopar.errors import AutoparError
+from autopar.jsonio import write_json
+
+SCHEMA = "autopar.plan/1"
+SCHEDULES = ("1f1b", "gpipe")
+_PLACEMENT = re.compile(r"R|P|S\(\d+\)")
+
+
+class PlanError(AutoparError):
+    """A plan file that is malformed, of another schema, or for another model or cluster."""
+
+
+@dataclass
+class StagePlan:
+    layers: tuple[int, int]  # [start, end) in `Plan.layers`
+    submesh: tuple[int, int]  # (hosts, devices per host)
+    logical_mesh: tuple[int, int]  # (dp, tp)
+    params: dict[str, list[str]] = field(default_factory=dict)  # FQN -> [placement on dp, on tp]
+    ops: dict[str, list[str]] = field(default_factory=dict)  # node -> [placement on dp, on tp]
+    recompute: bool = False
+    cost: dict[str, float] = field(default_factory=dict)  # per microbatch and per step, itemised
+
+    @property
+    def devices(self) -> int:
+        return self.submesh[0] * self.submesh[1]
+
+
+@dataclass
+class Estimate:
+    step_time_s: float
+    tflops_per_device: float
+    peak_memory_bytes: float
+    bubble_fraction: float
+    fits: bool = True
+
+
+@dataclass
+class Plan:
+    model: str
+    graph_hash: str
+    batch: int
+    cluster: str
+    mesh: tuple[int, int]
+    layers: list[dict[str, Any]]  # {"name": layer hint, "nodes": [exported node names]}
+    stages: list[StagePlan]
+    num_microbatches: int
+    schedule: str = "1f1b"
+    dp_gradient: dict[str, Any] = field(default_factory=lambda: {"zero_stage": 0, "compression": None, "delay": 0})
+    estimate: Estimate | None = None
+    search: dict[str, Any] = field(default_factory=dict)  # how it was found: "auto" / "manual", solves, hits
+    name: str = "auto"
+
+    # ---- JSON ------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["stages"] = [{**s, "layers": list(s["layers"]), "submesh": list(s["submesh"]),
+                           "logical_mesh": list(s["logical_mesh"])} for s in data["stages"]]
+        data["mesh"] = list(self.mesh)
+        return {"schema": SCHEMA, **data}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        write_json(path, self.to_dict())
+
+    @staticmethod
+    def load(path: str | Path) -> Plan:
+        try:
+            text = Path(path).read_text()
+        except FileNotFoundError:
+            raise PlanError(f"plan file {path} does not exist") from None
+        except OSError as exc:
+            raise PlanError(f"cannot read plan file {path}: {exc}") from None
+        return Plan.from_json(text, str(path))
+
+    @staticmethod
+    def from_json(text: str, source: str = "plan") -> Plan:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"{source} is not valid JSON: {exc}") from None
+        return _parse(data, source)
+
+    # ---- checks against what it will run on ------------------------------------------------
+
+    def check_graph(self, graph_hash: str) -> None:
+        if graph_hash != self.graph_hash:
+            raise PlanError(
+                f"this plan was made for another model or batch (graph {self.graph_hash}, this one is {graph_hash}): "
+                f"re-plan with `autopar plan {self.model}`")
+
+    @property
+    def num_devices(self) -> int:
+        return sum(s.devices for s in self.stages)
+
+    def summary(self) -> str:
+        """A few readable lines: stages, meshes, microbatches, prediction."""
+        lines = [f"{self.name} plan for {self.model} (batch {self.batch}) on {self.cluster} "
+                 f"{self.mesh[0]}x{self.mesh[1]}: {len(self.stages)} stage(s), {self.num_microbatches} "
+                 f"microbatch(es), {self.schedule}"]
+        for i, s in enumerate(self.stages):
+            names = [self.layers[k]["name"] for k in range(*s.layers)]
+            span = names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"
+            lines.append(f"  stage {i}: layers {s.layers[0]}–{s.layers[1] - 1} ({span}) on {s.submesh[0]}x{s.submesh[1]} "
+                         f"devices as dp {s.logical_mesh[0]} × tp {s.logical_mesh[1]}"
+                         + (", recomputing activations" if s.recompute else ""))
+        if self.estimate:
+            e = self.estimate
+            lines.append(f"  predicted: {e.step_time_s * 1e3:.1f} ms per step, {e.tflops_per_device:.1f} TFLOP/s per "
+                         f"device, peak {e.peak_memory_bytes / 2**30:.2f} GiB, bubble {e.bubble_fraction:.0%}"
+                         + ("" if e.fits else " — DOES NOT FIT in memory"))
+        return "\n".join(lines)
+
+
+def _parse(data: Any, source: str) -> Plan:
+    """Build a Plan from JSON data, naming the first thing that is wrong."""
+    if not isinstance(data, dict):
+        raise PlanError(f"{source}: expected a JSON object, got {type(data).__name__}")
+    if data.get("schema") != SCHEMA:
+        raise PlanError(f"{source}: schema {data.get('schema')!r} is not {SCHEMA!r}; re-plan with this version of autopar")
+
+    def need(obj: dict, key: str, kind: type | tuple, where: str = "") -> Any:
+        value = obj.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+            raise PlanError(f"{source}: {where}{key} must be {_kind(kind)}, got {value!r}")
+        return value
+
+    def pair(obj: dict, key: str, where: str) -> tuple[int, int]:
+        value = need(obj, key, list, where)
+        if len(value) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+            raise PlanError(f"{source}: {where}{key} must be two non-negative integers, got {value!r}")
+        return tuple(value)
+
+    layers = need(data, "layers", list)
+    stages = []
+    for i, s in enumerate(need(data, "stages", list)):
+        where = f"stages[{i}]."
+        if not isinstance(s, dict):
+            raise PlanError(f"{source}: stages[{i}] must be an object")
+        stage = StagePlan(
+            layers=pair(s, "layers", where), submesh=pair(s, "submesh", where), logical_mesh=pair(s, "logical_mesh", where),
+            params=need(s, "params", dict, where), ops=need(s, "ops", dict, where),
+            recompute=bool(s.get("recompute", False)), cost=need(s, "cost", dict, where))
+        for kind, table in (("params", stage.params), ("ops", stage.ops)):
+            for key, placement in table.items():
+                if not (isinstance(placement, list) and len(placement) == 2
+                        and all(isinstance(p, str) and _PLACEMENT.fullmatch(p) for p in placement)):
+                    raise PlanError(f"{source}: {where}{kind}[{key!r}] must be two placements (R, P or S(d)), "
+                                    f"got {placement!r}")
+        if stage.logical_mesh[0] * stage.logical_mesh[1] != stage.devices or stage.devices == 0:
+            raise PlanError(f"{source}: {where}logical_mesh {list(stage.logical_mesh)} does not tile its submesh "
+                            f"{list(stage.submesh)}")
+        stages.append(stage)
+    if not stages:
+        raise PlanError(f"{source}: a plan needs at least one stage")
+    expected = 0
+    for i, s in enumerate(stages):
+        if s.layers[0] != expected or s.layers[1] <= s.layers[0]:
+            raise PlanError(f"{source}: stages must cover the layers in order without gaps; stages[{i}] has "
+                            f"{list(s.layers)}, expected to start at {expected}")
+        expected = s.layers[1]
+    if expected != len(layers):
+        raise PlanError(f"{source}: the stages cover {expected} of {len(layers)} layers")
+    schedule = need(data, "schedule", str)
+    if schedule not in SCHEDULES:
+        raise PlanError(f"{source}: schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    mb = need(data, "num_microbatches", int)
+    batch = need(data, "batch", int)
+    if mb < 1 or batch % mb:
+        raise PlanError(f"{source}: num_microbatches {mb} must be at least 1 and divide the batch {batch}")
+    est = data.get("estimate")
+    return Plan(
+        model=need(data, "model", str), graph_hash=need(data, "graph_hash", str), batch=batch,
+        cluster=need(data, "cluster", str), mesh=pair(data, "mesh", ""), layers=layers, stages=stages,
+        num_microbatches=mb, schedule=schedule, dp_gradient=need(data, "dp_gradient", dict),
+        estimate=Estimate(**est) if isinstance(est, dict) else None,
+        search=data.get("search") or {}, name=str(data.get("name", "auto")))
+
+
+def _kind(kind: type | tuple) -> str:
+    names = {list: "a list", dict: "an object", str: "a string", int: "an integer", bool: "true or false"}
+    return " or ".join(names.get(k, k.__name__) for k in (kind if isinstance(kind, tuple) else (kind,)))

@@ -1,0 +1,50 @@
+"""The schedule replay against closed forms: Alpa's eq. 2, 1F1B's memory, transfers and gradient sync."""
+
+import pytest
+
+from cost_models.simulator import StageTimes, schedule_order, simulate
+
+
+def uniform(n, f=1.0, b=2.0, send=0.0, sync=0.0, act=1.0):
+    return [StageTimes(forward_s=f, backward_s=b, send_s=send if i < n - 1 else 0.0, grad_sync_s=sync,
+                       state_bytes=10.0, activation_bytes=act) for i in range(n)]
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+@pytest.mark.parametrize("stages, micro", [(1, 1), (1, 8), (4, 8), (4, 4), (8, 32), (3, 2)])
+def test_uniform_pipeline_matches_alpa_eq2(schedule, stages, micro):
+    sim = simulate(uniform(stages), micro, schedule)
+    per_stage = 3.0
+    assert sim.step_time_s == pytest.approx(stages * per_stage + (micro - 1) * per_stage)  # Σ t_i + (B-1) max t
+    assert sim.bubble_fraction == pytest.approx((stages - 1) / (micro + stages - 1))
+
+
+def test_1f1b_keeps_fewer_microbatches_in_flight_than_gpipe():
+    one = simulate(uniform(4), 16, "1f1b")
+    gpipe = simulate(uniform(4), 16, "gpipe")
+    assert one.peak_memory_bytes == [10 + 4, 10 + 3, 10 + 2, 10 + 1]  # stages - index microbatches
+    assert gpipe.peak_memory_bytes == [10 + 16] * 4
+
+
+def test_slowest_stage_sets_the_pace():
+    stages = [StageTimes(1, 2, 0, 0), StageTimes(2, 4, 0, 0)]
+    assert simulate(stages, 10).step_time_s == pytest.approx(3 + 6 + 9 * 6)
+
+
+def test_transfers_and_gradient_sync_add_up():
+    base = simulate(uniform(2), 4).step_time_s
+    with_send = simulate(uniform(2, send=0.5), 4).step_time_s
+    # at least one hop each way on the critical path, at most one per microbatch each way
+    assert base + 2 * 0.5 <= with_send <= base + 2 * 4 * 0.5
+    synced = simulate(uniform(2, sync=5.0), 4)
+    assert synced.step_time_s == pytest.approx(base - 2.0 + 5.0)  # starts with stage 0's last backward
+    assert {e.kind for e in synced.events} == {"F", "B", "sync"}
+
+
+def test_schedule_order_is_complete():
+    for schedule in ("1f1b", "gpipe"):
+        for s in range(4):
+            order = schedule_order(schedule, 4, s, 6)
+            assert sorted(order) == sorted([("F", i) for i in range(6)] + [("B", i) for i in range(6)])
+    with pytest.raises(ValueError, match="unknown schedule"):
+        schedule_order("zb", 2, 0, 2)
