@@ -38,7 +38,7 @@ def test_transfers_and_gradient_sync_add_up():
     assert base + 2 * 0.5 <= with_send <= base + 2 * 4 * 0.5
     synced = simulate(uniform(2, sync=5.0), 4)
     assert synced.step_time_s == pytest.approx(base - 2.0 + 5.0)  # starts with stage 0's last backward
-    assert {e.kind for e in synced.events} == {"F", "B", "sync"}
+    assert {e.kind for e in synced.events} == {"F", "B", "send", "sync"}
 
 
 def test_schedule_order_is_complete():
