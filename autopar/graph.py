@@ -152,6 +152,33 @@ class OpGraph:
             activation_bytes=sum(n.output_bytes for n in nodes if not n.is_view and n.op != "input"),
         )
 
+    @functools.cached_property
+    def layer_list(self) -> list[Layer]:
+        """`layers()`, computed once (the graph does not change after capture)."""
+        return self.layers()
+
+    def subgraph(self, names: list[str]) -> OpGraph:
+        """The ops `names` as a graph of their own: tensors from outside enter as inputs (same names)."""
+        keep = set(names)
+        sub = nx.DiGraph()
+        for n in self._order:
+            if n not in keep:
+                continue
+            for src in self.graph.predecessors(n):
+                if src not in keep and src not in sub:
+                    node = self.node(src)
+                    sub.add_node(src, op=OpNode(name=src, op="input", outputs=node.outputs, layer=node.layer,
+                                                requires_grad=node.requires_grad))
+            sub.add_node(n, op=self.node(n))
+        for src, dst, data in self.graph.edges(data=True):
+            if dst in keep and src in sub:
+                sub.add_edge(src, dst, **data)
+        used = {f for n in keep for f in self.node(n).params}
+        outputs = [n for n in names if n in self.outputs or any(d not in keep for d in self.graph.successors(n))]
+        return OpGraph(sub, params={f: t for f, t in self.params.items() if f in used},
+                       buffers=self.buffers, outputs=outputs, warnings=self.warnings, exported=self.exported,
+                       placeholders=self.placeholders, trainable=self.trainable & used)
+
     def fingerprint(self) -> str:
         """Structural hash: ops, shapes, dtypes, parameter names and edges; plans are keyed by it."""
         h = hashlib.sha256()

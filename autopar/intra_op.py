@@ -28,7 +28,7 @@ import numpy as np
 from torch import fx
 
 from autopar import letters as L
-from autopar.graph import OpGraph
+from autopar.graph import OpGraph, OpNode
 from autopar.ilp import InfeasibleError, Problem, solve
 from autopar.placement import P, R, edge_time, redistribution, redistribution_time, shard, shard_dim
 from cost_models import ClusterSpec, Link, axis_link, collective_time, compute_time, model_state_memory
@@ -50,6 +50,14 @@ class Mesh:
     @staticmethod
     def of(cluster: ClusterSpec, submesh: tuple[int, int], logical: tuple[int, int]) -> Mesh:
         return Mesh(logical[0], logical[1], axis_link(cluster, logical, 0, submesh), axis_link(cluster, logical, 1, submesh))
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A layout convention as a constraint: which letters an anchor may split (None: replicated)."""
+
+    letters: Callable[[L.Signature, OpNode], set[str | None]]
+    zero: bool = True  # whether ZeRO-3 may be chosen on the data axis
 
 
 @dataclass(frozen=True)
@@ -245,7 +253,9 @@ class _Stage:
 
     # ---- strategies and their costs --------------------------------------------------------
 
-    def strategies(self, anchor: str) -> list[Strategy]:
+    def strategies(self, anchor: str, rule: Rule | None = None) -> list[Strategy]:
+        """The tensor-axis splits an anchor may take (narrowed by a layout rule), each with and
+        without ZeRO-3 on the data axis when the group holds parameters."""
         sig = self.sig[anchor]
         letters: list[str | None] = [None]
         if sig.kind in (L.ANCHOR,) and self.mesh.tp > 1:
@@ -256,8 +266,11 @@ class _Stage:
                 if c in sizes and sizes[c] % n == 0 and sizes[c] >= n:
                     if any(c in o for o in sig.outputs) or sig.linear:
                         letters.append(c)
+        if rule is not None:
+            allowed = rule.letters(sig, self.graph.node(anchor))
+            letters = [c for c in letters if c in allowed] or [None]
         has_params = any(self.owner.get(f) in self.members[anchor] for f in self.owner)
-        zeros = [False, True] if has_params and self.mesh.dp > 1 else [False]
+        zeros = [False, True] if has_params and self.mesh.dp > 1 and (rule is None or rule.zero) else [False]
         return [Strategy(c, z) for c in letters for z in zeros]
 
     def _sizes(self, name: str) -> dict[str, int]:
@@ -528,7 +541,7 @@ def _representatives(graph: OpGraph) -> dict[str, str]:
     first: dict[str, tuple[str, ...]] = {}
     rep: dict[str, str] = {}
     for layer in graph.layers():
-        h = _layer_hash(graph, layer.nodes)
+        h = layer_hash(graph, layer.nodes)
         if h in first and len(first[h]) == len(layer.nodes):
             rep.update(zip(layer.nodes, first[h]))
         else:
@@ -536,7 +549,7 @@ def _representatives(graph: OpGraph) -> dict[str, str]:
     return rep
 
 
-def _layer_hash(graph: OpGraph, nodes: tuple[str, ...]) -> str:
+def layer_hash(graph: OpGraph, nodes: tuple[str, ...]) -> str:
     """Structure of a layer without names: ops, shapes, parameter shapes and internal wiring."""
     pos = {n: i for i, n in enumerate(nodes)}
     h = hashlib.sha256()
@@ -571,12 +584,16 @@ def shard_stage(
     logical: tuple[int, int],
     memory_limit: float | None = None,
     time_limit_s: float = 30.0,
+    rule: Rule | None = None,
 ) -> StageSharding:
-    """Solve the sharding of `graph` on logical mesh `logical` (dp, tp) over `submesh` (hosts, devices)."""
+    """Solve the sharding of `graph` on logical mesh `logical` (dp, tp) over `submesh` (hosts, devices).
+
+    `rule` narrows each anchor's choices (a hand-written layout such as Megatron-LM's): the ILP
+    still places everything else consistently and prices it the same way."""
     mesh = Mesh.of(cluster, submesh, logical)
     stage = _Stage(graph, cluster, mesh)
     anchors = [n for n in stage.names if stage.root.get(n) == n]
-    strategies = {a: stage.strategies(a) for a in anchors}
+    strategies = {a: stage.strategies(a, rule) for a in anchors}
     stage.tie(strategies)
     classes = [a for a in anchors if stage.cls[a] == a]
     evals = {c: [stage.evaluate(c, s) for s in strategies[c]] for c in classes}

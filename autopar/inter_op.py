@@ -1,0 +1,118 @@
+"""Inter-op pass: cut the layers into pipeline stages, each on a submesh (Alpa eq. 2–5).
+
+    T* = min over t_max of  (M − 1)·t_max + min Σ_i t_i   (every t_i ≤ t_max)
+
+where t_i is the per-microbatch time of stage i (its layers on its submesh with its best logical
+mesh, sharding, and recomputation when memory needs it) and the stages use every device.
+`stage_dp` is a pure function over the cost array; t_max runs over the distinct stage times with
+Alpa's early stop (once M·t_max exceeds the best total, no larger t_max can win). The plan it
+picks is then replayed by the schedule simulator, which adds what eq. 2 leaves out: transfers
+between stages and the data-parallel gradient reduction.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+INF = float("inf")
+
+
+def submesh_shapes(hosts: int, per_host: int) -> list[tuple[int, int]]:
+    """(1,1), (1,2), (1,4) … (1,M), then (2,M) … (N,M), as Alpa enumerates them."""
+    shapes, k = [], 1
+    while k < per_host:
+        shapes.append((1, k))
+        k *= 2
+    return shapes + [(n, per_host) for n in range(1, hosts + 1)]
+
+
+@dataclass(frozen=True)
+class StageChoice:
+    layers: tuple[int, int]
+    shape: int  # index into the submesh shapes
+
+
+def stage_dp(times: np.ndarray, sizes: list[int], devices: int, num_microbatches: int
+             ) -> tuple[float, list[StageChoice]]:
+    """times[s, i, j, k]: per-microbatch time of layers [i, j) as the s-th stage from the end on
+    submesh shape k (inf where it does not fit). Returns (eq. 2 total, stages in order)."""
+    _, n_layers, _, n_shapes = times.shape
+    n_layers -= 1
+    finite = times[np.isfinite(times)]
+    best_total, best_plan = INF, []
+    for t_max in np.unique(finite):
+        if num_microbatches * t_max >= best_total:
+            break  # Alpa's early stop: every later t_max only adds to (M-1)·t_max
+        total, plan = _dp_for(times, sizes, devices, n_layers, n_shapes, t_max)
+        if plan and total + (num_microbatches - 1) * t_max < best_total:
+            best_total, best_plan = total + (num_microbatches - 1) * t_max, plan
+    return best_total, best_plan
+
+
+def _dp_for(times, sizes, devices, n_layers, n_shapes, t_max) -> tuple[float, list[StageChoice]]:
+    """min Σ t_i with every t_i ≤ t_max and exactly `devices` devices, by stages counted from the end."""
+    max_stages = times.shape[0] - 1
+    g = np.full((max_stages + 1, n_layers + 1, devices + 1), INF)
+    back = {}
+    g[0, n_layers, 0] = 0.0
+    for s in range(1, max_stages + 1):
+        for i in range(n_layers - 1, -1, -1):
+            for j in range(i + 1, n_layers + 1):
+                prev = g[s - 1, j]
+                if not np.isfinite(prev).any():
+                    continue
+                for k in range(n_shapes):
+                    t = times[s, i, j, k]
+                    n = sizes[k]
+                    if t > t_max or n > devices:
+                        continue
+                    cand = t + prev[: devices + 1 - n]
+                    better = cand < g[s, i, n:]
+                    if better.any():
+                        g[s, i, n:][better] = cand[better]
+                        for d in np.nonzero(better)[0]:
+                            back[(s, i, d + n)] = (j, k)
+    totals = g[1:, 0, devices]
+    if not np.isfinite(totals).any():
+        return INF, []
+    s = int(np.argmin(totals)) + 1
+    total = float(totals[s - 1])
+    plan, i, d = [], 0, devices
+    while s > 0:
+        j, k = back[(s, i, d)]
+        plan.append(StageChoice((i, j), k))
+        i, d, s = j, d - sizes[k], s - 1
+    return total, plan
+
+
+def microbatch_counts(batch: int, limit: int = 4096) -> list[int]:
+    """Divisors of the global batch (the number of microbatches must split it evenly)."""
+    return [m for m in range(1, min(batch, limit) + 1) if batch % m == 0]
+
+
+def brute_force(times: np.ndarray, sizes: list[int], devices: int, num_microbatches: int) -> float:
+    """Every contiguous split × shape assignment (for tests on small instances)."""
+    _, n_layers, _, n_shapes = times.shape
+    n_layers -= 1
+    best = INF
+
+    def rec(i: int, chosen: list[tuple[int, int, int]]) -> None:
+        nonlocal best
+        if i == n_layers:
+            if sum(sizes[k] for _, _, k in chosen) != devices:
+                return
+            s = len(chosen)
+            ts = [times[s - idx, a, b, k] for idx, (a, b, k) in enumerate(chosen)]
+            if all(math.isfinite(t) for t in ts):
+                best = min(best, sum(ts) + (num_microbatches - 1) * max(ts))
+            return
+        for j in range(i + 1, n_layers + 1):
+            for k in range(n_shapes):
+                if len(chosen) + 1 < times.shape[0]:
+                    rec(j, chosen + [(i, j, k)])
+
+    rec(0, [])
+    return best

@@ -1,0 +1,91 @@
+"""Cluster the graph into the layers pipeline stages are cut from (Alpa eq. 6).
+
+The atoms are the module-boundary layers of the capture (`OpGraph.layers()`: `wte`, `h.0`, …):
+cutting inside a module is never better for a pipeline and makes stages hard to read. Contiguous
+atoms are grouped into L layers whose FLOPs stay within ±tolerance of the average while the
+largest number of bytes crossing a layer boundary is as small as possible (ties: the most even
+FLOPs); L is the largest count for which such a balance exists, so a 0-FLOP embedding joins its
+neighbour and a large output layer stands alone.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar.graph import OpGraph
+
+
+@dataclass(frozen=True)
+class Layer:
+    name: str
+    atoms: tuple[int, int]  # [start, end) in graph.layers()
+    nodes: tuple[str, ...]
+    flops: float  # forward + backward
+    out_bytes: float  # bytes crossing from this layer into later ones
+
+
+def cluster_layers(graph: OpGraph, max_layers: int | None = None, tolerance: float = 0.25) -> list[Layer]:
+    atoms = graph.layer_list
+    n = len(atoms)
+    flops = [a.flops_fwd + a.flops_bwd for a in atoms]
+    cut = _cut_bytes(graph, atoms)
+    total = sum(flops)
+    for count in range(min(n, max_layers or n), 0, -1):
+        avg = total / count
+        bounds = _balanced(flops, cut, count, avg * (1 - tolerance), avg * (1 + tolerance))
+        if bounds is not None:
+            return [_layer(graph, atoms, a, b, cut) for a, b in zip(bounds, bounds[1:])]
+    return [_layer(graph, atoms, 0, n, cut)]
+
+
+def _cut_bytes(graph: OpGraph, atoms) -> list[float]:
+    """cut[i]: bytes of tensors produced in atoms[0..i] and read in atoms[i+1..]."""
+    where = {name: i for i, a in enumerate(atoms) for name in a.nodes}
+    delta = [0.0] * (len(atoms) + 1)
+    for src, dst, nbytes in graph.edges():
+        a, b = where[src], where[dst]
+        if a < b:
+            delta[a] += nbytes
+            delta[b] -= nbytes
+    out, running = [], 0.0
+    for i in range(len(atoms)):
+        running += delta[i]
+        out.append(running)
+    return out
+
+
+def _balanced(flops: list[float], cut: list[float], count: int, low: float, cap: float) -> list[int] | None:
+    """Boundaries of `count` groups with FLOPs in [low, cap] each, minimising (largest cut, largest
+    group) lexicographically (DP over atoms)."""
+    n = len(flops)
+    prefix = [0.0]
+    for f in flops:
+        prefix.append(prefix[-1] + f)
+    inf = (float("inf"), float("inf"))
+    best = [[inf] * (n + 1) for _ in range(count + 1)]  # best[g][i]: first i atoms in g groups
+    back = [[-1] * (n + 1) for _ in range(count + 1)]
+    best[0][0] = (0.0, 0.0)
+    for g in range(1, count + 1):
+        for i in range(g, n + 1):
+            for j in range(g - 1, i):
+                group = prefix[i] - prefix[j]
+                if best[g - 1][j] == inf or not low <= group <= cap:
+                    continue
+                prev = best[g - 1][j]
+                worst = (max(prev[0], cut[i - 1] if i < n else 0.0), max(prev[1], group))
+                if worst < best[g][i]:
+                    best[g][i], back[g][i] = worst, j
+    if best[count][n] == inf:
+        return None
+    bounds, i = [n], n
+    for g in range(count, 0, -1):
+        i = back[g][i]
+        bounds.append(i)
+    return bounds[::-1]
+
+
+def _layer(graph: OpGraph, atoms, a: int, b: int, cut: list[float]) -> Layer:
+    name = atoms[a].name if b - a == 1 else f"{atoms[a].name}…{atoms[b - 1].name}"
+    nodes = tuple(n for atom in atoms[a:b] for n in atom.nodes)
+    flops = sum(atom.flops_fwd + atom.flops_bwd for atom in atoms[a:b])
+    return Layer(name or "root", (a, b), nodes, flops, cut[b - 1] if b < len(atoms) else 0.0)

@@ -1,0 +1,144 @@
+"""Costs of pipeline stages: a layer range on a submesh, from intra-op solves of its atoms.
+
+Each atom (module-boundary layer: an embedding, a transformer block, the output layer) is solved
+by the intra-op ILP on every (submesh, logical mesh) once per structural hash — 24 identical
+blocks cost one solve — in two variants: fastest, and leanest (the least memory any sharding
+needs, then the fastest such). A stage's cost is the sum of its atoms': atoms meet at
+replicated or batch-split boundaries, which the intra-op pass enforces at every atom's output.
+
+The graph is captured at the global batch; a stage of M microbatches runs each microbatch in
+1/M of the batch-proportional time (compute, activation collectives) and holds 1/M of the
+activations per microbatch in flight, while gradient synchronisation and model states are per
+step. Recomputation keeps only each stage's input per microbatch and pays the forward again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from autopar.graph import OpGraph
+from autopar.ilp import InfeasibleError
+from autopar.intra_op import Rule, StageSharding, layer_hash, logical_meshes, shard_stage
+from cost_models import ClusterSpec, Link, p2p_time
+
+
+@dataclass(frozen=True)
+class StageOption:
+    """One way to run a layer range on a submesh, per microbatch of a given count."""
+
+    logical_mesh: tuple[int, int]
+    lean: bool  # the least-memory sharding of each atom
+    recompute: bool
+    forward_s: float
+    backward_s: float
+    send_s: float
+    grad_sync_s: float
+    state_bytes: float
+    activation_bytes: float  # per microbatch in flight
+    transient_bytes: float  # during one backward (recomputed activations)
+
+    def memory(self, in_flight: int) -> float:
+        return self.state_bytes + in_flight * self.activation_bytes + self.transient_bytes
+
+    @property
+    def time(self) -> float:
+        return self.forward_s + self.backward_s + self.send_s
+
+
+@dataclass
+class StageCosts:
+    """Intra-op results per (atom hash, submesh, logical mesh, variant), solved on demand."""
+
+    graph: OpGraph
+    cluster: ClusterSpec
+    rule: Rule | None = None
+    time_limit_s: float = 30.0
+    solves: int = 0
+    hits: int = 0
+    _cache: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.atoms = self.graph.layer_list
+        self.hashes = [layer_hash(self.graph, a.nodes) for a in self.atoms]
+        self._subgraphs: dict[int, OpGraph] = {}
+        cut = [0.0] * len(self.atoms)
+        where = {n: i for i, a in enumerate(self.atoms) for n in a.nodes}
+        for src, dst, nbytes in self.graph.edges():
+            for k in range(where[src], where[dst]):
+                cut[k] += nbytes
+        self.cut = cut  # bytes crossing the boundary after atom k
+        self.flops = [(a.flops_fwd, a.flops_bwd) for a in self.atoms]
+
+    def atom(self, k: int, submesh: tuple[int, int], logical: tuple[int, int], lean: bool) -> StageSharding | None:
+        key = (self.hashes[k], submesh, logical, lean)
+        if key in self._cache:
+            self.hits += 1
+            return self._cache[key]
+        if k not in self._subgraphs:
+            self._subgraphs[k] = self.graph.subgraph(list(self.atoms[k].nodes))
+        sub = self._subgraphs[k]
+        result = None
+        try:
+            self.solves += 1
+            result = shard_stage(sub, self.cluster, submesh, logical, float("inf"), self.time_limit_s, self.rule)
+            if lean:
+                try:
+                    shard_stage(sub, self.cluster, submesh, logical, 0.0, self.time_limit_s, self.rule)
+                except InfeasibleError as exc:
+                    self.solves += 1
+                    result = shard_stage(sub, self.cluster, submesh, logical, exc.least_memory * (1 + 1e-9),
+                                         self.time_limit_s, self.rule)
+        except InfeasibleError:
+            result = None  # the data axis does not divide this atom's batch
+        self._cache[key] = result
+        return result
+
+    def options(self, atoms: tuple[int, int], submesh: tuple[int, int], num_microbatches: int,
+                logical: list[tuple[int, int]] | None = None, recompute: tuple[bool, ...] = (False, True),
+                ) -> list[StageOption]:
+        """Every (logical mesh, variant, recompute) of atoms [a, b) on `submesh`, per microbatch."""
+        out = []
+        for lm in logical or logical_meshes(submesh):
+            if (self._batch // num_microbatches) % lm[0]:
+                continue  # the data axis must split each microbatch
+            for lean in (False, True):
+                parts = [self.atom(k, submesh, lm, lean) for k in range(*atoms)]
+                if any(p is None for p in parts):
+                    continue
+                for rc in recompute:
+                    out.append(self._option(atoms, submesh, lm, lean, rc, parts, num_microbatches))
+        return out
+
+    @property
+    def _batch(self) -> int:
+        first = next(n for n in self.graph if n.op == "input")
+        return first.outputs[0].shape[0]
+
+    def _option(self, atoms, submesh, lm, lean, rc, parts: list[StageSharding], m: int) -> StageOption:
+        fwd = bwd = comm = sync = states = acts = 0.0
+        for k, p in zip(range(*atoms), parts):
+            f, b = self.flops[k]
+            share = f / (f + b) if f + b else 0.5
+            fwd += p.cost["compute_s"] * share
+            bwd += p.cost["compute_s"] * (1 - share)
+            comm += p.cost["comm_s"] + p.cost["reshard_s"]
+            sync += p.cost["grad_sync_s"]
+            states += p.memory["model_states"]
+            acts += p.memory["activations"]
+        fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m
+        transient = 0.0
+        if rc:  # keep only the stage input per microbatch; recompute the forward before backward
+            bwd += fwd
+            transient, acts = acts, self.cut[atoms[0] - 1] / (lm[0] * m) if atoms[0] > 0 else 0.0
+        last = atoms[1] - 1
+        send = 0.0
+        if last < len(self.atoms) - 1:
+            send = p2p_time(self.cut[last] / (lm[0] * m), self._send_link(submesh))
+        return StageOption(lm, lean, rc, fwd, bwd, send, sync, states, acts, transient)
+
+    def _send_link(self, submesh: tuple[int, int]) -> Link:
+        """Stages meet inside a host when theirs is not full; otherwise the host NIC, shared."""
+        c = self.cluster
+        if submesh[0] == 1 and submesh[1] < c.devices_per_host:
+            return c.intra_host
+        return Link(bandwidth=c.inter_host.bandwidth / min(submesh[1], c.devices_per_host), latency=c.inter_host.latency)

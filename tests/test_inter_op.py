@@ -1,0 +1,36 @@
+"""The stage DP equals brute force over every contiguous split × submesh assignment."""
+
+import numpy as np
+import pytest
+
+from autopar.inter_op import brute_force, microbatch_counts, stage_dp, submesh_shapes
+
+
+def test_submesh_shapes_follow_alpa():
+    assert submesh_shapes(2, 8) == [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8)]
+    assert submesh_shapes(1, 1) == [(1, 1)]
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_stage_dp_equals_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    layers = int(rng.integers(1, 5))
+    sizes = [1, 2, 4]
+    devices = int(rng.choice([2, 4, 6]))
+    micro = int(rng.integers(1, 9))
+    max_stages = layers
+    times = rng.uniform(0.5, 5.0, (max_stages + 1, layers + 1, layers + 1, len(sizes)))
+    times[rng.random(times.shape) < 0.2] = np.inf  # some (range, shape, depth) do not fit
+    for i in range(layers + 1):
+        times[:, i, : i + 1, :] = np.inf  # empty or reversed ranges
+    times[0] = np.inf
+    total, plan = stage_dp(times, sizes, devices, micro)
+    expected = brute_force(times, sizes, devices, micro)
+    assert total == pytest.approx(expected)
+    if np.isfinite(expected):
+        assert [c.layers[0] for c in plan] == [0] + [c.layers[1] for c in plan[:-1]]
+        assert plan[-1].layers[1] == layers and sum(sizes[c.shape] for c in plan) == devices
+
+
+def test_microbatch_counts():
+    assert microbatch_counts(12) == [1, 2, 3, 4, 6, 12]
