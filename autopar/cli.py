@@ -14,7 +14,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autopar.errors import AutoparError
-from autopar.units import human, human_bytes
+from autopar.units import human, human_bytes, human_time, span
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -75,84 +75,151 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> Any:
     return None
 
 
-def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
-    from rich.progress import Progress
-
-    from autopar.jsonio import write_json
+def _search(args: argparse.Namespace):
     from autopar.models import load_workload
-    from autopar.planner import parse_mesh, plan_single_stage
+    from autopar.planner import Search, parse_mesh
     from cost_models import get_cluster
 
     mesh = parse_mesh(args.mesh)
-    if args.stages != 1:
-        raise AutoparError("only --stages 1 is planned so far (the intra-op pass); pipeline stages come with "
-                           "the inter-op pass")
     cluster = get_cluster(args.cluster)
+    workload = load_workload(args.model, batch=args.batch)
     limit = args.memory_limit * 2**30 if args.memory_limit else None
-    with Progress(console=Console(stderr=True), transient=True) as bar:
-        task = bar.add_task(f"capturing {args.model}", total=None)
-        workload = load_workload(args.model, batch=args.batch)
+    return Search.start(workload, cluster, mesh, memory_limit=limit, schedule=args.schedule,
+                        time_limit_s=args.time_limit)
 
-        def step(logical: tuple[int, int]) -> None:
-            bar.update(task, description=f"sharding on logical mesh {logical[0]}x{logical[1]}")
 
-        plan = plan_single_stage(workload, cluster, mesh, memory_limit=limit, time_limit_s=args.time_limit,
-                                 progress=step)
+def _progress(description: str):
+    from rich.progress import Progress
+
+    bar = Progress(console=Console(stderr=True), transient=True)
+    task = bar.add_task(description, total=None)
+    return bar, lambda text: bar.update(task, description=f"{description}: {text}")
+
+
+def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
+    import time
+
+    from autopar.manual import Layout, manual_plan, manual_search
+    from autopar.planner import plan_auto
+
+    start = time.perf_counter()
+    bar, step = _progress(f"planning {args.model}")
+    with bar:
+        step("capturing")
+        search = _search(args)
+        if args.stages is not None and not 1 <= args.stages <= min(len(search.layers), search.cluster.num_devices):
+            raise AutoparError(f"--stages {args.stages}: {args.model} has {len(search.layers)} layers and the mesh "
+                               f"{search.cluster.num_devices} devices; choose 1 to {min(len(search.layers), search.cluster.num_devices)}")
+        if args.manual:
+            plan = manual_plan(manual_search(search), Layout.parse(args.manual, args.recompute))
+        else:
+            plan = plan_auto(search, stages=args.stages, progress=step)
+    elapsed = time.perf_counter() - start
     if args.out:
-        write_json(args.out, plan)
+        plan.save(args.out)
     if args.json:
-        return plan
+        return {**plan.to_dict(), "planning_time_s": round(elapsed, 3)}
     _print_plan(plan, out)
-    if args.out:
-        out.print(f"plan written to {args.out}")
+    out.print(f"planned in {elapsed:.1f} s ({plan.search.get('ilp_solves', 0)} ILP solves, "
+              f"{plan.search.get('cache_hits', 0)} cache hits)" + (f" · written to {args.out}" if args.out else ""))
     return None
 
 
-def _print_plan(plan: dict, out: Console) -> None:
-    stage = plan["stages"][0]
-    table = Table(title=f"{plan['model']} (batch {plan['batch']}) on {plan['cluster']} {plan['mesh'][0]}x{plan['mesh'][1]}")
-    for col in ("logical mesh (dp × tp)", "step time", "memory / device", "solver"):
-        table.add_column(col, justify="right")
-    for c in sorted((c for c in plan["candidates"] if "step_time_s" in c), key=lambda c: c["step_time_s"]):
-        chosen = c["logical_mesh"] == stage["logical_mesh"]
-        table.add_row(("→ " if chosen else "") + f"{c['logical_mesh'][0]} × {c['logical_mesh'][1]}",
-                      f"{c['step_time_s'] * 1e3:.2f} ms", human_bytes(c["peak_memory_bytes"]), c["solver_status"])
+def cmd_show(args: argparse.Namespace, out: Console) -> Any:
+    from autopar.plan import Plan
+
+    plan = Plan.load(args.plan)
+    if args.json:
+        return plan.to_dict()
+    _print_plan(plan, out)
+    return None
+
+
+def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
+    from autopar.manual import layout_grid, manual_plan, manual_search
+    from autopar.planner import plan_auto
+
+    bar, step = _progress(f"comparing layouts for {args.model}")
+    with bar:
+        step("capturing")
+        search = _search(args)
+        auto = plan_auto(search, progress=step)
+        manual_view = manual_search(search)
+        manual = []
+        for layout in layout_grid(manual_view, args.recompute):
+            step(layout.name)
+            plan = manual_plan(manual_view, layout)
+            manual.append({"name": plan.name, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
+                           "num_microbatches": plan.num_microbatches, **_estimate(plan)})
+    manual.sort(key=lambda r: (not r["fits"], r["step_time_s"]))
+    result = {"model": args.model, "batch": search.workload.batch, "cluster": search.cluster.name,
+              "mesh": list(search.mesh), "auto": {"stages": len(auto.stages), "num_microbatches": auto.num_microbatches,
+                                                   **_estimate(auto)}, "manual": manual}
+    if args.json:
+        return result
+    table = Table(title=f"{args.model} (batch {result['batch']}) on {result['cluster']} {args.mesh}: predicted")
+    for col in ("layout", "dp", "tp", "pp", "microbatches", "step time", "TFLOP/s per device", "memory", "fits"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    rows = [{"name": "auto (" + ", ".join(f"{s.submesh[0]}x{s.submesh[1]}" for s in auto.stages) + ")",
+             "dp": "", "tp": "", "pp": len(auto.stages), "num_microbatches": auto.num_microbatches,
+             **result["auto"]}] + manual
+    for r in sorted(rows, key=lambda r: (not r["fits"], r["step_time_s"])):
+        table.add_row(r["name"], str(r["dp"]), str(r["tp"]), str(r["pp"]), str(r["num_microbatches"]),
+                      human_time(r["step_time_s"]), f"{r['tflops_per_device']:.1f}",
+                      human_bytes(r["peak_memory_bytes"]), "yes" if r["fits"] else "[red]no[/]")
     out.print(table)
-    for c in plan["candidates"]:
-        if "rejected" in c:
-            out.print(f"  {c['logical_mesh'][0]} × {c['logical_mesh'][1]} rejected: {c['rejected']}")
-    cost = stage["cost"]
-    out.print("predicted step: " + ", ".join(f"{k.removesuffix('_s')} {v * 1e3:.2f} ms" for k, v in cost.items()))
-    weights = Table(title="parameter placements [data axis, tensor axis] (biases and norms omitted)")
+    return None
+
+
+def _estimate(plan) -> dict[str, Any]:
+    e = plan.estimate
+    return {"step_time_s": e.step_time_s, "tflops_per_device": e.tflops_per_device,
+            "peak_memory_bytes": e.peak_memory_bytes, "bubble_fraction": e.bubble_fraction, "fits": e.fits}
+
+
+def _print_plan(plan, out: Console) -> None:
+    out.print(plan.summary())
+    table = Table(title="stages")
+    for col in ("#", "layers", "submesh", "dp × tp", "recompute", "fwd / mb", "bwd / mb", "send", "grad sync",
+                "model states"):
+        table.add_column(col, justify="right")
+    for i, s in enumerate(plan.stages):
+        names = [plan.layers[k]["name"] for k in range(*s.layers)]
+        c = s.cost
+        table.add_row(str(i), span(names), f"{s.submesh[0]}x{s.submesh[1]}", f"{s.logical_mesh[0]} × {s.logical_mesh[1]}",
+                      "yes" if s.recompute else "", human_time(c["forward_s"]), human_time(c["backward_s"]),
+                      human_time(c["send_s"]), human_time(c["grad_sync_s"]), human_bytes(c["state_bytes"]))
+    out.print(table)
+    first = plan.stages[0]
+    weights = Table(title="stage 0 parameter placements [data axis, tensor axis] (biases and norms omitted)")
     weights.add_column("layers")
     weights.add_column("placements")
-    for names, text in _placement_runs(stage["params"]):
+    for names, text in _placement_runs(first.params):
         weights.add_row(names, text)
     out.print(weights)
-    solver = stage["solver"]
-    out.print(f"ILP: {solver['status']}, {solver['ilp_nodes']} strategy groups for {solver['anchors']} ops, "
-              f"{solver['variables']} variables, solved in {solver['time_s']:.2f} s · planned in "
-              f"{plan['planning_time_s']:.1f} s (capture {plan['capture_time_s']:.1f} s)")
 
 
 def _placement_runs(params: dict[str, list[str]]) -> list[tuple[str, str]]:
     """Weights grouped by layer; consecutive layers with the same placements share one row."""
     by_layer: dict[str, list[str]] = {}
     for fqn, placement in params.items():
-        if fqn.endswith(".weight") and len(fqn.split(".")) > 2 and "ln" not in fqn and "norm" not in fqn or \
-                fqn.count(".") == 1 and fqn.endswith("weight"):
-            parts = fqn.split(".")
-            cut = next((i + 1 for i, p in enumerate(parts) if p.isdigit()), 1)
-            by_layer.setdefault(".".join(parts[:cut]), []).append(
-                f"{'.'.join(parts[cut:])} {'/'.join(placement)}")
+        parts = fqn.split(".")
+        if parts[-1] == "bias" or any("ln" in p or "norm" in p for p in parts):
+            continue
+        cut = next((i + 1 for i, p in enumerate(parts) if p.isdigit()), 1)
+        by_layer.setdefault(".".join(parts[:cut]), []).append(f"{'.'.join(parts[cut:])} {'/'.join(placement)}")
     runs: list[tuple[list[str], str]] = []
-    for layer, items in by_layer.items():
+    for layer, items in sorted(by_layer.items(), key=lambda kv: _natural(kv[0])):
         text = " · ".join(items)
         if runs and runs[-1][1] == text:
             runs[-1][0].append(layer)
         else:
             runs.append(([layer], text))
     return [(names[0] if len(names) == 1 else f"{names[0]} … {names[-1]} ({len(names)})", text) for names, text in runs]
+
+
+def _natural(name: str) -> list:
+    return [int(p) if p.isdigit() else p for p in name.split(".")]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -173,15 +240,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="zoo name (e.g. gpt-1.3b), FILE.py:FUNCTION or package.module:FUNCTION")
     p.add_argument("--batch", type=int, help="global batch (default: the model's suite default)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="build zoo models in this dtype")
-    p = command("plan", cmd_plan, "plan how to shard a model over a cluster (intra-op ILP per logical mesh)")
-    p.add_argument("model", help="zoo name, FILE.py:FUNCTION or package.module:FUNCTION")
-    p.add_argument("--cluster", default="cpu-local", help="preset name or cluster JSON file (default cpu-local)")
-    p.add_argument("--mesh", required=True, help="HOSTSxDEVICES, e.g. 1x8")
-    p.add_argument("--batch", type=int, help="global batch (default: the model's suite default)")
-    p.add_argument("--stages", type=int, default=1, help="pipeline stages (only 1 so far)")
-    p.add_argument("--memory-limit", type=float, help="GiB per device the plan may use (default: 90%% of memory)")
-    p.add_argument("--time-limit", type=float, default=30.0, help="seconds per ILP solve (default 30)")
+    def planning(p: argparse.ArgumentParser) -> None:
+        p.add_argument("model", help="zoo name, FILE.py:FUNCTION or package.module:FUNCTION")
+        p.add_argument("--cluster", default="cpu-local", help="preset name or cluster JSON file (default cpu-local)")
+        p.add_argument("--mesh", required=True, help="HOSTSxDEVICES, e.g. 8x8")
+        p.add_argument("--batch", type=int, help="global batch (default: the model's suite default)")
+        p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b", help="pipeline schedule")
+        p.add_argument("--recompute", action="store_true", help="hand-written layouts recompute activations")
+        p.add_argument("--memory-limit", type=float, help="GiB per device a plan may use (default: 90%% of memory)")
+        p.add_argument("--time-limit", type=float, default=30.0, help="seconds per ILP solve (default 30)")
+
+    p = command("plan", cmd_plan, "search the parallel layout of a model on a cluster (or price a hand-written one)")
+    planning(p)
+    p.add_argument("--stages", type=int, help="exactly this many pipeline stages (default: searched)")
+    p.add_argument("--manual", metavar="DP,TP,PP[,MB]", help="evaluate a hand-written Megatron-style layout")
     p.add_argument("--out", help="write the plan JSON here")
+    p = command("show", cmd_show, "show a plan file: stages, meshes, shardings, prediction")
+    p.add_argument("plan", help="plan JSON written by `autopar plan --out`")
+    p = command("compare", cmd_compare, "the searched plan against every valid hand-written 3D layout")
+    planning(p)
     return parser
 
 

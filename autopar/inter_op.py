@@ -21,12 +21,17 @@ INF = float("inf")
 
 
 def submesh_shapes(hosts: int, per_host: int) -> list[tuple[int, int]]:
-    """(1,1), (1,2), (1,4) … (1,M), then (2,M) … (N,M), as Alpa enumerates them."""
+    """(1,1), (1,2), (1,4) … (1,M), then (2,M), (4,M) … (N,M): Alpa's shapes, hosts in powers of
+    two (and N itself), which keeps the DP small on clusters of hundreds of hosts."""
     shapes, k = [], 1
     while k < per_host:
         shapes.append((1, k))
         k *= 2
-    return shapes + [(n, per_host) for n in range(1, hosts + 1)]
+    n, hosts_list = 1, []
+    while n < hosts:
+        hosts_list.append(n)
+        n *= 2
+    return shapes + [(h, per_host) for h in hosts_list + [hosts]]
 
 
 @dataclass(frozen=True)
@@ -35,15 +40,32 @@ class StageChoice:
     shape: int  # index into the submesh shapes
 
 
-def stage_dp(times: np.ndarray, sizes: list[int], devices: int, num_microbatches: int
-             ) -> tuple[float, list[StageChoice]]:
+def stage_dp(times: np.ndarray, sizes: list[int], devices: int, num_microbatches: int,
+             stages: int | None = None) -> tuple[float, list[StageChoice]]:
     """times[s, i, j, k]: per-microbatch time of layers [i, j) as the s-th stage from the end on
-    submesh shape k (inf where it does not fit). Returns (eq. 2 total, stages in order)."""
+    submesh shape k (inf where it does not fit). Returns (eq. 2 total, stages in order);
+    `stages` fixes how many."""
+    if stages is not None:  # only plans of exactly that many stages
+        times = times.copy()
+        times[stages + 1:] = INF  # no deeper pipeline
+        times[1:stages, 0] = INF  # the first layer opens the stage `stages` from the end
     _, n_layers, _, n_shapes = times.shape
     n_layers -= 1
-    finite = times[np.isfinite(times)]
+    candidates = np.unique(times[np.isfinite(times)])
+    if not len(candidates):
+        return INF, []
+    # feasibility only grows with t_max: find the smallest feasible one by bisection
+    lo, hi = 0, len(candidates) - 1
+    if not _dp_for(times, sizes, devices, n_layers, n_shapes, candidates[hi])[1]:
+        return INF, []
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _dp_for(times, sizes, devices, n_layers, n_shapes, candidates[mid])[1]:
+            hi = mid
+        else:
+            lo = mid + 1
     best_total, best_plan = INF, []
-    for t_max in np.unique(finite):
+    for t_max in candidates[lo:]:
         if num_microbatches * t_max >= best_total:
             break  # Alpa's early stop: every later t_max only adds to (M-1)·t_max
         total, plan = _dp_for(times, sizes, devices, n_layers, n_shapes, t_max)

@@ -423,7 +423,7 @@ class _Stage:
         Every user whose split leaves the weight's gradient partial all-reduces it on the tensor axis;
         the first user stores the weight and synchronises it on the data axis. Gradients move in
         buckets (as DDP and FSDP do): a parameter pays the bandwidth of its bytes, the per-message
-        latency is paid per bucket (`_sync_latency`)."""
+        latency is paid per bucket (`_bucket_latency`)."""
         ev.params[fqn] = placement
         info, mesh = self.graph.params[fqn], self.mesh
         shards = mesh.tp if shard_dim(placement) is not None else 1
@@ -567,14 +567,19 @@ def _bandwidth_only(link: Link) -> Link:
     return Link(bandwidth=link.bandwidth, latency=0.0)
 
 
-def _sync_latency(stage: _Stage, chosen: list[_Eval], zero: bool) -> float:
-    """Per-message latency of gradient synchronisation, paid once per 25 MB bucket (DDP's default)."""
+BUCKET_BYTES = 25e6  # DDP's default gradient bucket
+
+
+def buckets(nbytes: float) -> int:
+    return max(1, math.ceil(nbytes / BUCKET_BYTES)) if nbytes else 0
+
+
+def _bucket_latency(stage: _Stage, chosen: list[_Eval], zero: bool) -> float:
+    """Per-message latency of one gradient bucket's synchronisation on the data and tensor axes."""
     mesh = stage.mesh
-    total = sum(stage.graph.params[f].nbytes for f in stage.graph.trainable)
-    buckets = max(1, math.ceil(total / 25e6)) if total else 0
     dp = (3 if zero else 2) * (mesh.dp - 1) * mesh.dp_link.latency if mesh.dp > 1 else 0.0
     tp = 2 * (mesh.tp - 1) * mesh.tp_link.latency if any(e.tp_grad_sync for e in chosen) else 0.0
-    return buckets * (dp + tp)
+    return dp + tp
 
 
 def shard_stage(
@@ -645,14 +650,17 @@ def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bo
     compute = sum(e.compute for e in per_anchor)
     comm = sum(e.comm for e in per_anchor)
     grad_sync = sum(e.grad_sync for e in per_anchor)
-    latency = _sync_latency(stage, per_anchor, any(zero.values()))
+    per_bucket = _bucket_latency(stage, per_anchor, any(zero.values()))
+    trainable_bytes = sum(stage.graph.params[f].nbytes for f in stage.graph.trainable)
+    latency = per_bucket * buckets(trainable_bytes)
     total = problem.objective(sol.choice) + latency
     return StageSharding(
         logical_mesh=tuple(logical),
         params=dict(sorted(params.items())),
         ops=ops,
         cost={"compute_s": compute, "comm_s": comm, "reshard_s": max(0.0, total - latency - compute - comm - grad_sync),
-              "grad_sync_s": grad_sync + latency, "total_s": total},
+              "grad_sync_s": grad_sync + latency, "total_s": total,
+              "bucket_latency_s": per_bucket, "trainable_bytes": trainable_bytes},
         memory={"model_states": sum(e.state_memory for e in per_anchor),
                 "activations": sum(e.activation_memory for e in per_anchor),
                 "total": problem.memory(sol.choice), "limit": problem.memory_limit},

@@ -16,6 +16,7 @@ from typing import Any
 
 from autopar.errors import AutoparError
 from autopar.jsonio import write_json
+from autopar.units import human_time, span
 
 SCHEMA = "autopar.plan/1"
 SCHEDULES = ("1f1b", "gpipe")
@@ -118,13 +119,12 @@ class Plan:
                  f"microbatch(es), {self.schedule}"]
         for i, s in enumerate(self.stages):
             names = [self.layers[k]["name"] for k in range(*s.layers)]
-            span = names[0] if len(names) == 1 else f"{names[0]} … {names[-1]}"
-            lines.append(f"  stage {i}: layers {s.layers[0]}–{s.layers[1] - 1} ({span}) on {s.submesh[0]}x{s.submesh[1]} "
+            lines.append(f"  stage {i}: layers {s.layers[0]}–{s.layers[1] - 1} ({span(names)}) on {s.submesh[0]}x{s.submesh[1]} "
                          f"devices as dp {s.logical_mesh[0]} × tp {s.logical_mesh[1]}"
                          + (", recomputing activations" if s.recompute else ""))
         if self.estimate:
             e = self.estimate
-            lines.append(f"  predicted: {e.step_time_s * 1e3:.1f} ms per step, {e.tflops_per_device:.1f} TFLOP/s per "
+            lines.append(f"  predicted: {human_time(e.step_time_s)} per step, {e.tflops_per_device:.1f} TFLOP/s per "
                          f"device, peak {e.peak_memory_bytes / 2**30:.2f} GiB, bubble {e.bubble_fraction:.0%}"
                          + ("" if e.fits else " — DOES NOT FIT in memory"))
         return "\n".join(lines)

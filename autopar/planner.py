@@ -1,17 +1,27 @@
-"""`autopar plan`: capture a model and plan it on a cluster (for now one stage: the intra-op pass)."""
+"""`autopar plan`: capture, cluster into layers, cost stages, run the stage DP, simulate, emit a Plan."""
 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
-from typing import Any, Callable
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
 
 from autopar.capture import capture
 from autopar.errors import AutoparError
-from autopar.intra_op import StageSharding, best_sharding
-from autopar.ilp import InfeasibleError
+from autopar.graph import OpGraph
+from autopar.inter_op import INF, microbatch_counts, stage_dp, submesh_shapes
+from autopar.intra_op import Rule
+from autopar.layering import Layer, cluster_layers
 from autopar.models import Workload
+from autopar.plan import Estimate, Plan, StagePlan
+from autopar.stage_costs import StageCosts, StageOption
 from cost_models import ClusterSpec
+from cost_models.memory import in_flight_microbatches
+from cost_models.simulator import StageTimes, simulate
+
+RESERVE = 0.1  # of device memory kept for the allocator, workspaces and fragmentation
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -22,45 +32,135 @@ def parse_mesh(text: str) -> tuple[int, int]:
     return int(parts[0]), int(parts[1])
 
 
-def plan_single_stage(
-    workload: Workload,
-    cluster: ClusterSpec,
-    mesh: tuple[int, int],
-    *,
-    memory_limit: float | None = None,
-    time_limit_s: float = 30.0,
-    progress: Callable[[tuple[int, int]], None] | None = None,
-) -> dict[str, Any]:
-    """Solve every logical mesh of `mesh` and return the plan (JSON-ready) of the fastest that fits."""
-    start = time.perf_counter()
-    cluster = cluster.with_mesh(*mesh)
-    graph = capture(workload.model, workload.example_inputs)
-    capture_s = time.perf_counter() - start
-    try:
-        best, results, rejected = best_sharding(graph, cluster, mesh, memory_limit, time_limit_s, progress)
-    except InfeasibleError as exc:
-        raise InfeasibleError(f"{workload.name} (batch {workload.batch}) {exc}", exc.least_memory) from None
-    stage = {"layers": [0, len(graph.layers())], "submesh": list(mesh), **_stage_json(best)}
-    return {
-        "model": workload.name,
-        "batch": workload.batch,
-        "cluster": cluster.name,
-        "mesh": list(mesh),
-        "graph_hash": graph.fingerprint(),
-        "stages": [stage],
-        "num_microbatches": 1,
-        "estimate": {"step_time_s": best.time, "peak_memory_bytes": best.memory["total"]},
-        "candidates": [{"logical_mesh": list(r.logical_mesh), "step_time_s": r.time,
-                        "peak_memory_bytes": r.memory["total"], "solver_status": r.solver["status"],
-                        "solve_time_s": r.solver["time_s"]}
-                       for r in results]
-                      + [{"logical_mesh": list(logical), "rejected": why} for logical, why in rejected.items()],
-        "capture_time_s": round(capture_s, 3),
-        "planning_time_s": round(time.perf_counter() - start, 3),
-    }
+@dataclass
+class Search:
+    """What the planner works from: the graph, its layers and the stage cost model."""
+
+    workload: Workload
+    cluster: ClusterSpec
+    mesh: tuple[int, int]
+    graph: OpGraph
+    layers: list[Layer]
+    costs: StageCosts
+    memory_limit: float
+    schedule: str = "1f1b"
+
+    @staticmethod
+    def start(workload: Workload, cluster: ClusterSpec, mesh: tuple[int, int], *, memory_limit: float | None = None,
+              schedule: str = "1f1b", rule: Rule | None = None, time_limit_s: float = 30.0) -> Search:
+        cluster = cluster.with_mesh(*mesh)
+        graph = capture(workload.model, workload.example_inputs)
+        limit = cluster.device.memory_bytes * (1 - RESERVE) if memory_limit is None else memory_limit
+        return Search(workload, cluster, mesh, graph, cluster_layers(graph),
+                      StageCosts(graph, cluster, rule, time_limit_s), limit, schedule)
+
+    def atoms(self, i: int, j: int) -> tuple[int, int]:
+        return self.layers[i].atoms[0], self.layers[j - 1].atoms[1]
+
+    def stage_table(self, i: int, j: int, shape: tuple[int, int], m: int, depth: int,
+                    logical: list[tuple[int, int]] | None = None, recompute: tuple[bool, ...] = (False, True),
+                    ) -> list[StageOption | None]:
+        """For s = 1 … depth stages from the end: the fastest way to run layers [i, j) on `shape`
+        that fits with the microbatches that stage keeps in flight (index 0 unused)."""
+        # the gradient reduction overlaps the last backward (as the simulator replays it)
+        opts = sorted(self.costs.options(self.atoms(i, j), shape, m, logical, recompute),
+                      key=lambda o: (o.time + max(0.0, o.grad_sync_s - o.backward_s) / m, o.lean, o.recompute))
+        table: list[StageOption | None] = [None] * (depth + 1)
+        for s in range(1, depth + 1):
+            in_flight = in_flight_microbatches(self.schedule, s, 0, m)
+            table[s] = next((o for o in opts if o.memory(in_flight) <= self.memory_limit), None)
+        return table
 
 
-def _stage_json(s: StageSharding) -> dict[str, Any]:
-    data = asdict(s)
-    data["logical_mesh"] = list(s.logical_mesh)
-    return data
+def plan_auto(search: Search, *, stages: int | None = None, num_microbatches: int | None = None,
+              progress: Callable[[str], None] | None = None) -> Plan:
+    """Search stages, submeshes, logical meshes and the microbatch count; the simulator decides."""
+    hosts, per_host = search.mesh
+    shapes = [s for s in submesh_shapes(hosts, per_host)]
+    sizes = [h * d for h, d in shapes]
+    devices = hosts * per_host
+    n = len(search.layers)
+    depth = min(n, devices, stages or n)
+    best: Plan | None = None
+    counts = [num_microbatches] if num_microbatches else microbatch_counts(search.workload.batch)
+    for m in counts:
+        if progress:
+            progress(f"{m} microbatch{'es' if m > 1 else ''}")
+        times = np.full((depth + 1, n + 1, n + 1, len(shapes)), INF)
+        options: dict = {}
+        for i in range(n):
+            for j in range(i + 1, n + 1):
+                for k, shape in enumerate(shapes):
+                    table = search.stage_table(i, j, shape, m, min(depth, n - j + 1))
+                    for s, opt in enumerate(table):
+                        if opt is not None:
+                            times[s, i, j, k] = opt.time
+                            options[(s, i, j, k)] = opt
+        total, choice = stage_dp(times, sizes, devices, m, stages)
+        if not choice:
+            continue
+        chosen = [(c.layers, shapes[c.shape], options[(len(choice) - idx, *c.layers, c.shape)])
+                  for idx, c in enumerate(choice)]
+        plan = assemble(search, chosen, m, name="auto")
+        plan.search["eq2_total_s"] = float(total)
+        if best is None or plan.estimate.step_time_s < best.estimate.step_time_s:
+            best = plan
+    if best is None:
+        raise _nothing_fits(search)
+    best.search.update({"ilp_solves": search.costs.solves, "cache_hits": search.costs.hits,
+                        "microbatch_counts": len(counts)})
+    return best
+
+
+def _nothing_fits(search: Search) -> AutoparError:
+    """How much memory the leanest layout would need: every layer on every device, recomputing."""
+    hosts, per_host = search.mesh
+    m = search.workload.batch
+    lean = search.stage_table(0, len(search.layers), search.mesh, m, 1)[1]
+    need = None
+    if lean is None:
+        opts = search.costs.options(search.atoms(0, len(search.layers)), search.mesh, m)
+        need = min((o.memory(1) for o in opts), default=None)
+    where = f"{hosts}x{per_host} {search.cluster.name}"
+    if need is not None:
+        return AutoparError(
+            f"{search.workload.name} (batch {search.workload.batch}) fits on no layout of {where}: the leanest needs "
+            f"{need / 2**30:.1f} GiB per device, {search.memory_limit / 2**30:.1f} GiB is available; use more devices")
+    return AutoparError(f"{search.workload.name} (batch {search.workload.batch}) fits on no layout of {where}: "
+                        "no data-parallel size divides the batch with a pipeline that fits; change --batch")
+
+
+def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int], StageOption]], m: int,
+             name: str) -> Plan:
+    """Turn (layers, submesh, option) per stage into a Plan and simulate it."""
+    stages, times = [], []
+    for idx, ((i, j), shape, opt) in enumerate(chosen):
+        params: dict[str, list[str]] = {}
+        ops: dict[str, list[str]] = {}
+        for k in range(*search.atoms(i, j)):
+            atom_params, atom_ops = search.costs.placements(k, shape, opt.logical_mesh, opt.lean)
+            params.update(atom_params)
+            ops.update(atom_ops)
+        stages.append(StagePlan(
+            layers=(i, j), submesh=shape, logical_mesh=opt.logical_mesh, params=dict(sorted(params.items())),
+            ops=ops, recompute=opt.recompute,
+            cost={"forward_s": opt.forward_s, "backward_s": opt.backward_s, "send_s": opt.send_s,
+                  "grad_sync_s": opt.grad_sync_s, "state_bytes": opt.state_bytes,
+                  "activation_bytes_per_microbatch": opt.activation_bytes}))
+        times.append(StageTimes(opt.forward_s, opt.backward_s, opt.send_s, opt.grad_sync_s, opt.state_bytes,
+                                opt.activation_bytes, opt.transient_bytes))
+    sim = simulate(times, m, search.schedule)
+    devices = sum(s.devices for s in stages)
+    model_flops = search.graph.flops_fwd + search.graph.flops_bwd
+    peak = max(sim.peak_memory_bytes)
+    estimate = Estimate(
+        step_time_s=sim.step_time_s, tflops_per_device=model_flops / sim.step_time_s / devices / 1e12,
+        peak_memory_bytes=peak, bubble_fraction=sim.bubble_fraction, fits=peak <= search.memory_limit)
+    zero = any(p[0] == "S(0)" for s in stages for p in s.params.values())
+    return Plan(
+        model=search.workload.name, graph_hash=search.graph.fingerprint(), batch=search.workload.batch,
+        cluster=search.cluster.name, mesh=search.mesh,
+        layers=[{"name": layer.name, "nodes": list(layer.nodes)} for layer in search.layers],
+        stages=stages, num_microbatches=m, schedule=search.schedule,
+        dp_gradient={"zero_stage": 3 if zero else 0, "compression": None, "delay": 0},
+        estimate=estimate, search={"method": name}, name=name)

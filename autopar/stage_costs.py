@@ -16,9 +16,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from autopar.graph import OpGraph
 from autopar.ilp import InfeasibleError
-from autopar.intra_op import Rule, StageSharding, layer_hash, logical_meshes, shard_stage
+from autopar.intra_op import Rule, StageSharding, buckets, layer_hash, logical_meshes, shard_stage
 from cost_models import ClusterSpec, Link, p2p_time
 
 
@@ -61,6 +63,8 @@ class StageCosts:
         self.atoms = self.graph.layer_list
         self.hashes = [layer_hash(self.graph, a.nodes) for a in self.atoms]
         self._subgraphs: dict[int, OpGraph] = {}
+        self._first: dict[str, int] = {}  # structural hash -> the atom its results were solved on
+        self._prefix: dict = {}  # (submesh, logical, lean) -> prefix sums of atom costs
         cut = [0.0] * len(self.atoms)
         where = {n: i for i, a in enumerate(self.atoms) for n in a.nodes}
         for src, dst, nbytes in self.graph.edges():
@@ -74,6 +78,8 @@ class StageCosts:
         if key in self._cache:
             self.hits += 1
             return self._cache[key]
+        self._first.setdefault(self.hashes[k], k)
+        k = self._first[self.hashes[k]]
         if k not in self._subgraphs:
             self._subgraphs[k] = self.graph.subgraph(list(self.atoms[k].nodes))
         sub = self._subgraphs[k]
@@ -93,6 +99,18 @@ class StageCosts:
         self._cache[key] = result
         return result
 
+    def placements(self, k: int, submesh: tuple[int, int], logical: tuple[int, int], lean: bool
+                   ) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+        """(params, ops) of atom k, translated from the identical atom it was solved on."""
+        result = self.atom(k, submesh, logical, lean)
+        k0 = self._first[self.hashes[k]]
+        nodes = dict(zip(self.atoms[k0].nodes, self.atoms[k].nodes))
+        fqns = {f0: fk for n0, nk in nodes.items()
+                for f0, fk in zip(self.graph.node(n0).params, self.graph.node(nk).params)}
+        params = {fqns[f]: p for f, p in result.params.items() if f in fqns}
+        ops = {nodes[n]: p for n, p in result.ops.items() if n in nodes}
+        return params, ops
+
     def options(self, atoms: tuple[int, int], submesh: tuple[int, int], num_microbatches: int,
                 logical: list[tuple[int, int]] | None = None, recompute: tuple[bool, ...] = (False, True),
                 ) -> list[StageOption]:
@@ -102,11 +120,11 @@ class StageCosts:
             if (self._batch // num_microbatches) % lm[0]:
                 continue  # the data axis must split each microbatch
             for lean in (False, True):
-                parts = [self.atom(k, submesh, lm, lean) for k in range(*atoms)]
-                if any(p is None for p in parts):
+                sums = self._range_sums(atoms, submesh, lm, lean)
+                if sums is None:
                     continue
                 for rc in recompute:
-                    out.append(self._option(atoms, submesh, lm, lean, rc, parts, num_microbatches))
+                    out.append(self._option(atoms, submesh, lm, lean, rc, sums, num_microbatches))
         return out
 
     @property
@@ -114,17 +132,33 @@ class StageCosts:
         first = next(n for n in self.graph if n.op == "input")
         return first.outputs[0].shape[0]
 
-    def _option(self, atoms, submesh, lm, lean, rc, parts: list[StageSharding], m: int) -> StageOption:
-        fwd = bwd = comm = sync = states = acts = 0.0
-        for k, p in zip(range(*atoms), parts):
-            f, b = self.flops[k]
-            share = f / (f + b) if f + b else 0.5
-            fwd += p.cost["compute_s"] * share
-            bwd += p.cost["compute_s"] * (1 - share)
-            comm += p.cost["comm_s"] + p.cost["reshard_s"]
-            sync += p.cost["grad_sync_s"]
-            states += p.memory["model_states"]
-            acts += p.memory["activations"]
+    def _range_sums(self, atoms, submesh, lm, lean) -> np.ndarray | None:
+        """Per-atom [fwd, bwd, comm, sync without latency, states, acts, trainable bytes,
+        bucket latency × bytes] summed over [a, b), from prefix sums."""
+        key = (submesh, lm, lean)
+        if key not in self._prefix:
+            rows = []
+            for k in range(len(self.atoms)):
+                p = self.atom(k, submesh, lm, lean)
+                if p is None:
+                    rows.append([np.nan] * 8)
+                    continue
+                f, b = self.flops[k]
+                share = f / (f + b) if f + b else 0.5
+                c = p.cost  # the atom's bucket latency is replaced by the stage's (its buckets hold all its weights)
+                latency = c["bucket_latency_s"] * buckets(c["trainable_bytes"])
+                rows.append([c["compute_s"] * share, c["compute_s"] * (1 - share), c["comm_s"] + c["reshard_s"],
+                             c["grad_sync_s"] - latency, p.memory["model_states"], p.memory["activations"],
+                             c["trainable_bytes"], c["bucket_latency_s"] * c["trainable_bytes"]])
+            self._prefix[key] = np.vstack([np.zeros(8), np.cumsum(np.array(rows), axis=0)])
+        prefix = self._prefix[key]
+        sums = prefix[atoms[1]] - prefix[atoms[0]]
+        return None if np.isnan(sums).any() else sums
+
+    def _option(self, atoms, submesh, lm, lean, rc, sums: np.ndarray, m: int) -> StageOption:
+        fwd, bwd, comm, sync, states, acts, trainable, weighted_latency = (float(x) for x in sums)
+        if trainable:  # one bucket latency per 25 MB of the stage's weights (byte-weighted over its atoms)
+            sync += weighted_latency / trainable * buckets(trainable)
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m
         transient = 0.0
         if rc:  # keep only the stage input per microbatch; recompute the forward before backward

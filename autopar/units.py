@@ -17,3 +17,16 @@ def human(value: float, unit: str = "", base: int = 1000) -> str:
 
 def human_bytes(nbytes: float) -> str:
     return human(nbytes, "B", base=1024)
+
+
+def human_time(seconds: float) -> str:
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if abs(seconds) >= scale or unit == "µs":
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds} s"
+
+
+def span(names: list[str]) -> str:
+    """'wte…h.1', 'h.2…h.3' -> 'wte … h.3': the first and last module of a run of layers."""
+    first, last = names[0].split("…")[0], names[-1].split("…")[-1]
+    return first if first == last else f"{first} … {last}"

@@ -34,3 +34,14 @@ def test_stage_dp_equals_brute_force(seed):
 
 def test_microbatch_counts():
     assert microbatch_counts(12) == [1, 2, 3, 4, 6, 12]
+
+
+def test_stage_count_can_be_fixed():
+    rng = np.random.default_rng(7)
+    times = rng.uniform(1, 2, (4, 4, 4, 1))
+    for i in range(4):
+        times[:, i, : i + 1] = np.inf
+    times[0] = np.inf
+    for stages in (1, 2, 3):
+        _, plan = stage_dp(times, [1], stages, 4, stages=stages)
+        assert len(plan) == stages

@@ -1,0 +1,152 @@
+"""Hand-written 3D layouts, the way Megatron-LM lays a model out, as Plans.
+
+(dp, tp, pp, microbatches): transformer blocks split evenly over pp stages (embedding on the
+first, output layer on the last), tensor parallelism inside a host with Megatron's column- and
+row-parallel linears, vocabulary-parallel embeddings and attention split by heads, data
+parallelism outermost, no ZeRO. The sharding is the intra-op ILP constrained to those choices,
+so it is priced, simulated and run exactly like a searched plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autopar import letters as L
+from autopar.errors import AutoparError
+from autopar.graph import OpNode
+from autopar.inter_op import microbatch_counts
+from autopar.intra_op import Rule
+from autopar.layering import Layer
+from autopar.plan import Plan
+from autopar.planner import Search, assemble
+from autopar.stage_costs import StageCosts
+
+
+def megatron_letters(sig: L.Signature, node: OpNode) -> set[str | None]:
+    """Megatron-LM's tensor parallelism: which letter each kind of op may split."""
+    op = node.op.removeprefix("aten.").rsplit(".", 1)[0]
+    if op in ("linear", "addmm", "mm", "matmul", "bmm"):
+        return {"n", "k"}  # column- or row-parallel; the ILP alternates them to save all-reduces
+    if op == "embedding":
+        return {"v"}  # vocabulary-parallel
+    if "scaled_dot_product" in op:
+        return {"h"}  # attention heads
+    if op in ("conv2d", "convolution"):
+        return {"o", "c"}
+    if op == "einsum":
+        return set(sig.shardable)  # expert and hidden dimensions of MoE layers
+    return {None}
+
+
+MEGATRON = Rule(letters=megatron_letters, zero=False)
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    num_microbatches: int | None = None
+    recompute: bool = False
+
+    @property
+    def name(self) -> str:
+        mb = f",{self.num_microbatches}" if self.num_microbatches else ""
+        return f"megatron-{self.dp},{self.tp},{self.pp}{mb}" + ("+recompute" if self.recompute else "")
+
+    @staticmethod
+    def parse(text: str, recompute: bool = False) -> Layout:
+        try:
+            parts = [int(p) for p in text.split(",")]
+        except ValueError:
+            parts = []
+        if len(parts) not in (3, 4) or any(p < 1 for p in parts):
+            raise AutoparError(f"malformed layout {text!r}: write DP,TP,PP or DP,TP,PP,MICROBATCHES, e.g. 2,4,8,64")
+        return Layout(*parts[:3], parts[3] if len(parts) == 4 else None, recompute)
+
+
+def manual_search(search: Search) -> Search:
+    """The same graph and cluster with Megatron's sharding rule; layers are the model's modules."""
+    atoms = search.graph.layer_list
+    layers = [Layer(a.name, (i, i + 1), a.nodes, a.flops_fwd + a.flops_bwd, 0.0) for i, a in enumerate(atoms)]
+    costs = StageCosts(search.graph, search.cluster, MEGATRON, search.costs.time_limit_s)
+    return Search(search.workload, search.cluster, search.mesh, search.graph, layers, costs,
+                  search.memory_limit, search.schedule)
+
+
+def blocks(search: Search) -> list[int]:
+    """Indices of the repeated blocks (the most common layer structure with FLOPs)."""
+    hashes = search.costs.hashes
+    heavy = [i for i, layer in enumerate(search.layers) if layer.flops > 0]
+    common = max(set(hashes[i] for i in heavy), key=lambda h: sum(hashes[i] == h for i in heavy))
+    return [i for i in heavy if hashes[i] == common]
+
+
+def check(search: Search, layout: Layout) -> str | None:
+    """Why a layout is not valid for this model and mesh, or None."""
+    hosts, per_host = search.mesh
+    block = blocks(search)
+    if layout.dp * layout.tp * layout.pp != hosts * per_host:
+        return f"dp × tp × pp = {layout.dp * layout.tp * layout.pp}, the mesh has {hosts * per_host} devices"
+    if layout.tp > per_host or per_host % layout.tp:
+        return f"tensor parallelism {layout.tp} must divide the {per_host} devices of a host"
+    if (layout.dp * layout.tp) % per_host and per_host % (layout.dp * layout.tp):
+        return f"a stage's {layout.dp * layout.tp} devices must tile hosts of {per_host}"
+    if len(block) % layout.pp:
+        return f"{len(block)} blocks do not split evenly into {layout.pp} stages"
+    batch = search.workload.batch
+    if layout.num_microbatches and (batch % layout.num_microbatches or (batch // layout.num_microbatches) % layout.dp):
+        return f"batch {batch} does not split into {layout.num_microbatches} microbatches of a multiple of {layout.dp}"
+    return None
+
+
+def manual_plan(search: Search, layout: Layout) -> Plan:
+    """The Plan of a hand-written layout (its best microbatch count when none is given)."""
+    why = check(search, layout)
+    if why:
+        raise AutoparError(f"layout {layout.name} is not valid for {search.workload.name} on "
+                           f"{search.mesh[0]}x{search.mesh[1]}: {why}")
+    hosts, per_host = search.mesh
+    size = layout.dp * layout.tp
+    shape = (1, size) if size <= per_host else (size // per_host, per_host)
+    block = blocks(search)
+    per_stage = len(block) // layout.pp
+    cuts = [0] + [block[per_stage * s] for s in range(1, layout.pp)] + [len(search.layers)]
+    counts = [layout.num_microbatches] if layout.num_microbatches else [
+        m for m in microbatch_counts(search.workload.batch) if (search.workload.batch // m) % layout.dp == 0]
+    best = None
+    for m in counts:
+        chosen = []
+        for s, (i, j) in enumerate(zip(cuts, cuts[1:])):
+            table = search.stage_table(i, j, shape, m, layout.pp - s, logical=[(layout.dp, layout.tp)],
+                                       recompute=(layout.recompute,))
+            option = table[layout.pp - s] or _unconstrained(search, i, j, shape, m, layout)
+            chosen.append(((i, j), shape, option))
+        if any(opt is None for _, _, opt in chosen):
+            continue
+        plan = assemble(search, chosen, m, name=layout.name)
+        if best is None or (plan.estimate.fits, -plan.estimate.step_time_s) > (best.estimate.fits,
+                                                                                -best.estimate.step_time_s):
+            best = plan
+    if best is None:
+        raise AutoparError(f"layout {layout.name}: no microbatch count splits the batch {search.workload.batch}")
+    return best
+
+
+def _unconstrained(search: Search, i: int, j: int, shape, m: int, layout: Layout):
+    """A layout that does not fit is still priced (reported as not fitting), never dropped silently."""
+    opts = search.costs.options(search.atoms(i, j), shape, m, [(layout.dp, layout.tp)], (layout.recompute,))
+    return min((o for o in opts if not o.lean), key=lambda o: o.time, default=None)
+
+
+def layout_grid(search: Search, recompute: bool = False) -> list[Layout]:
+    """Every valid (dp, tp, pp) for the mesh (microbatches searched per layout)."""
+    hosts, per_host = search.mesh
+    devices = hosts * per_host
+    out = []
+    for tp in (t for t in range(1, per_host + 1) if per_host % t == 0):
+        for pp in (p for p in range(1, devices // tp + 1) if (devices // tp) % p == 0):
+            layout = Layout(devices // (tp * pp), tp, pp, None, recompute)
+            if check(search, layout) is None:
+                out.append(layout)
+    return out
