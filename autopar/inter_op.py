@@ -75,28 +75,34 @@ def stage_dp(times: np.ndarray, sizes: list[int], devices: int, num_microbatches
 
 
 def _dp_for(times, sizes, devices, n_layers, n_shapes, t_max) -> tuple[float, list[StageChoice]]:
-    """min Σ t_i with every t_i ≤ t_max and exactly `devices` devices, by stages counted from the end."""
+    """min Σ t_i with every t_i ≤ t_max and exactly `devices` devices, by stages counted from the end.
+
+    g[s][i][d]: layers i.. as s stages on d devices. One numpy step per (s, shape, stage length)
+    over all (i, d); lengths with no stage under t_max are skipped."""
     max_stages = times.shape[0] - 1
+    allowed = np.where(times <= t_max, times, INF)
     g = np.full((max_stages + 1, n_layers + 1, devices + 1), INF)
-    back = {}
     g[0, n_layers, 0] = 0.0
+    arg_j = np.zeros((max_stages + 1, n_layers + 1, devices + 1), dtype=np.int32)
+    arg_k = np.zeros((max_stages + 1, n_layers + 1, devices + 1), dtype=np.int32)
     for s in range(1, max_stages + 1):
-        for i in range(n_layers - 1, -1, -1):
-            for j in range(i + 1, n_layers + 1):
-                prev = g[s - 1, j]
-                if not np.isfinite(prev).any():
+        for k in range(n_shapes):
+            n = sizes[k]
+            if n > devices:
+                continue
+            shifted = np.full((n_layers + 1, devices + 1), INF)
+            shifted[:, n:] = g[s - 1, :, : devices + 1 - n]  # g[s-1][j][d - n]
+            for w in range(1, n_layers + 1):  # stages of w layers: i -> j = i + w
+                t = np.diagonal(allowed[s, :, :, k], offset=w)  # t[i] = allowed[s, i, i + w, k]
+                if not np.isfinite(t).any():
                     continue
-                for k in range(n_shapes):
-                    t = times[s, i, j, k]
-                    n = sizes[k]
-                    if t > t_max or n > devices:
-                        continue
-                    cand = t + prev[: devices + 1 - n]
-                    better = cand < g[s, i, n:]
-                    if better.any():
-                        g[s, i, n:][better] = cand[better]
-                        for d in np.nonzero(better)[0]:
-                            back[(s, i, d + n)] = (j, k)
+                cand = t[:, None] + shifted[w:, :]  # [i, d]
+                better = cand < g[s, : n_layers + 1 - w]
+                if better.any():
+                    g[s, : n_layers + 1 - w][better] = cand[better]
+                    arg_j[s, : n_layers + 1 - w][better] = (np.arange(n_layers + 1 - w)[:, None] + w
+                                                             ).repeat(devices + 1, axis=1)[better]
+                    arg_k[s, : n_layers + 1 - w][better] = k
     totals = g[1:, 0, devices]
     if not np.isfinite(totals).any():
         return INF, []
@@ -104,7 +110,7 @@ def _dp_for(times, sizes, devices, n_layers, n_shapes, t_max) -> tuple[float, li
     total = float(totals[s - 1])
     plan, i, d = [], 0, devices
     while s > 0:
-        j, k = back[(s, i, d)]
+        j, k = int(arg_j[s, i, d]), int(arg_k[s, i, d])
         plan.append(StageChoice((i, j), k))
         i, d, s = j, d - sizes[k], s - 1
     return total, plan

@@ -4,8 +4,9 @@ The atoms are the module-boundary layers of the capture (`OpGraph.layers()`: `wt
 cutting inside a module is never better for a pipeline and makes stages hard to read. Contiguous
 atoms are grouped into L layers whose FLOPs stay within ±tolerance of the average while the
 largest number of bytes crossing a layer boundary is as small as possible (ties: the most even
-FLOPs); L is the largest count for which such a balance exists, so a 0-FLOP embedding joins its
-neighbour and a large output layer stands alone.
+FLOPs); a group holding a single module with FLOPs is exempt (a module is never split), and L is
+the largest count for which such a balance exists: 0-FLOP embeddings join their neighbour, and
+each transformer block can be a layer of its own.
 """
 
 from __future__ import annotations
@@ -69,7 +70,8 @@ def _balanced(flops: list[float], cut: list[float], count: int, low: float, cap:
         for i in range(g, n + 1):
             for j in range(g - 1, i):
                 group = prefix[i] - prefix[j]
-                if best[g - 1][j] == inf or not low <= group <= cap:
+                single = sum(1 for f in flops[j:i] if f > 0) == 1  # one module is never split: exempt
+                if best[g - 1][j] == inf or not (single or low <= group <= cap):
                     continue
                 prev = best[g - 1][j]
                 worst = (max(prev[0], cut[i - 1] if i < n else 0.0), max(prev[1], group))

@@ -72,6 +72,37 @@ class Search:
         return table
 
 
+    def times(self, shapes: list[tuple[int, int]], m: int, depth: int) -> tuple[np.ndarray, dict]:
+        """times[s, i, j, k] of `stage_table` for every range and shape at once (vectorised), and
+        which (logical mesh, lean, recompute) each entry uses."""
+        n = len(self.layers)
+        bounds = np.array([layer.atoms[0] for layer in self.layers] + [self.layers[-1].atoms[1]])
+        times = np.full((depth + 1, n + 1, n + 1, len(shapes)), INF)
+        picks: dict = {}
+        valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
+        for k, shape in enumerate(shapes):
+            variants = self.costs.variants(shape, m)
+            if not variants:
+                continue
+            tables = [self.costs.variant_table(bounds, shape, v, m) for v in variants]
+            time = np.stack([t["time"] for t in tables])
+            key = time + np.maximum(0.0, np.stack([t["sync"] - t["backward"] for t in tables])) / m
+            for s in range(1, depth + 1):
+                in_flight = in_flight_microbatches(self.schedule, s, 0, m)
+                memory = np.stack([t["states"] + in_flight * t["acts"] + t["transient"] for t in tables])
+                masked = np.where(memory <= self.memory_limit, key, INF)
+                best = np.argmin(masked, axis=0)
+                ok = np.isfinite(np.take_along_axis(masked, best[None], axis=0)[0]) & valid
+                times[s, :, :, k] = np.where(ok, np.take_along_axis(time, best[None], axis=0)[0], INF)
+                picks[(s, k)] = (variants, best)
+        return times, picks
+
+    def option(self, i: int, j: int, shape: tuple[int, int], m: int, variant) -> StageOption:
+        lm, lean, rc = variant
+        atoms = self.atoms(i, j)
+        return self.costs._option(atoms, shape, lm, lean, rc, self.costs._range_sums(atoms, shape, lm, lean), m)
+
+
 def plan_auto(search: Search, *, stages: int | None = None, num_microbatches: int | None = None,
               progress: Callable[[str], None] | None = None) -> Plan:
     """Search stages, submeshes, logical meshes and the microbatch count; the simulator decides."""
@@ -86,21 +117,15 @@ def plan_auto(search: Search, *, stages: int | None = None, num_microbatches: in
     for m in counts:
         if progress:
             progress(f"{m} microbatch{'es' if m > 1 else ''}")
-        times = np.full((depth + 1, n + 1, n + 1, len(shapes)), INF)
-        options: dict = {}
-        for i in range(n):
-            for j in range(i + 1, n + 1):
-                for k, shape in enumerate(shapes):
-                    table = search.stage_table(i, j, shape, m, min(depth, n - j + 1))
-                    for s, opt in enumerate(table):
-                        if opt is not None:
-                            times[s, i, j, k] = opt.time
-                            options[(s, i, j, k)] = opt
+        times, picks = search.times(shapes, m, depth)
         total, choice = stage_dp(times, sizes, devices, m, stages)
         if not choice:
             continue
-        chosen = [(c.layers, shapes[c.shape], options[(len(choice) - idx, *c.layers, c.shape)])
-                  for idx, c in enumerate(choice)]
+        chosen = []
+        for idx, c in enumerate(choice):
+            variants, pick = picks[(len(choice) - idx, c.shape)]
+            variant = variants[pick[c.layers]]
+            chosen.append((c.layers, shapes[c.shape], search.option(*c.layers, shapes[c.shape], m, variant)))
         plan = assemble(search, chosen, m, name="auto")
         plan.search["eq2_total_s"] = float(total)
         if best is None or plan.estimate.step_time_s < best.estimate.step_time_s:

@@ -20,7 +20,7 @@ import numpy as np
 
 from autopar.graph import OpGraph
 from autopar.ilp import InfeasibleError
-from autopar.intra_op import Rule, StageSharding, buckets, layer_hash, logical_meshes, shard_stage
+from autopar.intra_op import BUCKET_BYTES, Rule, StageSharding, buckets, layer_hash, logical_meshes, shard_stage
 from cost_models import ClusterSpec, Link, p2p_time
 
 
@@ -131,6 +131,37 @@ class StageCosts:
     def _batch(self) -> int:
         first = next(n for n in self.graph if n.op == "input")
         return first.outputs[0].shape[0]
+
+    def variants(self, submesh: tuple[int, int], m: int, logical: list[tuple[int, int]] | None = None,
+                 recompute: tuple[bool, ...] = (False, True)) -> list[tuple[tuple[int, int], bool, bool]]:
+        """The (logical mesh, lean, recompute) combinations a stage on `submesh` may use."""
+        return [(lm, lean, rc) for lm in (logical or logical_meshes(submesh)) if (self._batch // m) % lm[0] == 0
+                for lean in (False, True) for rc in recompute]
+
+    def variant_table(self, bounds: np.ndarray, submesh: tuple[int, int], variant, m: int) -> dict[str, np.ndarray]:
+        """`_option` for every layer range [bounds[i], bounds[j]) at once: arrays indexed [i, j]
+        (inf time where an atom has no sharding on this mesh)."""
+        lm, lean, rc = variant
+        self._range_sums((0, 0), submesh, lm, lean)  # fills the prefix sums
+        prefix = self._prefix[(submesh, lm, lean)][bounds]  # [layer boundary, quantity]
+        sums = prefix[None, :, :] - prefix[:, None, :]  # [i, j, quantity]
+        fwd, bwd, comm, sync, states, acts, trainable, weighted = np.moveaxis(sums, -1, 0)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            n_buckets = np.where(trainable > 0, np.maximum(1, np.ceil(trainable / BUCKET_BYTES)), 0)
+            sync = sync + np.where(trainable > 0, weighted / np.where(trainable > 0, trainable, 1) * n_buckets, 0)
+        fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m
+        transient = np.zeros_like(acts)
+        if rc:
+            bwd = bwd + fwd
+            stage_input = np.array([self.cut[a - 1] if a > 0 else 0.0 for a in bounds]) / (lm[0] * m)
+            transient, acts = acts, np.broadcast_to(stage_input[:, None], acts.shape).copy()
+        cut_after = np.array([self.cut[b - 1] if 0 < b < len(self.atoms) else 0.0 for b in bounds])
+        link = self._send_link(submesh)
+        send = np.where(cut_after > 0, link.latency + cut_after / (lm[0] * m) / link.bandwidth, 0.0)[None, :] \
+            * np.ones_like(acts)
+        time = fwd + bwd + send
+        time = np.where(np.isnan(time), np.inf, time)
+        return {"time": time, "backward": bwd, "sync": sync, "states": states, "acts": acts, "transient": transient}
 
     def _range_sums(self, atoms, submesh, lm, lean) -> np.ndarray | None:
         """Per-atom [fwd, bwd, comm, sync without latency, states, acts, trainable bytes,
