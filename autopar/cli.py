@@ -146,11 +146,12 @@ def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
         auto = plan_auto(search, progress=step)
         manual_view = manual_search(search)
         manual = []
-        for layout in layout_grid(manual_view, args.recompute):
+        for layout in layout_grid(manual_view, (True,) if args.recompute else (False, True)):
             step(layout.name)
             plan = manual_plan(manual_view, layout)
             manual.append({"name": plan.name, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
-                           "num_microbatches": plan.num_microbatches, **_estimate(plan)})
+                           "recompute": layout.recompute, "num_microbatches": plan.num_microbatches,
+                           **_estimate(plan)})
     manual.sort(key=lambda r: (not r["fits"], r["step_time_s"]))
     result = {"model": args.model, "batch": search.workload.batch, "cluster": search.cluster.name,
               "mesh": list(search.mesh), "auto": {"stages": len(auto.stages), "num_microbatches": auto.num_microbatches,
@@ -246,7 +247,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--mesh", required=True, help="HOSTSxDEVICES, e.g. 8x8")
         p.add_argument("--batch", type=int, help="global batch (default: the model's suite default)")
         p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b", help="pipeline schedule")
-        p.add_argument("--recompute", action="store_true", help="hand-written layouts recompute activations")
+        p.add_argument("--recompute", action="store_true",
+                       help="hand-written layouts recompute activations (compare: only those that do)")
         p.add_argument("--memory-limit", type=float, help="GiB per device a plan may use (default: 90%% of memory)")
         p.add_argument("--time-limit", type=float, default=30.0, help="seconds per ILP solve (default 30)")
 

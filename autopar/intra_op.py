@@ -432,14 +432,16 @@ class _Stage:
         trainable = fqn in self.graph.trainable
         syncs = []
         if trainable and partial and mesh.tp > 1:
-            syncs.append(("tp", "all_reduce", "backward", mesh.tp, tp_bw))
+            syncs.append(("tp", "all_reduce", "gradient", mesh.tp, tp_bw))
             ev.tp_grad_sync = True
         if self.owner[fqn] == name:
-            if trainable and mesh.dp > 1 and zero:  # ZeRO-3: gathered for forward and backward, grads scattered
-                syncs += [("dp", "all_gather", "forward", mesh.dp, dp_bw), ("dp", "all_gather", "backward", mesh.dp, dp_bw),
-                          ("dp", "reduce_scatter", "backward", mesh.dp, dp_bw)]
+            if trainable and mesh.dp > 1 and zero:  # ZeRO-3: gathered for every forward and backward
+                for phase in ("forward", "backward"):
+                    ev.comm += collective_time("all_gather", local, mesh.dp, mesh.dp_link)
+                    ev.collectives.append((name, "all_gather", phase, local, "dp"))
+                syncs.append(("dp", "reduce_scatter", "gradient", mesh.dp, dp_bw))
             elif trainable and mesh.dp > 1:
-                syncs.append(("dp", "all_reduce", "backward", mesh.dp, dp_bw))
+                syncs.append(("dp", "all_reduce", "gradient", mesh.dp, dp_bw))
             numel = math.prod(info.shape) / shards
             states = model_state_memory(numel, DTYPE_BYTES.get(info.dtype, 4), zero_stage=3 if zero else 0, dp=mesh.dp)
             ev.state_memory += states.total if trainable else states.params
@@ -574,10 +576,10 @@ def buckets(nbytes: float) -> int:
     return max(1, math.ceil(nbytes / BUCKET_BYTES)) if nbytes else 0
 
 
-def _bucket_latency(stage: _Stage, chosen: list[_Eval], zero: bool) -> float:
+def _bucket_latency(stage: _Stage, chosen: list[_Eval]) -> float:
     """Per-message latency of one gradient bucket's synchronisation on the data and tensor axes."""
     mesh = stage.mesh
-    dp = (3 if zero else 2) * (mesh.dp - 1) * mesh.dp_link.latency if mesh.dp > 1 else 0.0
+    dp = 2 * (mesh.dp - 1) * mesh.dp_link.latency if mesh.dp > 1 else 0.0
     tp = 2 * (mesh.tp - 1) * mesh.tp_link.latency if any(e.tp_grad_sync for e in chosen) else 0.0
     return dp + tp
 
@@ -650,7 +652,7 @@ def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bo
     compute = sum(e.compute for e in per_anchor)
     comm = sum(e.comm for e in per_anchor)
     grad_sync = sum(e.grad_sync for e in per_anchor)
-    per_bucket = _bucket_latency(stage, per_anchor, any(zero.values()))
+    per_bucket = _bucket_latency(stage, per_anchor)
     trainable_bytes = sum(stage.graph.params[f].nbytes for f in stage.graph.trainable)
     latency = per_bucket * buckets(trainable_bytes)
     total = problem.objective(sol.choice) + latency
@@ -660,7 +662,8 @@ def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bo
         ops=ops,
         cost={"compute_s": compute, "comm_s": comm, "reshard_s": max(0.0, total - latency - compute - comm - grad_sync),
               "grad_sync_s": grad_sync + latency, "total_s": total,
-              "bucket_latency_s": per_bucket, "trainable_bytes": trainable_bytes},
+              "bucket_latency_s": per_bucket, "trainable_bytes": trainable_bytes,
+              "comm_latency_s": _latency_of(stage.mesh, collectives)},
         memory={"model_states": sum(e.state_memory for e in per_anchor),
                 "activations": sum(e.activation_memory for e in per_anchor),
                 "total": problem.memory(sol.choice), "limit": problem.memory_limit},
@@ -669,6 +672,17 @@ def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bo
                 "ilp_nodes": len(problem.node_costs), "anchors": len(anchors)},
         collectives=collectives,
     )
+
+
+def _latency_of(mesh: Mesh, collectives: list[dict[str, Any]]) -> float:
+    """The per-message (α) part of every collective a microbatch runs: it does not shrink with
+    the microbatch, unlike the bytes."""
+    total = 0.0
+    for c in collectives:
+        if c["phase"] != "gradient":
+            n, link = (mesh.dp, mesh.dp_link) if c["axis"] == "dp" else (mesh.tp, mesh.tp_link)
+            total += collective_time(c["kind"], 0.0, n, link)
+    return total
 
 
 def _edge_collectives(stage: _Stage, chosen: dict[str, _Eval]) -> list[dict[str, Any]]:

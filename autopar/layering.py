@@ -22,32 +22,34 @@ class Layer:
     atoms: tuple[int, int]  # [start, end) in graph.layers()
     nodes: tuple[str, ...]
     flops: float  # forward + backward
-    out_bytes: float  # bytes crossing from this layer into later ones
 
 
 def cluster_layers(graph: OpGraph, max_layers: int | None = None, tolerance: float = 0.25) -> list[Layer]:
     atoms = graph.layer_list
     n = len(atoms)
     flops = [a.flops_fwd + a.flops_bwd for a in atoms]
-    cut = _cut_bytes(graph, atoms)
+    cut = cut_bytes(graph, atoms)
     total = sum(flops)
     for count in range(min(n, max_layers or n), 0, -1):
         avg = total / count
         bounds = _balanced(flops, cut, count, avg * (1 - tolerance), avg * (1 + tolerance))
         if bounds is not None:
-            return [_layer(graph, atoms, a, b, cut) for a, b in zip(bounds, bounds[1:])]
-    return [_layer(graph, atoms, 0, n, cut)]
+            return [_layer(graph, atoms, a, b) for a, b in zip(bounds, bounds[1:])]
+    return [_layer(graph, atoms, 0, n)]
 
 
-def _cut_bytes(graph: OpGraph, atoms) -> list[float]:
-    """cut[i]: bytes of tensors produced in atoms[0..i] and read in atoms[i+1..]."""
+def cut_bytes(graph: OpGraph, atoms) -> list[float]:
+    """cut[i]: bytes of tensors produced in atoms[0..i] and read in atoms[i+1..] — each tensor
+    once, from its producer's atom to its last reader's, however many ops read it."""
     where = {name: i for i, a in enumerate(atoms) for name in a.nodes}
     delta = [0.0] * (len(atoms) + 1)
-    for src, dst, nbytes in graph.edges():
-        a, b = where[src], where[dst]
-        if a < b:
-            delta[a] += nbytes
-            delta[b] -= nbytes
+    for src in graph.graph.nodes:
+        readers = [where[d] for d in graph.graph.successors(src)]
+        last = max(readers, default=where[src])
+        if last > where[src]:
+            nbytes = max(b for _, _, b in graph.graph.out_edges(src, data="bytes"))
+            delta[where[src]] += nbytes
+            delta[last] -= nbytes
     out, running = [], 0.0
     for i in range(len(atoms)):
         running += delta[i]
@@ -86,8 +88,8 @@ def _balanced(flops: list[float], cut: list[float], count: int, low: float, cap:
     return bounds[::-1]
 
 
-def _layer(graph: OpGraph, atoms, a: int, b: int, cut: list[float]) -> Layer:
+def _layer(graph: OpGraph, atoms, a: int, b: int) -> Layer:
     name = atoms[a].name if b - a == 1 else f"{atoms[a].name}…{atoms[b - 1].name}"
     nodes = tuple(n for atom in atoms[a:b] for n in atom.nodes)
     flops = sum(atom.flops_fwd + atom.flops_bwd for atom in atoms[a:b])
-    return Layer(name or "root", (a, b), nodes, flops, cut[b - 1] if b < len(atoms) else 0.0)
+    return Layer(name or "root", (a, b), nodes, flops)

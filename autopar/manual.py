@@ -68,7 +68,7 @@ class Layout:
 def manual_search(search: Search) -> Search:
     """The same graph and cluster with Megatron's sharding rule; layers are the model's modules."""
     atoms = search.graph.layer_list
-    layers = [Layer(a.name, (i, i + 1), a.nodes, a.flops_fwd + a.flops_bwd, 0.0) for i, a in enumerate(atoms)]
+    layers = [Layer(a.name, (i, i + 1), a.nodes, a.flops_fwd + a.flops_bwd) for i, a in enumerate(atoms)]
     costs = StageCosts(search.graph, search.cluster, MEGATRON, search.costs.time_limit_s)
     return Search(search.workload, search.cluster, search.mesh, search.graph, layers, costs,
                   search.memory_limit, search.schedule)
@@ -78,7 +78,8 @@ def blocks(search: Search) -> list[int]:
     """Indices of the repeated blocks (the most common layer structure with FLOPs)."""
     hashes = search.costs.hashes
     heavy = [i for i, layer in enumerate(search.layers) if layer.flops > 0]
-    common = max(set(hashes[i] for i in heavy), key=lambda h: sum(hashes[i] == h for i in heavy))
+    kinds = list(dict.fromkeys(hashes[i] for i in heavy))  # first appearance breaks ties (MoE: the MoE block)
+    common = max(kinds, key=lambda h: sum(hashes[i] == h for i in heavy))
     return [i for i in heavy if hashes[i] == common]
 
 
@@ -95,6 +96,8 @@ def check(search: Search, layout: Layout) -> str | None:
     if len(block) % layout.pp:
         return f"{len(block)} blocks do not split evenly into {layout.pp} stages"
     batch = search.workload.batch
+    if batch % layout.dp:
+        return f"data parallelism {layout.dp} does not divide the batch {batch}"
     if layout.num_microbatches and (batch % layout.num_microbatches or (batch // layout.num_microbatches) % layout.dp):
         return f"batch {batch} does not split into {layout.num_microbatches} microbatches of a multiple of {layout.dp}"
     return None
@@ -139,14 +142,15 @@ def _unconstrained(search: Search, i: int, j: int, shape, m: int, layout: Layout
     return min((o for o in opts if not o.lean), key=lambda o: o.time, default=None)
 
 
-def layout_grid(search: Search, recompute: bool = False) -> list[Layout]:
-    """Every valid (dp, tp, pp) for the mesh (microbatches searched per layout)."""
+def layout_grid(search: Search, recompute: tuple[bool, ...] = (False, True)) -> list[Layout]:
+    """Every valid (dp, tp, pp), with and without recomputation (microbatches searched per layout)."""
     hosts, per_host = search.mesh
     devices = hosts * per_host
     out = []
     for tp in (t for t in range(1, per_host + 1) if per_host % t == 0):
         for pp in (p for p in range(1, devices // tp + 1) if (devices // tp) % p == 0):
-            layout = Layout(devices // (tp * pp), tp, pp, None, recompute)
-            if check(search, layout) is None:
-                out.append(layout)
+            for rc in recompute:
+                layout = Layout(devices // (tp * pp), tp, pp, None, rc)
+                if check(search, layout) is None:
+                    out.append(layout)
     return out

@@ -44,6 +44,7 @@ class Search:
     costs: StageCosts
     memory_limit: float
     schedule: str = "1f1b"
+    least_memory: float = INF  # the least any stage option seen needed (for the error when nothing fits)
 
     @staticmethod
     def start(workload: Workload, cluster: ClusterSpec, mesh: tuple[int, int], *, memory_limit: float | None = None,
@@ -92,8 +93,9 @@ class Search:
                 memory = np.stack([t["states"] + in_flight * t["acts"] + t["transient"] for t in tables])
                 masked = np.where(memory <= self.memory_limit, key, INF)
                 best = np.argmin(masked, axis=0)
-                ok = np.isfinite(np.take_along_axis(masked, best[None], axis=0)[0]) & valid
-                times[s, :, :, k] = np.where(ok, np.take_along_axis(time, best[None], axis=0)[0], INF)
+                chosen = np.take_along_axis(masked, best[None], axis=0)[0]
+                times[s, :, :, k] = np.where(np.isfinite(chosen) & valid, chosen, INF)
+                self.least_memory = min(self.least_memory, float(memory[:, valid].min(initial=INF)))
                 picks[(s, k)] = (variants, best)
         return times, picks
 
@@ -138,21 +140,15 @@ def plan_auto(search: Search, *, stages: int | None = None, num_microbatches: in
 
 
 def _nothing_fits(search: Search) -> AutoparError:
-    """How much memory the leanest layout would need: every layer on every device, recomputing."""
     hosts, per_host = search.mesh
-    m = search.workload.batch
-    lean = search.stage_table(0, len(search.layers), search.mesh, m, 1)[1]
-    need = None
-    if lean is None:
-        opts = search.costs.options(search.atoms(0, len(search.layers)), search.mesh, m)
-        need = min((o.memory(1) for o in opts), default=None)
     where = f"{hosts}x{per_host} {search.cluster.name}"
-    if need is not None:
+    if search.least_memory < INF:
         return AutoparError(
-            f"{search.workload.name} (batch {search.workload.batch}) fits on no layout of {where}: the leanest needs "
-            f"{need / 2**30:.1f} GiB per device, {search.memory_limit / 2**30:.1f} GiB is available; use more devices")
+            f"{search.workload.name} (batch {search.workload.batch}) fits on no layout of {where}: the leanest stage "
+            f"needs {search.least_memory / 2**30:.1f} GiB per device, {search.memory_limit / 2**30:.1f} GiB is "
+            "available; use more devices, more pipeline stages or a smaller batch")
     return AutoparError(f"{search.workload.name} (batch {search.workload.batch}) fits on no layout of {where}: "
-                        "no data-parallel size divides the batch with a pipeline that fits; change --batch")
+                        "no data-parallel size divides the batch; change --batch")
 
 
 def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int], StageOption]], m: int,

@@ -20,6 +20,7 @@ import numpy as np
 
 from autopar.graph import OpGraph
 from autopar.ilp import InfeasibleError
+from autopar.layering import cut_bytes
 from autopar.intra_op import BUCKET_BYTES, Rule, StageSharding, buckets, layer_hash, logical_meshes, shard_stage
 from cost_models import ClusterSpec, Link, p2p_time
 
@@ -65,12 +66,8 @@ class StageCosts:
         self._subgraphs: dict[int, OpGraph] = {}
         self._first: dict[str, int] = {}  # structural hash -> the atom its results were solved on
         self._prefix: dict = {}  # (submesh, logical, lean) -> prefix sums of atom costs
-        cut = [0.0] * len(self.atoms)
-        where = {n: i for i, a in enumerate(self.atoms) for n in a.nodes}
-        for src, dst, nbytes in self.graph.edges():
-            for k in range(where[src], where[dst]):
-                cut[k] += nbytes
-        self.cut = cut  # bytes crossing the boundary after atom k
+        self.cut = cut_bytes(self.graph, self.atoms)  # bytes crossing the boundary after atom k
+        self._batch = next(n for n in self.graph if n.op == "input").outputs[0].shape[0]
         self.flops = [(a.flops_fwd, a.flops_bwd) for a in self.atoms]
 
     def atom(self, k: int, submesh: tuple[int, int], logical: tuple[int, int], lean: bool) -> StageSharding | None:
@@ -89,6 +86,7 @@ class StageCosts:
             result = shard_stage(sub, self.cluster, submesh, logical, float("inf"), self.time_limit_s, self.rule)
             if lean:
                 try:
+                    self.solves += 1  # a probe: the least memory any sharding needs
                     shard_stage(sub, self.cluster, submesh, logical, 0.0, self.time_limit_s, self.rule)
                 except InfeasibleError as exc:
                     self.solves += 1
@@ -127,11 +125,6 @@ class StageCosts:
                     out.append(self._option(atoms, submesh, lm, lean, rc, sums, num_microbatches))
         return out
 
-    @property
-    def _batch(self) -> int:
-        first = next(n for n in self.graph if n.op == "input")
-        return first.outputs[0].shape[0]
-
     def variants(self, submesh: tuple[int, int], m: int, logical: list[tuple[int, int]] | None = None,
                  recompute: tuple[bool, ...] = (False, True)) -> list[tuple[tuple[int, int], bool, bool]]:
         """The (logical mesh, lean, recompute) combinations a stage on `submesh` may use."""
@@ -145,7 +138,8 @@ class StageCosts:
         self._range_sums((0, 0), submesh, lm, lean)  # fills the prefix sums
         prefix = self._prefix[(submesh, lm, lean)][bounds]  # [layer boundary, quantity]
         sums = prefix[None, :, :] - prefix[:, None, :]  # [i, j, quantity]
-        fwd, bwd, comm, sync, states, acts, trainable, weighted = np.moveaxis(sums, -1, 0)
+        fwd, bwd, comm, sync, states, acts, trainable, weighted, latency = np.moveaxis(sums, -1, 0)
+        comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
         with np.errstate(invalid="ignore", divide="ignore"):
             n_buckets = np.where(trainable > 0, np.maximum(1, np.ceil(trainable / BUCKET_BYTES)), 0)
             sync = sync + np.where(trainable > 0, weighted / np.where(trainable > 0, trainable, 1) * n_buckets, 0)
@@ -157,7 +151,7 @@ class StageCosts:
             transient, acts = acts, np.broadcast_to(stage_input[:, None], acts.shape).copy()
         cut_after = np.array([self.cut[b - 1] if 0 < b < len(self.atoms) else 0.0 for b in bounds])
         link = self._send_link(submesh)
-        send = np.where(cut_after > 0, link.latency + cut_after / (lm[0] * m) / link.bandwidth, 0.0)[None, :] \
+        send = np.where(cut_after > 0, link.latency + cut_after / (lm[0] * lm[1] * m) / link.bandwidth, 0.0)[None, :] \
             * np.ones_like(acts)
         time = fwd + bwd + send
         time = np.where(np.isnan(time), np.inf, time)
@@ -172,7 +166,7 @@ class StageCosts:
             for k in range(len(self.atoms)):
                 p = self.atom(k, submesh, lm, lean)
                 if p is None:
-                    rows.append([np.nan] * 8)
+                    rows.append([np.nan] * 9)
                     continue
                 f, b = self.flops[k]
                 share = f / (f + b) if f + b else 0.5
@@ -180,14 +174,15 @@ class StageCosts:
                 latency = c["bucket_latency_s"] * buckets(c["trainable_bytes"])
                 rows.append([c["compute_s"] * share, c["compute_s"] * (1 - share), c["comm_s"] + c["reshard_s"],
                              c["grad_sync_s"] - latency, p.memory["model_states"], p.memory["activations"],
-                             c["trainable_bytes"], c["bucket_latency_s"] * c["trainable_bytes"]])
-            self._prefix[key] = np.vstack([np.zeros(8), np.cumsum(np.array(rows), axis=0)])
+                             c["trainable_bytes"], c["bucket_latency_s"] * c["trainable_bytes"], c["comm_latency_s"]])
+            self._prefix[key] = np.vstack([np.zeros(9), np.cumsum(np.array(rows), axis=0)])
         prefix = self._prefix[key]
         sums = prefix[atoms[1]] - prefix[atoms[0]]
         return None if np.isnan(sums).any() else sums
 
     def _option(self, atoms, submesh, lm, lean, rc, sums: np.ndarray, m: int) -> StageOption:
-        fwd, bwd, comm, sync, states, acts, trainable, weighted_latency = (float(x) for x in sums)
+        fwd, bwd, comm, sync, states, acts, trainable, weighted_latency, latency = (float(x) for x in sums)
+        comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
         if trainable:  # one bucket latency per 25 MB of the stage's weights (byte-weighted over its atoms)
             sync += weighted_latency / trainable * buckets(trainable)
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m
@@ -197,8 +192,8 @@ class StageCosts:
             transient, acts = acts, self.cut[atoms[0] - 1] / (lm[0] * m) if atoms[0] > 0 else 0.0
         last = atoms[1] - 1
         send = 0.0
-        if last < len(self.atoms) - 1:
-            send = p2p_time(self.cut[last] / (lm[0] * m), self._send_link(submesh))
+        if last < len(self.atoms) - 1 and self.cut[last] > 0:  # each rank sends its slice (Megatron's scatter)
+            send = p2p_time(self.cut[last] / (lm[0] * lm[1] * m), self._send_link(submesh))
         return StageOption(lm, lean, rc, fwd, bwd, send, sync, states, acts, transient)
 
     def _send_link(self, submesh: tuple[int, int]) -> Link:

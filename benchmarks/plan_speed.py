@@ -1,38 +1,34 @@
-"""Planner speed: `autopar plan MODEL --cluster a100-dgx --mesh 1x8 --stages 1 --batch 16`, whole command.
+"""Planner speed: the whole `autopar plan` command in a fresh process (Python's start and
+`import torch` included), for the intra-op pass alone (`--stages 1`) and for the full search.
 
-Each run is a fresh process (Python's start and `import torch` included). The intra-op pass
-solves one ILP per logical mesh (8x1, 4x2, 2x4, 1x8); repeated layers share variables, so the
-ILP's size does not grow with the layer count. Prints a Markdown table for the README.
-
-    python benchmarks/plan_speed.py [MODEL ...]
+    python benchmarks/plan_speed.py
 """
 
 from __future__ import annotations
 
-import sys
-
 from _cli import run_cli
 from rich.progress import track
 
-DEFAULT = ["gpt-350m", "gpt-1.3b", "gpt-2.6b", "gpt-6.7b", "gpt-15b"]  # gpt-39b does not fit on 8 A100s
+CASES = [  # (model, cluster, mesh, batch, extra arguments)
+    ("gpt-1.3b", "a100-dgx", "1x8", 16, ["--stages", "1"]),
+    ("gpt-15b", "a100-dgx", "1x8", 16, ["--stages", "1"]),
+    ("gpt-1.3b", "v100-p3", "1x4", 1024, []),
+    ("gpt-6.7b", "v100-p3", "2x8", 1024, []),
+    ("gpt-39b", "v100-p3", "8x8", 1024, []),
+]
 
 
 def main() -> None:
-    models = sys.argv[1:] or DEFAULT
-    print("| model | layers | ops placed | ILP groups | ILP variables | solver s (4 meshes) | capture s | "
-          "planning s | wall s | chosen dp × tp |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    for model in track(models, description="plan", transient=True):
-        plan, wall, _ = run_cli("plan", model, "--cluster", "a100-dgx", "--mesh", "1x8", "--stages", "1",
-                                "--batch", "16")
-        stage = plan["stages"][0]
-        solver = stage["solver"]
-        layers = sum(1 for p in stage["params"] if p.endswith("mlp.fc1.weight"))
-        solve_s = sum(c.get("solve_time_s", 0) for c in plan["candidates"])
-        dp, tp = stage["logical_mesh"]
-        print(f"| {model} | {layers} | {solver['anchors']} | {solver['ilp_nodes']} | {solver['variables']} | "
-              f"{solve_s:.2f} | {plan['capture_time_s']:.1f} | {plan['planning_time_s']:.1f} | {wall:.1f} | "
-              f"{dp} × {tp} |")
+    print("| command | layers | stages found | ILP solves | cache hits | planning s | wall s | predicted TFLOP/s/GPU |")
+    print("|---|---|---|---|---|---|---|---|")
+    for model, cluster, mesh, batch, extra in track(CASES, description="plan", transient=True):
+        args = ["plan", model, "--cluster", cluster, "--mesh", mesh, "--batch", str(batch), *extra]
+        plan, wall, _ = run_cli(*args)
+        shapes = ", ".join(sorted({f"{s['submesh'][0]}x{s['submesh'][1]} ({s['logical_mesh'][0]}×{s['logical_mesh'][1]})"
+                                   for s in plan["stages"]}))
+        print(f"| `autopar {' '.join(args)}` | {len(plan['layers'])} | {len(plan['stages'])} × {shapes} | "
+              f"{plan['search']['ilp_solves']} | {plan['search']['cache_hits']} | {plan['planning_time_s']:.1f} | "
+              f"{wall:.1f} | {plan['estimate']['tflops_per_device']:.1f} |")
 
 
 if __name__ == "__main__":

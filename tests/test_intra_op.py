@@ -165,7 +165,7 @@ def test_tied_weights_views_and_follower_parameters_are_priced():
         assert set(r.params) == {"emb.weight", "w", "bias"}  # the .t() view maps back to w
         states = r.memory["model_states"]
         assert states >= sum(p.nbytes for p in graph.params.values()) * 16 / 4 / 8 * 0.99  # all three stored
-        syncs = {(c["node"], c["axis"]) for c in r.collectives if c["phase"] == "backward" and c["kind"] == "all_reduce"}
+        syncs = {(c["node"], c["axis"]) for c in r.collectives if c["phase"] == "gradient" and c["kind"] == "all_reduce"}
         dp, tp = logical
         if tp > 1:
             split_by_batch = [n for n, (on_dp, on_tp) in r.ops.items() if on_tp == "S(0)"]

@@ -1,0 +1,48 @@
+"""Auto plan against every valid hand-written 3D layout, predicted, for Alpa's GPT suite on
+`v100-p3` at the GPU counts of the Alpa paper (global batch 1024). Prints a Markdown table next
+to the per-GPU TFLOP/s Alpa and Megatron-LM measured (REFERENCES.md).
+
+    python benchmarks/compare_suites.py [MODEL ...]
+"""
+
+from __future__ import annotations
+
+import sys
+
+from _cli import run_cli
+from rich.progress import track
+
+SUITE = {  # model: (mesh, Alpa measured TFLOP/s per GPU, Megatron-LM measured)
+    "gpt-350m": ("1x1", 45.1, 47.5),
+    "gpt-760m": ("1x2", 57.9, 55.5),
+    "gpt-1.3b": ("1x4", 58.2, 55.9),
+    "gpt-2.6b": ("1x8", 61.6, 50.4),
+    "gpt-6.7b": ("2x8", 60.0, 56.6),
+    "gpt-15b": ("4x8", 59.9, 58.2),
+    "gpt-39b": ("8x8", 57.0, 57.8),
+}
+
+
+def main() -> None:
+    models = sys.argv[1:] or list(SUITE)
+    print("| model | GPUs | auto: stages × submesh, microbatches | auto TFLOP/s/GPU | best hand-written (fits) | "
+          "its TFLOP/s/GPU | auto ≤ best | Alpa measured | Megatron measured | wall s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for model in track(models, description="compare", transient=True):
+        mesh, alpa, megatron = SUITE[model]
+        r, wall, _ = run_cli("compare", model, "--cluster", "v100-p3", "--mesh", mesh, "--batch", "1024")
+        fitting = [m for m in r["manual"] if m["fits"]]
+        best = min(fitting, key=lambda m: m["step_time_s"]) if fitting else None
+        auto = r["auto"]
+        hosts, per_host = (int(x) for x in mesh.split("x"))
+        ok = best is None or auto["step_time_s"] <= best["step_time_s"] * (1 + 1e-9)
+        print(f"| {model} | {hosts * per_host} | {auto['stages']} stage(s), {auto['num_microbatches']} | "
+              f"{auto['tflops_per_device']:.1f} | {best['name'] if best else 'none fits'} | "
+              f"{best['tflops_per_device']:.1f} | {'yes' if ok else 'NO'} | {alpa} | {megatron} | {wall:.0f} |"
+              if best else
+              f"| {model} | {hosts * per_host} | {auto['stages']} stage(s), {auto['num_microbatches']} | "
+              f"{auto['tflops_per_device']:.1f} | none fits | – | yes | {alpa} | {megatron} | {wall:.0f} |")
+
+
+if __name__ == "__main__":
+    main()
