@@ -154,8 +154,11 @@ def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
                            **_estimate(plan)})
     manual.sort(key=lambda r: (not r["fits"], r["step_time_s"]))
     result = {"model": args.model, "batch": search.workload.batch, "cluster": search.cluster.name,
-              "mesh": list(search.mesh), "auto": {"stages": len(auto.stages), "num_microbatches": auto.num_microbatches,
-                                                   **_estimate(auto)}, "manual": manual}
+              "mesh": list(search.mesh),
+              "auto": {"stages": [{"layers": list(s.layers), "submesh": list(s.submesh),
+                                   "logical_mesh": list(s.logical_mesh), "recompute": s.recompute} for s in auto.stages],
+                       "num_microbatches": auto.num_microbatches, "schedule": auto.schedule, **_estimate(auto)},
+              "manual": manual}
     if args.json:
         return result
     table = Table(title=f"{args.model} (batch {result['batch']}) on {result['cluster']} {args.mesh}: predicted")
@@ -186,7 +189,7 @@ def _print_plan(plan, out: Console) -> None:
         table.add_column(col, justify="right")
     for i, s in enumerate(plan.stages):
         names = [plan.layers[k]["name"] for k in range(*s.layers)]
-        c = s.cost
+        c = {k: s.cost.get(k, 0.0) for k in ("forward_s", "backward_s", "send_s", "grad_sync_s", "state_bytes")}
         table.add_row(str(i), span(names), f"{s.submesh[0]}x{s.submesh[1]}", f"{s.logical_mesh[0]} × {s.logical_mesh[1]}",
                       "yes" if s.recompute else "", human_time(c["forward_s"]), human_time(c["backward_s"]),
                       human_time(c["send_s"]), human_time(c["grad_sync_s"]), human_bytes(c["state_bytes"]))

@@ -8,6 +8,7 @@ the same inputs give the same file.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import asdict, dataclass, field
@@ -150,6 +151,11 @@ def _parse(data: Any, source: str) -> Plan:
         return tuple(value)
 
     layers = need(data, "layers", list)
+    for i, layer in enumerate(layers):
+        if not (isinstance(layer, dict) and isinstance(layer.get("name"), str) and isinstance(layer.get("nodes"), list)
+                and all(isinstance(n, str) for n in layer["nodes"])):
+            raise PlanError(f"{source}: layers[{i}] must be {{\"name\": str, \"nodes\": [str, ...]}}, got {layer!r}")
+    mesh = pair(data, "mesh", "")
     stages = []
     for i, s in enumerate(need(data, "stages", list)):
         where = f"stages[{i}]."
@@ -158,7 +164,10 @@ def _parse(data: Any, source: str) -> Plan:
         stage = StagePlan(
             layers=pair(s, "layers", where), submesh=pair(s, "submesh", where), logical_mesh=pair(s, "logical_mesh", where),
             params=need(s, "params", dict, where), ops=need(s, "ops", dict, where),
-            recompute=bool(s.get("recompute", False)), cost=need(s, "cost", dict, where))
+            recompute=need(s, "recompute", bool, where), cost=need(s, "cost", dict, where))
+        for key, value in stage.cost.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool):
+                raise PlanError(f"{source}: {where}cost.{key} must be a number, got {value!r}")
         for kind, table in (("params", stage.params), ("ops", stage.ops)):
             for key, placement in table.items():
                 if not (isinstance(placement, list) and len(placement) == 2
@@ -168,6 +177,8 @@ def _parse(data: Any, source: str) -> Plan:
         if stage.logical_mesh[0] * stage.logical_mesh[1] != stage.devices or stage.devices == 0:
             raise PlanError(f"{source}: {where}logical_mesh {list(stage.logical_mesh)} does not tile its submesh "
                             f"{list(stage.submesh)}")
+        if stage.submesh[0] > mesh[0] or stage.submesh[1] > mesh[1]:
+            raise PlanError(f"{source}: {where}submesh {list(stage.submesh)} does not fit in the mesh {list(mesh)}")
         stages.append(stage)
     if not stages:
         raise PlanError(f"{source}: a plan needs at least one stage")
@@ -179,6 +190,12 @@ def _parse(data: Any, source: str) -> Plan:
         expected = s.layers[1]
     if expected != len(layers):
         raise PlanError(f"{source}: the stages cover {expected} of {len(layers)} layers")
+    if sum(s.devices for s in stages) != mesh[0] * mesh[1]:
+        raise PlanError(f"{source}: the stages use {sum(s.devices for s in stages)} devices, the mesh "
+                        f"{mesh[0]}x{mesh[1]} has {mesh[0] * mesh[1]}")
+    gradient = need(data, "dp_gradient", dict)
+    if gradient.get("zero_stage", 0) not in (0, 1, 2, 3):
+        raise PlanError(f"{source}: dp_gradient.zero_stage must be 0, 1, 2 or 3, got {gradient.get('zero_stage')!r}")
     schedule = need(data, "schedule", str)
     if schedule not in SCHEDULES:
         raise PlanError(f"{source}: schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
@@ -187,11 +204,19 @@ def _parse(data: Any, source: str) -> Plan:
     if mb < 1 or batch % mb:
         raise PlanError(f"{source}: num_microbatches {mb} must be at least 1 and divide the batch {batch}")
     est = data.get("estimate")
+    estimate = None
+    if est is not None:
+        fields = {f.name: f for f in dataclasses.fields(Estimate)}
+        if not isinstance(est, dict) or set(est) != set(fields):
+            raise PlanError(f"{source}: estimate must have exactly {', '.join(fields)}")
+        for key in ("step_time_s", "tflops_per_device", "peak_memory_bytes", "bubble_fraction"):
+            if not isinstance(est[key], (int, float)) or isinstance(est[key], bool):
+                raise PlanError(f"{source}: estimate.{key} must be a number, got {est[key]!r}")
+        estimate = Estimate(**{**est, "fits": bool(est["fits"])})
     return Plan(
         model=need(data, "model", str), graph_hash=need(data, "graph_hash", str), batch=batch,
-        cluster=need(data, "cluster", str), mesh=pair(data, "mesh", ""), layers=layers, stages=stages,
-        num_microbatches=mb, schedule=schedule, dp_gradient=need(data, "dp_gradient", dict),
-        estimate=Estimate(**est) if isinstance(est, dict) else None,
+        cluster=need(data, "cluster", str), mesh=mesh, layers=layers, stages=stages,
+        num_microbatches=mb, schedule=schedule, dp_gradient=gradient, estimate=estimate,
         search=data.get("search") or {}, name=str(data.get("name", "auto")))
 
 

@@ -36,11 +36,11 @@ def main() -> None:
         auto = r["auto"]
         hosts, per_host = (int(x) for x in mesh.split("x"))
         ok = best is None or auto["step_time_s"] <= best["step_time_s"] * (1 + 1e-9)
-        print(f"| {model} | {hosts * per_host} | {auto['stages']} stage(s), {auto['num_microbatches']} | "
+        print(f"| {model} | {hosts * per_host} | {len(auto['stages'])} stage(s), {auto['num_microbatches']} | "
               f"{auto['tflops_per_device']:.1f} | {best['name'] if best else 'none fits'} | "
               f"{best['tflops_per_device']:.1f} | {'yes' if ok else 'NO'} | {alpa} | {megatron} | {wall:.0f} |"
               if best else
-              f"| {model} | {hosts * per_host} | {auto['stages']} stage(s), {auto['num_microbatches']} | "
+              f"| {model} | {hosts * per_host} | {len(auto['stages'])} stage(s), {auto['num_microbatches']} | "
               f"{auto['tflops_per_device']:.1f} | none fits | – | yes | {alpa} | {megatron} | {wall:.0f} |")
 
 

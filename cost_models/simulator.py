@@ -5,7 +5,8 @@ torch.distributed.pipelining): a forward waits for the previous stage's forward 
 microbatch plus the point-to-point transfer; a backward waits for the next stage's backward.
 Transfers overlap compute (sends are asynchronous). The data-parallel gradient reduction of a
 stage starts with its last backward (bucketed reduction overlaps the backward pass) and ends the
-step for that stage.
+step for that stage. The bubble fraction is the idle share of all stages' time until the last
+backward ends: pipeline fill and drain, and also waiting caused by unequal stages.
 """
 
 from __future__ import annotations

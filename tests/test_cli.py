@@ -1,6 +1,7 @@
 """The `autopar` command line: JSON for scripts, tables for people, one message for bad input."""
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -130,3 +131,24 @@ def test_manual_layout_and_compare(capsys):
         assert {"num_microbatches", "step_time_s", "tflops_per_device", "peak_memory_bytes", "fits"} <= set(m)
     best_manual = min(m["step_time_s"] for m in result["manual"] if m["fits"])
     assert result["auto"]["step_time_s"] <= best_manual * 1.0001
+
+
+@pytest.mark.parametrize("mutate, message", [
+    (lambda p: p.update(schema="autopar.plan/0"), "schema 'autopar.plan/0'"),
+    (lambda p: p["stages"][0].update(recompute="false"), "recompute must be true or false"),
+    (lambda p: p.update(mesh=[1, 8]), "the stages use 4 devices, the mesh 1x8 has 8"),
+    (lambda p: p["estimate"].pop("fits"), "estimate must have exactly"),
+    (lambda p: p["dp_gradient"].update(zero_stage=7), "zero_stage must be 0, 1, 2 or 3"),
+    (lambda p: p["layers"].__setitem__(0, "wte"), "layers[0] must be"),
+    (lambda p: p.update(num_microbatches=3), "num_microbatches 3 must be at least 1 and divide the batch 8"),
+    (lambda p: p["stages"][0]["params"].__setitem__("wte.weight", ["R", "X"]), "two placements"),
+])
+def test_malformed_plans_are_explained(capsys, tmp_path, mutate, message):
+    from autopar.plan import Plan, PlanError
+
+    path = tmp_path / "plan.json"
+    assert main(["plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x4", "--out", str(path)]) == 0
+    data = json.loads(path.read_text())
+    mutate(data)
+    with pytest.raises(PlanError, match=re.escape(message)):
+        Plan.from_json(json.dumps(data))
