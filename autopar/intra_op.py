@@ -118,6 +118,7 @@ class _Stage:
         self._check_batch()
         self.root = self._roots()
         self.owner = self._param_owners()
+        self.owning_groups = {self.root[n] for n in self.owner.values()}  # groups that store a weight
         self._size_cache: dict[str, dict[str, int]] = {}
         self._batch_letter_cache: dict[str, set[str]] = {}
         self.members: dict[str, list[str]] = {}
@@ -269,7 +270,7 @@ class _Stage:
         if rule is not None:
             allowed = rule.letters(sig, self.graph.node(anchor))
             letters = [c for c in letters if c in allowed] or [None]
-        has_params = any(self.owner.get(f) in self.members[anchor] for f in self.owner)
+        has_params = anchor in self.owning_groups
         zeros = [False, True] if has_params and self.mesh.dp > 1 and (rule is None or rule.zero) else [False]
         return [Strategy(c, z) for c in letters for z in zeros]
 

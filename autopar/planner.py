@@ -12,7 +12,8 @@ from autopar.capture import capture
 from autopar.errors import AutoparError
 from autopar.graph import OpGraph
 from autopar.inter_op import INF, microbatch_counts, stage_dp, submesh_shapes
-from autopar.intra_op import Rule
+from autopar.ilp import InfeasibleError
+from autopar.intra_op import Rule, best_sharding, logical_meshes
 from autopar.layering import Layer, cluster_layers
 from autopar.models import Workload
 from autopar.plan import Estimate, Plan, StagePlan
@@ -107,7 +108,11 @@ class Search:
 
 def plan_auto(search: Search, *, stages: int | None = None, num_microbatches: int | None = None,
               progress: Callable[[str], None] | None = None) -> Plan:
-    """Search stages, submeshes, logical meshes and the microbatch count; the simulator decides."""
+    """Search stages, submeshes, logical meshes and the microbatch count; the simulator decides.
+
+    One stage is the intra-op pass alone: one ILP over the whole graph per logical mesh."""
+    if stages == 1 and not num_microbatches:
+        return plan_single_stage(search)
     hosts, per_host = search.mesh
     shapes = [s for s in submesh_shapes(hosts, per_host)]
     sizes = [h * d for h, d in shapes]
@@ -137,6 +142,29 @@ def plan_auto(search: Search, *, stages: int | None = None, num_microbatches: in
     best.search.update({"ilp_solves": search.costs.solves, "cache_hits": search.costs.hits,
                         "microbatch_counts": len(counts)})
     return best
+
+
+def plan_single_stage(search: Search) -> Plan:
+    """Every device in one stage, one microbatch: the whole graph's ILP on each logical mesh."""
+    try:
+        best, _, _ = best_sharding(search.graph, search.cluster, search.mesh, search.memory_limit,
+                                   search.costs.time_limit_s)
+    except InfeasibleError as exc:
+        raise InfeasibleError(f"{search.workload.name} (batch {search.workload.batch}) {exc}", exc.least_memory) from None
+    g, c = search.graph, best.cost
+    share = g.flops_fwd / (g.flops_fwd + g.flops_bwd) if g.flops_fwd + g.flops_bwd else 0.5
+    comm = c["comm_s"] + c["reshard_s"]
+    stage = StagePlan(
+        layers=(0, len(search.layers)), submesh=search.mesh, logical_mesh=best.logical_mesh, params=best.params,
+        ops=best.ops, cost={"forward_s": c["compute_s"] * share + comm / 2,
+                            "backward_s": c["compute_s"] * (1 - share) + comm / 2, "send_s": 0.0,
+                            "grad_sync_s": c["grad_sync_s"], "state_bytes": best.memory["model_states"],
+                            "activation_bytes_per_microbatch": best.memory["activations"]})
+    c = stage.cost
+    sim = simulate([StageTimes(c["forward_s"], c["backward_s"], 0.0, c["grad_sync_s"], c["state_bytes"],
+                               c["activation_bytes_per_microbatch"])], 1, search.schedule)
+    return _plan(search, [stage], sim, 1, "auto", {"ilp_solves": len(logical_meshes(search.mesh)), "cache_hits": 0,
+                                                   "microbatch_counts": 1})
 
 
 def _nothing_fits(search: Search) -> AutoparError:
@@ -171,6 +199,10 @@ def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int]
         times.append(StageTimes(opt.forward_s, opt.backward_s, opt.send_s, opt.grad_sync_s, opt.state_bytes,
                                 opt.activation_bytes, opt.transient_bytes))
     sim = simulate(times, m, search.schedule)
+    return _plan(search, stages, sim, m, name, {"method": name})
+
+
+def _plan(search: Search, stages: list[StagePlan], sim, m: int, name: str, info: dict) -> Plan:
     devices = sum(s.devices for s in stages)
     model_flops = search.graph.flops_fwd + search.graph.flops_bwd
     peak = max(sim.peak_memory_bytes)
@@ -184,4 +216,4 @@ def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int]
         layers=[{"name": layer.name, "nodes": list(layer.nodes)} for layer in search.layers],
         stages=stages, num_microbatches=m, schedule=search.schedule,
         dp_gradient={"zero_stage": 3 if zero else 0, "compression": None, "delay": 0},
-        estimate=estimate, search={"method": name}, name=name)
+        estimate=estimate, search={"method": name, **info}, name=name)
