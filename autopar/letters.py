@@ -375,7 +375,6 @@ def _getitem(node, ins, outs):
 
 
 def _reduction(node, ins, outs, linear: bool):
-    args = _args(node)
     src = ins[0]
     letters = string.ascii_lowercase[: len(src)]
     dims = _arg(node, "dim", None)

@@ -1,6 +1,5 @@
 """capture(): shapes, FLOPs, bytes, parameters and module paths of the exported graph."""
 
-import operator
 
 import pytest
 import torch

@@ -1,6 +1,5 @@
 """Ops read as einsums: the letters decide which placements can pass through an op."""
 
-import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
