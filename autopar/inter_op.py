@@ -85,7 +85,12 @@ def _dp_for(times, sizes, devices, n_layers, n_shapes, t_max) -> tuple[float, li
     g[0, n_layers, 0] = 0.0
     arg_j = np.zeros((max_stages + 1, n_layers + 1, devices + 1), dtype=np.int32)
     arg_k = np.zeros((max_stages + 1, n_layers + 1, devices + 1), dtype=np.int32)
+    finite = np.isfinite(allowed)
+    # which (s, shape) have any stage of w layers under t_max: one pass instead of one test per step
+    spans = [finite.diagonal(offset=w, axis1=1, axis2=2).any(axis=-1) for w in range(n_layers + 1)]
     for s in range(1, max_stages + 1):
+        if not np.isfinite(g[s - 1]).any():
+            break  # nothing to build on: deeper pipelines are impossible too
         for k in range(n_shapes):
             n = sizes[k]
             if n > devices:
@@ -93,9 +98,9 @@ def _dp_for(times, sizes, devices, n_layers, n_shapes, t_max) -> tuple[float, li
             shifted = np.full((n_layers + 1, devices + 1), INF)
             shifted[:, n:] = g[s - 1, :, : devices + 1 - n]  # g[s-1][j][d - n]
             for w in range(1, n_layers + 1):  # stages of w layers: i -> j = i + w
-                t = np.diagonal(allowed[s, :, :, k], offset=w)  # t[i] = allowed[s, i, i + w, k]
-                if not np.isfinite(t).any():
+                if not spans[w][s, k]:
                     continue
+                t = np.diagonal(allowed[s, :, :, k], offset=w)  # t[i] = allowed[s, i, i + w, k]
                 cand = t[:, None] + shifted[w:, :]  # [i, d]
                 better = cand < g[s, : n_layers + 1 - w]
                 if better.any():
