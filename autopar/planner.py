@@ -102,7 +102,7 @@ class Search:
     def option(self, i: int, j: int, shape: tuple[int, int], m: int, variant) -> StageOption:
         lm, lean, rc = variant
         atoms = self.atoms(i, j)
-        return self.costs._option(atoms, shape, lm, lean, rc, self.costs._range_sums(atoms, shape, lm, lean), m)
+        return self.costs.option_for(atoms, shape, lm, lean, rc, self.costs.range_sums(atoms, shape, lm, lean), m)
 
 
 def plan_auto(search: Search, *, stages: int | None = None, num_microbatches: int | None = None,
@@ -113,7 +113,7 @@ def plan_auto(search: Search, *, stages: int | None = None, num_microbatches: in
     if stages == 1 and not num_microbatches:
         return plan_single_stage(search)
     hosts, per_host = search.mesh
-    shapes = [s for s in submesh_shapes(hosts, per_host)]
+    shapes = submesh_shapes(hosts, per_host)
     sizes = [h * d for h, d in shapes]
     devices = hosts * per_host
     n = len(search.layers)

@@ -118,11 +118,11 @@ class StageCosts:
             if (self._batch // num_microbatches) % lm[0]:
                 continue  # the data axis must split each microbatch
             for lean in (False, True):
-                sums = self._range_sums(atoms, submesh, lm, lean)
+                sums = self.range_sums(atoms, submesh, lm, lean)
                 if sums is None:
                     continue
                 for rc in recompute:
-                    out.append(self._option(atoms, submesh, lm, lean, rc, sums, num_microbatches))
+                    out.append(self.option_for(atoms, submesh, lm, lean, rc, sums, num_microbatches))
         return out
 
     def variants(self, submesh: tuple[int, int], m: int, logical: list[tuple[int, int]] | None = None,
@@ -132,10 +132,10 @@ class StageCosts:
                 for lean in (False, True) for rc in recompute]
 
     def variant_table(self, bounds: np.ndarray, submesh: tuple[int, int], variant, m: int) -> dict[str, np.ndarray]:
-        """`_option` for every layer range [bounds[i], bounds[j]) at once: arrays indexed [i, j]
+        """`option_for` for every layer range [bounds[i], bounds[j]) at once: arrays indexed [i, j]
         (inf time where an atom has no sharding on this mesh)."""
         lm, lean, rc = variant
-        self._range_sums((0, 0), submesh, lm, lean)  # fills the prefix sums
+        self.range_sums((0, 0), submesh, lm, lean)  # fills the prefix sums
         prefix = self._prefix[(submesh, lm, lean)][bounds]  # [layer boundary, quantity]
         sums = prefix[None, :, :] - prefix[:, None, :]  # [i, j, quantity]
         fwd, bwd, comm, sync, states, acts, trainable, weighted, latency = np.moveaxis(sums, -1, 0)
@@ -157,7 +157,7 @@ class StageCosts:
         time = np.where(np.isnan(time), np.inf, time)
         return {"time": time, "backward": bwd, "sync": sync, "states": states, "acts": acts, "transient": transient}
 
-    def _range_sums(self, atoms, submesh, lm, lean) -> np.ndarray | None:
+    def range_sums(self, atoms, submesh, lm, lean) -> np.ndarray | None:
         """Per-atom [fwd, bwd, comm, sync without latency, states, acts, trainable bytes,
         bucket latency × bytes] summed over [a, b), from prefix sums."""
         key = (submesh, lm, lean)
@@ -180,7 +180,7 @@ class StageCosts:
         sums = prefix[atoms[1]] - prefix[atoms[0]]
         return None if np.isnan(sums).any() else sums
 
-    def _option(self, atoms, submesh, lm, lean, rc, sums: np.ndarray, m: int) -> StageOption:
+    def option_for(self, atoms, submesh, lm, lean, rc, sums: np.ndarray, m: int) -> StageOption:
         fwd, bwd, comm, sync, states, acts, trainable, weighted_latency, latency = (float(x) for x in sums)
         comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
         if trainable:  # one bucket latency per 25 MB of the stage's weights (byte-weighted over its atoms)
