@@ -1,6 +1,7 @@
-"""Auto plan against every valid hand-written 3D layout, predicted, for Alpa's GPT suite on
-`v100-p3` at the GPU counts of the Alpa paper (global batch 1024). Prints a Markdown table next
-to the per-GPU TFLOP/s Alpa and Megatron-LM measured (REFERENCES.md).
+"""Auto plan against every valid hand-written 3D layout, predicted, for Alpa's GPT and MoE
+suites on `v100-p3` at the GPU counts of the Alpa paper (global batch 1024). Prints a Markdown
+table next to the per-GPU TFLOP/s measured in the Alpa paper (REFERENCES.md; for MoE the
+baseline column is DeepSpeed's).
 
     python benchmarks/compare_suites.py [MODEL ...]
 """
@@ -20,13 +21,20 @@ SUITE = {  # model: (mesh, Alpa measured TFLOP/s per GPU, Megatron-LM measured)
     "gpt-6.7b": ("2x8", 60.0, 56.6),
     "gpt-15b": ("4x8", 59.9, 58.2),
     "gpt-39b": ("8x8", 57.0, 57.8),
+    "moe-380m": ("1x1", 45.5, 34.2),
+    "moe-690m": ("1x2", 43.0, 33.1),
+    "moe-1.3b": ("1x4", 39.9, 34.7),
+    "moe-2.4b": ("1x8", 45.8, 40.0),
+    "moe-10b": ("2x8", 45.4, 12.9),
+    "moe-27b": ("4x8", 38.8, 3.8),
+    "moe-70b": ("8x8", 36.6, "OOM"),
 }
 
 
 def main() -> None:
     models = sys.argv[1:] or list(SUITE)
     print("| model | GPUs | auto: stages × submesh, microbatches | auto TFLOP/s/GPU | best hand-written (fits) | "
-          "its TFLOP/s/GPU | auto ≤ best | Alpa measured | Megatron measured | wall s |")
+          "its TFLOP/s/GPU | auto ≤ best | Alpa measured | Megatron-LM / DeepSpeed measured | wall s |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for model in track(models, description="compare", transient=True):
         mesh, alpa, megatron = SUITE[model]
