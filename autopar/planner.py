@@ -17,6 +17,7 @@ from autopar.layering import Layer, cluster_layers
 from autopar.models import Workload
 from autopar.plan import Estimate, Plan, StagePlan
 from autopar.stage_costs import StageCosts, StageOption
+from autopar.units import human_bytes
 from cost_models import ClusterSpec
 from cost_models.memory import in_flight_microbatches
 from cost_models.simulator import StageTimes, simulate
@@ -44,7 +45,6 @@ class Search:
     costs: StageCosts
     memory_limit: float
     schedule: str = "1f1b"
-    least_memory: float = INF  # the least any stage option seen needed (for the error when nothing fits)
 
     @staticmethod
     def start(workload: Workload, cluster: ClusterSpec, mesh: tuple[int, int], *, memory_limit: float | None = None,
@@ -95,7 +95,6 @@ class Search:
                 best = np.argmin(masked, axis=0)
                 chosen = np.take_along_axis(masked, best[None], axis=0)[0]
                 times[s, :, :, k] = np.where(np.isfinite(chosen) & valid, chosen, INF)
-                self.least_memory = min(self.least_memory, float(memory[:, valid].min(initial=INF)))
                 picks[(s, k)] = (variants, best)
         return times, picks
 
@@ -167,14 +166,18 @@ def plan_single_stage(search: Search) -> Plan:
 
 
 def _nothing_fits(search: Search) -> AutoparError:
+    """How much memory per device the leanest way to hold the whole model on every device needs
+    (one stage, ZeRO-3, recomputation, one sample per microbatch)."""
     hosts, per_host = search.mesh
     where = f"{hosts}x{per_host} {search.cluster.name}"
-    if search.least_memory < INF:
+    n, batch = len(search.layers), search.workload.batch
+    lean = [o.memory(1) for m in (batch,) for o in search.costs.options(search.atoms(0, n), search.mesh, m)]
+    if lean:
         return AutoparError(
-            f"{search.workload.name} (batch {search.workload.batch}) fits on no layout of {where}: the leanest stage "
-            f"needs {search.least_memory / 2**30:.1f} GiB per device, {search.memory_limit / 2**30:.1f} GiB is "
-            "available; use more devices, more pipeline stages or a smaller batch")
-    return AutoparError(f"{search.workload.name} (batch {search.workload.batch}) fits on no layout of {where}: "
+            f"{search.workload.name} (batch {batch}) fits on no layout of {where}: even spread over every device "
+            f"with ZeRO-3 and recomputation it needs {human_bytes(min(lean))} per device, "
+            f"{human_bytes(search.memory_limit)} is available; use more devices or a smaller batch")
+    return AutoparError(f"{search.workload.name} (batch {batch}) fits on no layout of {where}: "
                         "no data-parallel size divides the batch; change --batch")
 
 

@@ -76,7 +76,7 @@ UNCAPTURABLE = textwrap.dedent('''
         (["plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x16"], "at most 8 devices per host"),
         (["plan", "gpt-tiny", "--mesh", "1x2", "--stages", "9"], "--stages 9: gpt-tiny has 3 layers and the mesh 2 devices"),
         (["plan", "gpt-tiny", "--cluster", "v100-p3", "--mesh", "1x2", "--memory-limit", "0.0001"],
-         "fits on no layout of 1x2 v100-p3: the leanest stage needs"),
+         "fits on no layout of 1x2 v100-p3: even spread over every device"),
         (["plan", "gpt-tiny", "--cluster", "v100-p3", "--mesh", "1x4", "--manual", "2,2"], "malformed layout '2,2'"),
         (["plan", "gpt-tiny", "--cluster", "v100-p3", "--mesh", "1x4", "--manual", "1,1,4"],
          "2 blocks do not split evenly into 4 stages"),
