@@ -38,11 +38,16 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|---|---|---|")
     for model in track(models, description="compare", transient=True):
         mesh, alpa, megatron = SUITE[model]
-        r, wall, _ = run_cli("compare", model, "--cluster", "v100-p3", "--mesh", mesh, "--batch", "1024")
+        hosts, per_host = (int(x) for x in mesh.split("x"))
+        try:
+            r, wall, _ = run_cli("compare", model, "--cluster", "v100-p3", "--mesh", mesh, "--batch", "1024")
+        except RuntimeError as exc:  # the model fits on no layout: say so, with the planner's own words
+            why = str(exc).split("error:")[-1].split("MAXRSS")[0].strip()
+            print(f"| {model} | {hosts * per_host} | {why} | – | – | – | – | {alpa} | {megatron} | – |")
+            continue
         fitting = [m for m in r["manual"] if m["fits"]]
         best = min(fitting, key=lambda m: m["step_time_s"]) if fitting else None
         auto = r["auto"]
-        hosts, per_host = (int(x) for x in mesh.split("x"))
         ok = best is None or auto["step_time_s"] <= best["step_time_s"] * (1 + 1e-9)
         print(f"| {model} | {hosts * per_host} | {len(auto['stages'])} stage(s), {auto['num_microbatches']} | "
               f"{auto['tflops_per_device']:.1f} | {best['name'] if best else 'none fits'} | "
