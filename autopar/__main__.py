@@ -1,5 +1,3 @@
-import sys
+from autopar.cli import run
 
-from autopar.cli import main
-
-sys.exit(main())
+run()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import traceback
 from typing import Any, Callable
@@ -282,5 +283,18 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def run() -> None:
+    """Console entry point: exits without interpreter teardown once the output is flushed.
+
+    Tearing down torch._dynamo (imported by torch.export) takes about 1 s after every command
+    that captured a model; nothing autopar holds needs finalizing (files are written atomically
+    and closed before this point).
+    """
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

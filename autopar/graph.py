@@ -2,7 +2,7 @@
 
 An `OpGraph` is plain data (a networkx DiGraph of `OpNode` records keyed by the exported
 graph's node names), so the planner, the cost models and the CLI can read it without torch.fx.
-The `torch.export` program it came from is kept beside it for the runtime.
+The torch.fx graph it came from is kept beside it (the sharding rules read scalar arguments).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ class OpGraph:
         buffers: dict[str, TensorInfo],
         outputs: list[str],
         warnings: list[str] | None = None,
-        exported: Any = None,
+        fx_graph: Any = None,
         placeholders: dict[str, str] | None = None,
         trainable: set[str] | None = None,
     ) -> None:
@@ -81,13 +81,13 @@ class OpGraph:
         self.trainable = set(params) if trainable is None else trainable  # parameters with requires_grad
         self.outputs = outputs
         self.warnings = warnings or []
-        self.exported = exported  # torch.export.ExportedProgram, for the runtime
+        self.fx_graph = fx_graph  # the exported torch.fx.Graph (aten ops)
         self._order = list(graph.nodes)
 
     @functools.cached_property
     def fx_nodes(self) -> dict[str, Any]:
         """The exported graph's torch.fx nodes by name (what the sharding rules read arguments from)."""
-        return {n.name: n for n in self.exported.graph.nodes} if self.exported is not None else {}
+        return {n.name: n for n in self.fx_graph.nodes} if self.fx_graph is not None else {}
 
     def __len__(self) -> int:
         return len(self._order)
@@ -176,7 +176,7 @@ class OpGraph:
         used = {f for n in keep for f in self.node(n).params}
         outputs = [n for n in names if n in self.outputs or any(d not in keep for d in self.graph.successors(n))]
         return OpGraph(sub, params={f: t for f, t in self.params.items() if f in used},
-                       buffers=self.buffers, outputs=outputs, warnings=self.warnings, exported=self.exported,
+                       buffers=self.buffers, outputs=outputs, warnings=self.warnings, fx_graph=self.fx_graph,
                        placeholders=self.placeholders, trainable=self.trainable & used)
 
     def fingerprint(self) -> str:

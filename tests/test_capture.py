@@ -171,3 +171,68 @@ def test_shape_errors_are_reported_without_a_misleading_hint():
     with pytest.raises(CaptureError) as err:
         capture(nn.Linear(4, 2), torch.randn(2, 3))
     assert "cannot capture Linear" in str(err.value) and "hint" not in str(err.value)
+
+
+def _graph_record(graph):
+    """Everything a pass reads from a captured graph, node names and fx arguments included."""
+    nodes = []
+    for n in graph:
+        fx_node = graph.fx_nodes.get(n.name)
+        args = repr(torch.fx.node.map_arg((fx_node.args, fx_node.kwargs), lambda a: a.name)) if fx_node else ""
+        nodes.append((n, args))
+    return (nodes, sorted(graph.edges()), graph.outputs, graph.params, graph.buffers, graph.placeholders,
+            graph.trainable, graph.fingerprint())
+
+
+def _hf_gpt2(layers):
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(n_layer=layers, n_embd=64, n_head=4, vocab_size=256, n_positions=64,
+                                  bos_token_id=0, eos_token_id=0)
+    return transformers.GPT2LMHeadModel(cfg), (torch.randint(0, 256, (2, 16)),)
+
+
+def _zoo(kind, **cfg):
+    from autopar.zoo import gpt, moe
+
+    module = {"gpt": gpt, "moe": moe}[kind]
+    config = (moe.MoEConfig if kind == "moe" else gpt.GPTConfig)(vocab=512, seq=32, hidden=64, heads=4, **cfg)
+    model = module.build(config).to("meta")
+    return model, module.example_inputs(config, 8, "meta")
+
+
+@pytest.mark.parametrize("make", [
+    lambda: _zoo("gpt", layers=6),
+    lambda: _zoo("moe", layers=8, experts=4, expert_group=64, ffn_mult=2),  # dense / MoE blocks: period 2
+    lambda: _hf_gpt2(5),  # blocks hold their own layer_idx
+], ids=["gpt", "moe", "hf-gpt2"])
+def test_repeated_blocks_are_copied_into_the_graph_a_full_export_gives(make):
+    from autopar.replicate import find_repeat
+
+    model, inputs = make()
+    assert find_repeat(model) is not None
+    assert _graph_record(capture(model, inputs)) == _graph_record(capture(model, inputs, replicate=False))
+
+
+def test_blocks_that_differ_are_all_exported():
+    from autopar.replicate import find_repeat
+
+    model, inputs = _zoo("gpt", layers=6)
+    model.h[4].attn.scale_by = 0.5  # an attribute the forward could read: blocks no longer repeat
+    assert find_repeat(model) is None
+    assert len(capture(model, inputs).layer_list) == len(capture(model, inputs, replicate=False).layer_list)
+
+
+def test_a_forward_that_counts_its_blocks_itself_still_captures_every_block():
+    class Counted(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n = 8
+            self.blocks = nn.ModuleList(nn.Linear(16, 16) for _ in range(self.n))
+
+        def forward(self, x):
+            for i in range(self.n):  # fails on a shortened list: capture exports every block
+                x = self.blocks[i](x).relu()
+            return x
+
+    graph = capture(Counted(), (torch.randn(4, 16),))
+    assert {layer.name for layer in graph.layer_list} == {f"blocks.{i}" for i in range(8)}

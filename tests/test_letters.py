@@ -14,7 +14,7 @@ def signatures(fn, *inputs):
             return fn(*xs)
 
     graph = capture(M(), inputs)
-    return {str(n.target): signature(n) for n in graph.exported.graph.nodes if n.op == "call_function"}
+    return {str(n.target): signature(n) for n in graph.fx_graph.nodes if n.op == "call_function"}
 
 
 def one(fn, op, *inputs):
