@@ -20,11 +20,16 @@ import numpy as np
 INF = float("inf")
 
 
+WHOLE_HOSTS_ABOVE = 8  # hosts: on larger clusters every stage takes whole hosts
+
+
 def submesh_shapes(hosts: int, per_host: int) -> list[tuple[int, int]]:
     """(1,1), (1,2), (1,4) … (1,M), then (2,M), (4,M) … (N,M): Alpa's shapes, hosts in powers of
-    two (and N itself), which keeps the DP small on clusters of hundreds of hosts."""
+    two (and N itself). Beyond 8 hosts the part-host shapes go: the DP then counts devices in
+    whole hosts (8× fewer states on DGX clusters), and a stage of a few GPUs beside hundreds of
+    full hosts is a layout nobody would run."""
     shapes, k = [], 1
-    while k < per_host:
+    while k < per_host and hosts <= WHOLE_HOSTS_ABOVE:
         shapes.append((1, k))
         k *= 2
     n, hosts_list = 1, []
@@ -41,37 +46,55 @@ class StageChoice:
 
 
 def stage_dp(times: np.ndarray, sizes: list[int], devices: int, num_microbatches: int,
-             stages: int | None = None) -> tuple[float, list[StageChoice]]:
+             stages: int | None = None, tolerance: float = 0.0, bound: float = INF,
+             ) -> tuple[float, list[StageChoice]]:
     """times[s, i, j, k]: per-microbatch time of layers [i, j) as the s-th stage from the end on
     submesh shape k (inf where it does not fit). Returns (eq. 2 total, stages in order);
-    `stages` fixes how many."""
+    `stages` fixes how many.
+
+    With `tolerance` ε > 0, t_max is tried on a grid: one DP stands for every candidate within
+    a factor (1 + ε) below it, so the total is within (1 + ε) of the optimum (a plan whose
+    slowest stage is t ≤ t' ≤ (1 + ε)·t is found by the DP at t' and costs at most
+    (M − 1)·t' + Σ t_i). Only totals below `bound` (the best of another microbatch count) are
+    searched: t_max ≥ bound / M cannot give one, so often a single DP rules the count out."""
     if stages is not None:  # only plans of exactly that many stages
         times = times.copy()
         times[stages + 1:] = INF  # no deeper pipeline
         times[1:stages, 0] = INF  # the first layer opens the stage `stages` from the end
+    unit = math.gcd(devices, *sizes)  # count devices in units of the smallest common submesh
+    sizes, devices = [s // unit for s in sizes], devices // unit
     _, n_layers, _, n_shapes = times.shape
     n_layers -= 1
     candidates = np.unique(times[np.isfinite(times)])
+    candidates = candidates[num_microbatches * candidates < bound]
     if not len(candidates):
         return INF, []
+
+    def dp(t_max: float) -> tuple[float, list[StageChoice]]:
+        return _dp_for(times, sizes, devices, n_layers, n_shapes, t_max)
+
     # feasibility only grows with t_max: find the smallest feasible one by bisection
     lo, hi = 0, len(candidates) - 1
-    if not _dp_for(times, sizes, devices, n_layers, n_shapes, candidates[hi])[1]:
+    if not dp(candidates[hi])[1]:
         return INF, []
     while lo < hi:
         mid = (lo + hi) // 2
-        if _dp_for(times, sizes, devices, n_layers, n_shapes, candidates[mid])[1]:
+        if dp(candidates[mid])[1]:
             hi = mid
         else:
             lo = mid + 1
-    best_total, best_plan = INF, []
-    for t_max in candidates[lo:]:
-        if num_microbatches * t_max >= best_total:
+    best_total, best_plan = bound, []
+    while lo < len(candidates):
+        if num_microbatches * candidates[lo] >= best_total:
             break  # Alpa's early stop: every later t_max only adds to (M-1)·t_max
-        total, plan = _dp_for(times, sizes, devices, n_layers, n_shapes, t_max)
-        if plan and total + (num_microbatches - 1) * t_max < best_total:
-            best_total, best_plan = total + (num_microbatches - 1) * t_max, plan
-    return best_total, best_plan
+        top = int(np.searchsorted(candidates, candidates[lo] * (1 + tolerance), side="right")) - 1
+        total, plan = dp(candidates[top])
+        if plan:
+            slowest = max(times[len(plan) - i, c.layers[0], c.layers[1], c.shape] for i, c in enumerate(plan))
+            if total + (num_microbatches - 1) * slowest < best_total:
+                best_total, best_plan = total + (num_microbatches - 1) * slowest, plan
+        lo = top + 1
+    return (float(best_total), best_plan) if best_plan else (INF, [])
 
 
 def _dp_for(times, sizes, devices, n_layers, n_shapes, t_max) -> tuple[float, list[StageChoice]]:

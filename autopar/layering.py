@@ -24,7 +24,10 @@ class Layer:
     flops: float  # forward + backward
 
 
-def cluster_layers(graph: OpGraph, max_layers: int | None = None, tolerance: float = 0.25) -> list[Layer]:
+MAX_LAYERS = 64  # the stage DP is cubic in the layer count: GPT-3's 96 blocks become 48 pairs
+
+
+def cluster_layers(graph: OpGraph, max_layers: int | None = MAX_LAYERS, tolerance: float = 0.25) -> list[Layer]:
     atoms = graph.layer_list
     n = len(atoms)
     flops = [a.flops_fwd + a.flops_bwd for a in atoms]
@@ -61,9 +64,10 @@ def _balanced(flops: list[float], cut: list[float], count: int, low: float, cap:
     """Boundaries of `count` groups with FLOPs in [low, cap] each, minimising (largest cut, largest
     group) lexicographically (DP over atoms)."""
     n = len(flops)
-    prefix = [0.0]
+    prefix, modules = [0.0], [0]  # prefix sums of FLOPs and of atoms with FLOPs
     for f in flops:
         prefix.append(prefix[-1] + f)
+        modules.append(modules[-1] + (f > 0))
     inf = (float("inf"), float("inf"))
     best = [[inf] * (n + 1) for _ in range(count + 1)]  # best[g][i]: first i atoms in g groups
     back = [[-1] * (n + 1) for _ in range(count + 1)]
@@ -72,7 +76,7 @@ def _balanced(flops: list[float], cut: list[float], count: int, low: float, cap:
         for i in range(g, n + 1):
             for j in range(g - 1, i):
                 group = prefix[i] - prefix[j]
-                single = sum(1 for f in flops[j:i] if f > 0) == 1  # one module is never split: exempt
+                single = modules[i] - modules[j] == 1  # one module is never split: exempt
                 if best[g - 1][j] == inf or not (single or low <= group <= cap):
                     continue
                 prev = best[g - 1][j]

@@ -23,6 +23,7 @@ from cost_models.memory import in_flight_microbatches
 from cost_models.simulator import StageTimes, simulate
 
 RESERVE = 0.1  # of device memory kept for the allocator, workspaces and fragmentation
+DP_TOLERANCE = 0.01  # the stage DP's total is within 1 % of its optimum (stage_dp's t_max grid)
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -90,6 +91,9 @@ class Search:
             key = time + np.maximum(0.0, np.stack([t["sync"] - t["backward"] for t in tables])) / m
             for s in range(1, depth + 1):
                 in_flight = in_flight_microbatches(self.schedule, s, 0, m)
+                if s > 1 and in_flight == in_flight_microbatches(self.schedule, s - 1, 0, m):
+                    times[s, :, :, k], picks[(s, k)] = times[s - 1, :, :, k], picks[(s - 1, k)]
+                    continue
                 memory = np.stack([t["states"] + in_flight * t["acts"] + t["transient"] for t in tables])
                 masked = np.where(memory <= self.memory_limit, key, INF)
                 best = np.argmin(masked, axis=0)
@@ -118,14 +122,17 @@ def plan_auto(search: Search, *, stages: int | None = None, num_microbatches: in
     n = len(search.layers)
     depth = min(n, devices, stages or n)
     best: Plan | None = None
-    counts = [num_microbatches] if num_microbatches else microbatch_counts(search.workload.batch)
+    # many microbatches first (small bubbles): the best eq. 2 total so far rules out most others
+    counts = [num_microbatches] if num_microbatches else microbatch_counts(search.workload.batch)[::-1]
+    bound = INF
     for m in counts:
         if progress:
             progress(f"{m} microbatch{'es' if m > 1 else ''}")
         times, picks = search.times(shapes, m, depth)
-        total, choice = stage_dp(times, sizes, devices, m, stages)
+        total, choice = stage_dp(times, sizes, devices, m, stages, tolerance=DP_TOLERANCE, bound=bound)
         if not choice:
             continue
+        bound = min(bound, total)
         chosen = []
         for idx, c in enumerate(choice):
             variants, pick = picks[(len(choice) - idx, c.shape)]

@@ -9,6 +9,7 @@ from autopar.inter_op import brute_force, microbatch_counts, stage_dp, submesh_s
 def test_submesh_shapes_follow_alpa():
     assert submesh_shapes(2, 8) == [(1, 1), (1, 2), (1, 4), (1, 8), (2, 8)]
     assert submesh_shapes(1, 1) == [(1, 1)]
+    assert submesh_shapes(128, 8) == [(1, 8), (2, 8), (4, 8), (8, 8), (16, 8), (32, 8), (64, 8), (128, 8)]
 
 
 @pytest.mark.parametrize("seed", range(25))
