@@ -137,7 +137,7 @@ def cmd_show(args: argparse.Namespace, out: Console) -> Any:
 
 
 def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
-    from autopar.manual import layout_grid, manual_plan, manual_search
+    from autopar.manual import deepspeed_moe_plan, has_experts, layout_grid, manual_plan, manual_search
     from autopar.planner import plan_auto
 
     bar, step = _progress(f"comparing layouts for {args.model}")
@@ -153,6 +153,12 @@ def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
             manual.append({"name": plan.name, "dp": layout.dp, "tp": layout.tp, "pp": layout.pp,
                            "recompute": layout.recompute, "num_microbatches": plan.num_microbatches,
                            **_estimate(plan)})
+        if has_experts(search):  # the layout Alpa compared its MoE results against
+            step("deepspeed-moe")
+            plan = deepspeed_moe_plan(search)
+            devices = search.mesh[0] * search.mesh[1]
+            manual.append({"name": plan.name, "dp": devices, "tp": 1, "pp": 1, "recompute": False,
+                           "num_microbatches": plan.num_microbatches, **_estimate(plan)})
     manual.sort(key=lambda r: (not r["fits"], r["step_time_s"]))
     result = {"model": args.model, "batch": search.workload.batch, "cluster": search.cluster.name,
               "mesh": list(search.mesh),

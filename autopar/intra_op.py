@@ -56,14 +56,19 @@ class Mesh:
 class Rule:
     """A layout convention as a constraint: which letters an anchor may split (None: replicated)."""
 
-    letters: Callable[[L.Signature, OpNode], set[str | None]]
+    letters: Callable[[L.Signature, OpNode, set[str]], set[str | None]]  # (signature, op, its batch letters)
     zero: bool = True  # whether ZeRO-3 may be chosen on the data axis
+    # ZeRO-2 along the tensor axis: a weight replicated on it, whose gradient it all-reduces (the
+    # axis is data-parallel for that weight, as in DeepSpeed-MoE), keeps 1/tp of its gradient
+    # and optimizer state; the all-reduce becomes reduce-scatter + all-gather, the same bytes
+    shard_states: bool = False
 
 
 @dataclass(frozen=True)
 class Strategy:
     letter: str | None  # the letter the tensor axis splits (None: replicated on it)
     zero: bool  # parameters sharded on the data axis (ZeRO-3)
+    shard_states: bool = False  # see Rule.shard_states
 
 
 @dataclass
@@ -225,7 +230,8 @@ class _Stage:
         return 0
 
     def _roots(self) -> dict[str, str | None]:
-        """Each follower joins the group of the input it reads last; anchors, sources and unknowns lead one."""
+        """Each follower joins the group of its largest input (the latest among equals): `eq(x, arange)`
+        follows x, not the broadcast index; anchors, sources and unknowns lead one."""
         root: dict[str, str | None] = {}
         for name in self.names:
             sig = self.sig[name]
@@ -233,9 +239,9 @@ class _Stage:
                 root[name] = None
                 continue
             if sig.kind == L.FOLLOWER:
-                producers = [src for i, src in self._tensor_inputs(name) if src and root.get(src) and sig.inputs[i]]
+                producers = [(i, src) for i, src in self._tensor_inputs(name) if src and root.get(src) and sig.inputs[i]]
                 if producers:
-                    root[name] = root[max(producers, key=self.index.__getitem__)]
+                    root[name] = root[max(producers, key=lambda p: self._lead_key(name, *p))[1]]
                     continue
             root[name] = name
         return root
@@ -268,11 +274,11 @@ class _Stage:
                     if any(c in o for o in sig.outputs) or sig.linear:
                         letters.append(c)
         if rule is not None:
-            allowed = rule.letters(sig, self.graph.node(anchor))
+            allowed = rule.letters(sig, self.graph.node(anchor), self._batch_letters(anchor))
             letters = [c for c in letters if c in allowed] or [None]
         has_params = anchor in self.owning_groups
         zeros = [False, True] if has_params and self.mesh.dp > 1 and (rule is None or rule.zero) else [False]
-        return [Strategy(c, z) for c in letters for z in zeros]
+        return [Strategy(c, z, rule is not None and rule.shard_states) for c in letters for z in zeros]
 
     def _sizes(self, name: str) -> dict[str, int]:
         if name not in self._size_cache:
@@ -310,7 +316,7 @@ class _Stage:
                 self._place_anchor(ev, name, strategy.letter)
             else:
                 self._place_follower(ev, name)
-            self._cost_node(ev, name, strategy.zero)
+            self._cost_node(ev, name, strategy)
         return ev
 
     def _place_anchor(self, ev: _Eval, name: str, letter: str | None) -> None:
@@ -332,7 +338,7 @@ class _Stage:
         sig = self.sig[name]
         inputs = self._tensor_inputs(name)
         primary_i, primary = max(((i, s) for i, s in inputs if s and self.root.get(s) == self.root[name]
-                                  and sig.inputs[i]), key=lambda t: self.index[t[1]])
+                                  and sig.inputs[i]), key=lambda t: self._lead_key(name, *t))
         have = ev.out[primary][self._out_index(name, primary)]
         letter = None
         ev.letters[name] = None
@@ -380,7 +386,7 @@ class _Stage:
         for kind, f in redistribution(src, dst, self.mesh.tp):
             ev.collectives.append((name, kind.value, phase, nbytes * f))
 
-    def _cost_node(self, ev: _Eval, name: str, zero: bool) -> None:
+    def _cost_node(self, ev: _Eval, name: str, strategy: Strategy) -> None:
         node, sig, mesh = self.graph.node(name), self.sig[name], self.mesh
         if node.op == "input" or sig.kind == L.NOOP:
             return
@@ -410,7 +416,7 @@ class _Stage:
             partial = letter is not None and letter in out_letters and letter not in sig.inputs[i]
             fqn, placement = self._param_input(name, i, ev.need[name][i] or R)
             if fqn is not None:
-                self._cost_param(ev, name, fqn, placement, zero, partial)
+                self._cost_param(ev, name, fqn, placement, strategy, partial)
             elif partial and self._grad(src):
                 # consumers' partial gradients add up locally first: one all-reduce, shared among them
                 nbytes = self._in_bytes(name, i, src)
@@ -418,7 +424,7 @@ class _Stage:
                 ev.comm += collective_time("all_reduce", nbytes, mesh.tp, mesh.tp_link) / max(1, anchors)
                 ev.collectives.append((name, "all_reduce", "backward", nbytes))
 
-    def _cost_param(self, ev: _Eval, name: str, fqn: str, placement: str, zero: bool, partial: bool) -> None:
+    def _cost_param(self, ev: _Eval, name: str, fqn: str, placement: str, strategy: Strategy, partial: bool) -> None:
         """Model states and gradient synchronisation of one parameter.
 
         Every user whose split leaves the weight's gradient partial all-reduces it on the tensor axis;
@@ -426,7 +432,7 @@ class _Stage:
         buckets (as DDP and FSDP do): a parameter pays the bandwidth of its bytes, the per-message
         latency is paid per bucket (`_bucket_latency`)."""
         ev.params[fqn] = placement
-        info, mesh = self.graph.params[fqn], self.mesh
+        info, mesh, zero = self.graph.params[fqn], self.mesh, strategy.zero
         shards = mesh.tp if shard_dim(placement) is not None else 1
         local = info.nbytes / shards
         dp_bw, tp_bw = _bandwidth_only(mesh.dp_link), _bandwidth_only(mesh.tp_link)
@@ -444,7 +450,10 @@ class _Stage:
             elif trainable and mesh.dp > 1:
                 syncs.append(("dp", "all_reduce", "gradient", mesh.dp, dp_bw))
             numel = math.prod(info.shape) / shards
-            states = model_state_memory(numel, DTYPE_BYTES.get(info.dtype, 4), zero_stage=3 if zero else 0, dp=mesh.dp)
+            stage, over = (3, mesh.dp) if zero else (0, mesh.dp)
+            if strategy.shard_states and partial and mesh.tp > 1:
+                stage, over = 2, mesh.tp
+            states = model_state_memory(numel, DTYPE_BYTES.get(info.dtype, 4), zero_stage=stage, dp=over)
             ev.state_memory += states.total if trainable else states.params
         for axis, kind, phase, n, link in syncs:
             ev.grad_sync += collective_time(kind, local, n, link)
@@ -521,8 +530,12 @@ class _Stage:
     def _primary(self, name: str) -> str | None:
         if self.sig[name].kind != L.FOLLOWER or self.root[name] == name:
             return None
-        return max((s for i, s in self._tensor_inputs(name) if s and self.root.get(s) == self.root[name]
-                    and self.sig[name].inputs[i]), key=self.index.__getitem__)
+        return max(((i, s) for i, s in self._tensor_inputs(name) if s and self.root.get(s) == self.root[name]
+                    and self.sig[name].inputs[i]), key=lambda p: self._lead_key(name, *p))[1]
+
+    def _lead_key(self, name: str, i: int, src: str) -> tuple[int, int]:
+        val = self.fx[name].all_input_nodes[i].meta.get("val")
+        return (val.numel() if hasattr(val, "numel") else 0, self.index[src])
 
     def output_costs(self, evals: dict[str, list[_Eval]]) -> dict[str, np.ndarray]:
         """The loss needs whole samples: an output leaves replicated or split by batch, not partial

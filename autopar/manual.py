@@ -1,4 +1,4 @@
-"""Hand-written 3D layouts, the way Megatron-LM lays a model out, as Plans.
+"""Hand-written 3D layouts, the way Megatron-LM lays a model out, as Plans (and DeepSpeed-MoE's).
 
 (dp, tp, pp, microbatches): transformer blocks split evenly over pp stages (embedding on the
 first, output layer on the last), tensor parallelism inside a host with Megatron's column- and
@@ -22,7 +22,7 @@ from autopar.planner import Search, assemble
 from autopar.stage_costs import StageCosts
 
 
-def megatron_letters(sig: L.Signature, node: OpNode) -> set[str | None]:
+def megatron_letters(sig: L.Signature, node: OpNode, batch: set[str]) -> set[str | None]:
     """Megatron-LM's tensor parallelism: which letter each kind of op may split."""
     op = node.op.removeprefix("aten.").rsplit(".", 1)[0]
     if op in ("linear", "addmm", "mm", "matmul", "bmm"):
@@ -39,6 +39,22 @@ def megatron_letters(sig: L.Signature, node: OpNode) -> set[str | None]:
 
 
 MEGATRON = Rule(letters=megatron_letters, zero=False)
+
+
+def deepspeed_moe_letters(sig: L.Signature, node: OpNode, batch: set[str]) -> set[str | None]:
+    """DeepSpeed-MoE: every device is a data-parallel rank, and expert weights are spread over them.
+
+    An expert weight's own dimension is the letter shared by all of an op's inputs and its output
+    that is not the batch (`e` in `egcm,emh->egch`): such ops split it (expert parallelism, tokens
+    arrive by all-to-all); every other op splits its batch."""
+    inputs = [set(x) for x in sig.inputs if x]
+    shared = set.intersection(*inputs, set("".join(sig.outputs))) if inputs else set()
+    experts = (shared - batch) & set(sig.shardable) if node.params else set()
+    return experts or (batch & set(sig.shardable)) or {None}
+
+
+DEEPSPEED_MOE = Rule(letters=deepspeed_moe_letters, zero=False, shard_states=True)
+DEEPSPEED_MOE_NAME = "deepspeed-moe"
 
 
 @dataclass(frozen=True)
@@ -154,3 +170,43 @@ def layout_grid(search: Search, recompute: tuple[bool, ...] = (False, True)) -> 
                 if check(search, layout) is None:
                     out.append(layout)
     return out
+
+
+def has_experts(search: Search) -> bool:
+    """Whether some op computes with a weight that has an expert dimension (an MoE model)."""
+    g = search.graph
+    for node in g:
+        fx_node = g.fx_nodes.get(node.name)
+        if node.params and fx_node is not None and "einsum" in node.op:
+            sig = L.signature(fx_node)
+            inputs = [set(x) for x in sig.inputs if x]
+            if inputs and set.intersection(*inputs, set("".join(sig.outputs))):
+                return True
+    return False
+
+
+def deepspeed_moe_plan(search: Search) -> Plan:
+    """The layout Alpa compared its MoE results against: DeepSpeed's ZeRO-2 data parallelism over
+    every device with the experts spread over all of them (one stage, no tensor or pipeline
+    parallelism), priced by the same cost model as every other plan."""
+    hosts, per_host = search.mesh
+    devices = hosts * per_host
+    costs = StageCosts(search.graph, search.cluster, DEEPSPEED_MOE, search.costs.time_limit_s)
+    view = Search(search.workload, search.cluster, search.mesh, search.graph, search.layers, costs,
+                  search.memory_limit, search.schedule)
+    n, batch = len(view.layers), search.workload.batch
+    best = None
+    for m in (m for m in microbatch_counts(batch) if (batch // m) % devices == 0):
+        option = view.stage_table(0, n, search.mesh, m, 1, logical=[(1, devices)], recompute=(False,))[1]
+        if option is None:
+            opts = costs.options(view.atoms(0, n), search.mesh, m, [(1, devices)], (False,))
+            option = min(opts, key=lambda o: o.time, default=None)  # priced, reported as not fitting
+        if option is None:
+            continue
+        plan = assemble(view, [((0, n), search.mesh, option)], m, name=DEEPSPEED_MOE_NAME)
+        if best is None or (plan.estimate.fits, -plan.estimate.step_time_s) > (best.estimate.fits,
+                                                                                -best.estimate.step_time_s):
+            best = plan
+    if best is None:
+        raise AutoparError(f"{DEEPSPEED_MOE_NAME}: the batch {batch} does not split over {devices} devices")
+    return best

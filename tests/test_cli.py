@@ -133,6 +133,33 @@ def test_manual_layout_and_compare(capsys):
     assert result["auto"]["step_time_s"] <= best_manual * 1.0001
 
 
+def test_compare_lists_the_deepspeed_moe_layout_for_moe_models(capsys):
+    from autopar.manual import deepspeed_moe_plan, has_experts
+    from autopar.planner import Search
+    from cost_models import get_cluster
+
+    result = run_json(capsys, "compare", "moe-tiny", "--cluster", "v100-p3", "--mesh", "1x4", "--batch", "16")
+    ds = next(m for m in result["manual"] if m["name"] == "deepspeed-moe")
+    assert (ds["dp"], ds["tp"], ds["pp"]) == (4, 1, 1)
+    assert result["auto"]["step_time_s"] <= ds["step_time_s"] * 1.0001
+    gpt = run_json(capsys, "compare", "gpt-tiny", "--cluster", "v100-p3", "--mesh", "1x4")
+    assert all(m["name"] != "deepspeed-moe" for m in gpt["manual"])  # dense models have no experts
+
+    search = Search.start(load_workload("moe-tiny", batch=16), get_cluster("v100-p3"), (1, 4))
+    assert has_experts(search)
+    plan = deepspeed_moe_plan(search)
+    (stage,) = plan.stages
+    assert stage.logical_mesh == (1, 4)  # every device a data-parallel rank
+    experts = {f: p for f, p in stage.params.items() if f.endswith(("mlp.wi", "mlp.wo"))}
+    assert experts and all(p == ["R", "S(0)"] for p in experts.values())  # spread over all devices
+    assert all(p == ["R", "R"] for f, p in stage.params.items() if f not in experts)  # dense: replicated
+    ops = {n: search.graph.node(n).op for n in stage.ops}
+    assert all(stage.ops[n][1] != "R" for n, op in ops.items() if op == "aten.linear.default")  # batch split
+    # ZeRO-2: dense weights keep a quarter of their gradients and optimizer state
+    dense = sum(search.graph.params[f].nbytes for f in stage.params if f not in experts)
+    assert stage.cost["state_bytes"] < 4 * dense  # replicated fp32 Adam states would be 4 × params
+
+
 @pytest.mark.parametrize("mutate, message", [
     (lambda p: p.update(schema="autopar.plan/0"), "schema 'autopar.plan/0'"),
     (lambda p: p["stages"][0].update(recompute="false"), "recompute must be true or false"),
