@@ -15,6 +15,7 @@ CASES = [  # (model, cluster, mesh, batch, extra arguments)
     ("gpt-1.3b", "v100-p3", "1x4", 1024, []),
     ("gpt-6.7b", "v100-p3", "2x8", 1024, []),
     ("gpt-39b", "v100-p3", "8x8", 1024, []),
+    ("gpt3-175b", "a100-dgx", "128x8", 1536, []),
 ]
 
 
