@@ -12,6 +12,38 @@ def test_submesh_shapes_follow_alpa():
     assert submesh_shapes(128, 8) == [(1, 8), (2, 8), (4, 8), (8, 8), (16, 8), (32, 8), (64, 8), (128, 8)]
 
 
+def _instance(rng):
+    layers = int(rng.integers(1, 5))
+    sizes = [1, 2, 4]
+    devices = int(rng.choice([2, 4, 6]))
+    micro = int(rng.integers(1, 9))
+    times = rng.uniform(0.5, 5.0, (layers + 1, layers + 1, layers + 1, len(sizes)))
+    times[rng.random(times.shape) < 0.2] = np.inf
+    for i in range(layers + 1):
+        times[:, i, : i + 1, :] = np.inf
+    times[0] = np.inf
+    return times, sizes, devices, micro
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_stage_dp_on_a_t_max_grid_is_within_its_tolerance_and_respects_a_bound(seed):
+    times, sizes, devices, micro = _instance(np.random.default_rng(100 + seed))
+    expected = brute_force(times, sizes, devices, micro)
+    total, _ = stage_dp(times, sizes, devices, micro, tolerance=0.05)
+    assert expected <= total * (1 + 1e-12) and (total <= expected * 1.05 or not np.isfinite(expected))
+    # a bound below the optimum (another microbatch count already does better): nothing to find
+    assert stage_dp(times, sizes, devices, micro, bound=expected * 0.99)[0] == np.inf
+    if np.isfinite(expected):
+        assert stage_dp(times, sizes, devices, micro, bound=expected * 1.01)[0] == pytest.approx(expected)
+
+
+def test_devices_are_counted_in_units_of_the_smallest_submesh():
+    times, _, _, micro = _instance(np.random.default_rng(3))
+    sizes = [8, 16, 32]
+    scaled = stage_dp(times, sizes, 32, micro)
+    assert scaled[0] == pytest.approx(brute_force(times, sizes, 32, micro))
+
+
 @pytest.mark.parametrize("seed", range(25))
 def test_stage_dp_equals_brute_force(seed):
     rng = np.random.default_rng(seed)
