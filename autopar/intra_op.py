@@ -60,7 +60,8 @@ class Rule:
     zero: bool = True  # whether ZeRO-3 may be chosen on the data axis
     # ZeRO-2 along the tensor axis: a weight replicated on it, whose gradient it all-reduces (the
     # axis is data-parallel for that weight, as in DeepSpeed-MoE), keeps 1/tp of its gradient
-    # and optimizer state; the all-reduce becomes reduce-scatter + all-gather, the same bytes
+    # and optimizer state; the all-reduce becomes reduce-scatter + all-gather, the same bytes.
+    # The unconstrained search (no rule) always does this: it saves memory at no cost in time
     shard_states: bool = False
 
 
@@ -278,7 +279,7 @@ class _Stage:
             letters = [c for c in letters if c in allowed] or [None]
         has_params = anchor in self.owning_groups
         zeros = [False, True] if has_params and self.mesh.dp > 1 and (rule is None or rule.zero) else [False]
-        return [Strategy(c, z, rule is not None and rule.shard_states) for c in letters for z in zeros]
+        return [Strategy(c, z, rule.shard_states if rule is not None else True) for c in letters for z in zeros]
 
     def _sizes(self, name: str) -> dict[str, int]:
         if name not in self._size_cache:
@@ -451,7 +452,7 @@ class _Stage:
                 syncs.append(("dp", "all_reduce", "gradient", mesh.dp, dp_bw))
             numel = math.prod(info.shape) / shards
             stage, over = (3, mesh.dp) if zero else (0, mesh.dp)
-            if strategy.shard_states and partial and mesh.tp > 1:
+            if strategy.shard_states and partial and mesh.tp > 1 and not zero:
                 stage, over = 2, mesh.tp
             states = model_state_memory(numel, DTYPE_BYTES.get(info.dtype, 4), zero_stage=stage, dp=over)
             ev.state_memory += states.total if trainable else states.params
