@@ -1,0 +1,124 @@
+"""Data-parallel gradient averaging in buckets, launched while backward still runs (DDP's scheme).
+
+DDP itself is not used because the data axis needs a point where compressors and delayed
+averaging can replace the all-reduce (see DESIGN.md): `reduce` is that point. Buckets follow the
+reverse order of the parameters (roughly the order backward produces their gradients); a bucket
+is reduced as soon as its last gradient is accumulated, asynchronously, and `finish()` waits for
+all of them and writes the averages back. Under gradient accumulation (pipeline microbatches),
+only the backward that runs with `sync=True` launches anything.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+BUCKET_BYTES = 25 * 2**20  # DDP's default bucket
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The shard a rank holds (DTensor parameters sync their local tensors on the data axis)."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+@dataclass
+class _Bucket:
+    params: list[torch.nn.Parameter]
+    ready: int = 0
+    flat: torch.Tensor | None = None
+    work: object = None
+    in_backward: bool = False  # launched from a gradient hook, i.e. overlapped with backward
+
+
+@dataclass
+class SyncStats:
+    """What this rank handed to collectives (bytes) and how many it issued."""
+
+    bytes_raw: int = 0
+    bytes_sent: int = 0
+    collectives: list[tuple[str, int]] = field(default_factory=list)  # (kind, bytes)
+
+
+def all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None) -> object:
+    return dist.all_reduce(flat, group=group, async_op=True)
+
+
+class GradSync:
+    """Averages the gradients of `params` over `group` in buckets of `bucket_bytes`."""
+
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        group: dist.ProcessGroup | None = None,
+        bucket_bytes: int = BUCKET_BYTES,
+        reduce: Callable[[torch.Tensor, dist.ProcessGroup | None], object] = all_reduce,
+    ) -> None:
+        self.group, self.reduce = group, reduce
+        self.world = dist.get_world_size(group)
+        self.sync = True
+        self.stats = SyncStats()
+        self.buckets: list[_Bucket] = []
+        current: list[torch.nn.Parameter] = []
+        size = 0
+        for p in reversed([p for p in params if p.requires_grad]):
+            current.append(p)
+            size += local(p).numel() * local(p).element_size()
+            if size >= bucket_bytes:
+                self.buckets.append(_Bucket(current))
+                current, size = [], 0
+        if current:
+            self.buckets.append(_Bucket(current))
+        self._handles = []
+        for bucket in self.buckets:
+            for p in bucket.params:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._hook(bucket)))
+
+    def _hook(self, bucket: _Bucket) -> Callable[[torch.Tensor], None]:
+        def ready(_: torch.Tensor) -> None:
+            if not self.sync:
+                return
+            bucket.ready += 1
+            if bucket.ready == len(bucket.params):
+                self._launch(bucket, in_backward=True)
+
+        return ready
+
+    def _launch(self, bucket: _Bucket, in_backward: bool) -> None:
+        grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in bucket.params]
+        bucket.flat = torch.cat([g.reshape(-1) for g in grads])
+        nbytes = bucket.flat.numel() * bucket.flat.element_size()
+        self.stats.bytes_raw += nbytes
+        self.stats.bytes_sent += nbytes
+        self.stats.collectives.append(("all_reduce", nbytes))
+        bucket.work, bucket.in_backward = self.reduce(bucket.flat, self.group), in_backward
+
+    @torch.no_grad()
+    def finish(self) -> None:
+        """Wait for every bucket (launching those whose gradients never all arrived, e.g. unused
+        parameters, so every rank issues the same collectives) and write the averages back."""
+        for bucket in self.buckets:
+            if bucket.work is None:
+                self._launch(bucket, in_backward=False)
+        for bucket in self.buckets:
+            bucket.work.wait()
+            offset = 0
+            for p in bucket.params:
+                n = local(p).numel()
+                avg = bucket.flat[offset : offset + n].view_as(local(p)) / self.world
+                if p.grad is None:
+                    p.grad = avg.clone() if not hasattr(p, "to_local") else None
+                else:
+                    local(p.grad).copy_(avg)
+                offset += n
+            bucket.ready, bucket.flat, bucket.work = 0, None, None
+
+    def reset_stats(self) -> SyncStats:
+        stats, self.stats = self.stats, SyncStats()
+        return stats
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
