@@ -4,6 +4,7 @@ bad input gives one message and exit status 2 (`--debug` adds the traceback)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -278,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
     try:
-        result = args.func(args, out)
+        with _stdout_to_stderr(getattr(args, "json", False)):
+            result = args.func(args, out)
     except AutoparError as exc:
         if args.debug:
             traceback.print_exc()
@@ -287,6 +289,23 @@ def main(argv: list[str] | None = None) -> int:
     if result is not None:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr(active: bool):
+    """Keep stdout for the JSON alone: native code (HiGHS) sometimes prints to file descriptor 1."""
+    if not active:
+        yield
+        return
+    sys.stdout.flush()
+    saved = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        yield
+    finally:
+        sys.stdout.flush()
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def run() -> None:

@@ -179,3 +179,20 @@ def test_malformed_plans_are_explained(capsys, tmp_path, mutate, message):
     mutate(data)
     with pytest.raises(PlanError, match=re.escape(message)):
         Plan.from_json(json.dumps(data))
+
+
+def test_json_stdout_survives_native_code_printing_to_it(capfd, monkeypatch):
+    import os
+
+    import autopar.cli as cli
+
+    real = cli.cmd_clusters
+
+    def noisy(args, out):
+        os.write(1, b"HighsMipSolverData::transformNewIntegerFeasibleSolution tmpSolver.run();\n")  # as HiGHS does
+        return real(args, out)
+
+    monkeypatch.setattr(cli, "cmd_clusters", noisy)
+    assert main(["clusters", "--json"]) == 0
+    captured = capfd.readouterr()
+    assert json.loads(captured.out)["clusters"] and "HighsMip" in captured.err
