@@ -7,10 +7,10 @@ import subprocess
 import sys
 import time
 
-_CHILD = (
-    "import resource, sys; from autopar.cli import main; rc = main(sys.argv[1:]); "
+_CHILD = (  # what the `autopar` entry point (autopar.cli:run) does, plus the peak RSS on stderr
+    "import os, resource, sys; from autopar.cli import main; rc = main(sys.argv[1:]); "
     "sys.stdout.flush(); sys.stderr.write('MAXRSS %d' % resource.getrusage(resource.RUSAGE_SELF).ru_maxrss); "
-    "sys.exit(rc)"
+    "sys.stderr.flush(); os._exit(rc)"
 )
 
 
