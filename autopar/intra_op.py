@@ -668,7 +668,9 @@ def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bo
     comm = sum(e.comm for e in per_anchor)
     grad_sync = sum(e.grad_sync for e in per_anchor)
     per_bucket = _bucket_latency(stage, per_anchor)
-    trainable_bytes = sum(stage.graph.params[f].nbytes for f in stage.graph.trainable)
+    # what this rank synchronises: its own shard of each trainable weight (buckets hold local gradients)
+    trainable_bytes = sum(stage.graph.params[f].nbytes / (stage.mesh.tp if shard_dim(params[f][1]) is not None else 1)
+                          for f in stage.graph.trainable if f in params)
     latency = per_bucket * buckets(trainable_bytes)
     total = problem.objective(sol.choice) + latency
     return StageSharding(

@@ -41,6 +41,10 @@ def test_large_weights_small_batch_is_megatron_tensor_parallel():
     assert best.params["fc2.weight"] == ["R", "S(1)"]  # row-parallel
     assert best.ops["gelu"] == ["R", "S(1)"]  # the hidden activation never leaves its device
     assert forward(best) == [("linear_1", "all_reduce")]  # Megatron's one all-reduce in forward
+    # gradient buckets hold what each rank synchronises: its shards, and the replicated fc2 bias whole
+    g = mlp_graph(8192, 32768, 8)
+    local = sum(t.nbytes / (8 if best.params[f][1] != "R" else 1) for f, t in g.params.items())
+    assert best.cost["trainable_bytes"] == local < g.param_bytes / 7
 
 
 def test_tiny_weights_large_batch_is_data_parallel():
