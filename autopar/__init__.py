@@ -1,5 +1,6 @@
 """autopar: an Alpa-style auto-parallelization planner and compiler for PyTorch."""
 
+from autopar.api import parallelize
 from autopar.capture import capture
 from autopar.errors import AutoparError, CaptureError, ClusterSpecError, ModelSpecError
 from autopar.graph import Layer, OpGraph, OpNode, TensorInfo
@@ -17,4 +18,5 @@ __all__ = [
     "Workload",
     "capture",
     "load_workload",
+    "parallelize",
 ]

@@ -49,9 +49,10 @@ class Search:
 
     @staticmethod
     def start(workload: Workload, cluster: ClusterSpec, mesh: tuple[int, int], *, memory_limit: float | None = None,
-              schedule: str = "1f1b", rule: Rule | None = None, time_limit_s: float = 30.0) -> Search:
+              schedule: str = "1f1b", rule: Rule | None = None, time_limit_s: float = 30.0,
+              graph: OpGraph | None = None) -> Search:
         cluster = cluster.with_mesh(*mesh)
-        graph = capture(workload.model, workload.example_inputs)
+        graph = graph or capture(workload.model, workload.example_inputs)
         limit = cluster.device.memory_bytes * (1 - RESERVE) if memory_limit is None else memory_limit
         return Search(workload, cluster, mesh, graph, cluster_layers(graph),
                       StageCosts(graph, cluster, rule, time_limit_s), limit, schedule)

@@ -1,0 +1,93 @@
+"""`autopar.parallelize`: capture, plan (or load a plan), check it against this model and world, run it."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.capture import capture
+from autopar.errors import AutoparError
+from autopar.models import Workload
+from autopar.plan import Plan
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: tuple[int, int] | None = None,
+    example_inputs: Any = (),
+    *,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    plan: Plan | str | Path | None = None,
+    cluster: str | None = None,
+    compression: str | None = None,
+    delay: int = 0,
+):
+    """The model under a plan, ready to `step(inputs, target)` on the global batch.
+
+    `plan`: None (search), a Plan, a path to plan JSON, or a layout "DP,TP,PP[,MB]". Every rank
+    calls this with the same arguments; rank 0 plans and the others receive its plan.
+    """
+    from runtime import default_backend, local_device
+    from runtime.parallel import ParallelModel, UnsupportedPlan
+
+    if compression is not None or delay:
+        raise AutoparError("gradient compression and delayed averaging are not implemented yet: "
+                           "leave compression=None and delay=0")
+    _init_process_group(default_backend())
+    world, rank = dist.get_world_size(), dist.get_rank()
+    hosts, per_host = mesh if mesh is not None else (1, world)
+    if hosts * per_host != world:
+        raise AutoparError(f"mesh {hosts}x{per_host} has {hosts * per_host} devices, the job has {world} ranks: "
+                           f"launch with torchrun --nproc-per-node {hosts * per_host}, or pass mesh=(1, {world})")
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    graph = capture(model, args)
+    batch = next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
+    chosen = [_resolve(plan, model, args, batch, graph, cluster, (hosts, per_host))] if rank == 0 else [None]
+    dist.broadcast_object_list(chosen, src=0)
+    resolved = chosen[0] if isinstance(chosen[0], Plan) else Plan.from_json(chosen[0])
+    resolved.check_graph(graph.fingerprint())
+    if resolved.num_devices != world:
+        raise AutoparError(f"the plan runs on {resolved.num_devices} devices, the job has {world} ranks")
+    try:
+        return ParallelModel(model, resolved, loss_fn, optimizer, device=local_device(int(os.environ.get("LOCAL_RANK", rank))))
+    except UnsupportedPlan as exc:
+        raise AutoparError(str(exc)) from None
+
+
+def _resolve(plan, model, args, batch, graph, cluster, mesh) -> Plan:
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, Path) or (isinstance(plan, str) and plan.endswith(".json")):
+        return Plan.load(plan)
+    from autopar.planner import Search
+    from cost_models import get_cluster
+
+    workload = Workload(type(model).__name__, model, args, batch)
+    search = Search.start(workload, get_cluster(cluster or "cpu-local"), mesh, graph=graph)
+    if plan is None:
+        from autopar.planner import plan_auto
+
+        return plan_auto(search)
+    from autopar.manual import Layout, manual_plan, manual_search
+
+    return manual_plan(manual_search(search), Layout.parse(str(plan)))
+
+
+def _init_process_group(backend: str) -> None:
+    """Join the torchrun job, or become a job of one when launched as a plain script."""
+    if dist.is_initialized():
+        return
+    if "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend)
+        return
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)

@@ -1,0 +1,99 @@
+"""autopar.parallelize on 2 gloo ranks: losses and parameters equal single-process training."""
+
+import pytest
+import torch
+from torch import nn
+
+import autopar
+from autopar import AutoparError
+from tests.distributed import run_ranks
+
+STEPS, BATCH = 3, 8
+
+
+def _workload(name):
+    w = autopar.load_workload(name, batch=BATCH, device="cpu")
+    g = torch.Generator().manual_seed(5)
+    batches = [w.make_batch(BATCH, g) for _ in range(STEPS)]
+    return w, batches
+
+
+def _optimizer(params):
+    # SGD with momentum: Adam's g / sqrt(v) would magnify summation-order rounding on near-zero gradients
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _single(name):
+    torch.manual_seed(0)
+    w, batches = _workload(name)
+    opt = _optimizer(list(w.model.parameters()))
+    losses = []
+    for inputs, target in batches:
+        opt.zero_grad()
+        loss = w.loss_fn(w.model(*inputs), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in w.model.named_parameters()}
+
+
+def _parallel(rank, world, name, layout, zero3):
+    w, batches = _workload(name)
+    plan = layout
+    if zero3:  # the same layout with every parameter sharded over the data axis (ZeRO-3)
+        from autopar.manual import Layout, manual_plan, manual_search
+        from autopar.planner import Search
+        from cost_models import get_cluster
+
+        search = Search.start(w, get_cluster("cpu-local"), (1, world))
+        plan = manual_plan(manual_search(search), Layout.parse(layout))
+        plan.stages[0].params = {f: ["S(0)", p[1]] for f, p in plan.stages[0].params.items()}
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer, plan=plan)
+    losses = [pm.step(inputs, target) for inputs, target in batches]
+    return losses, pm.full_state_dict(), pm.comm_stats()
+
+
+@pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny", "moe-tiny"])
+@pytest.mark.parametrize("zero3", [False, True], ids=["dp", "zero3"])
+def test_data_parallel_training_equals_single_process(tmp_path, name, zero3):
+    losses, params = _single(name)
+    for got_losses, got_params, stats in run_ranks(_parallel, 2, tmp_path, name, "2,1,1,2", zero3):
+        assert got_losses == pytest.approx(losses, rel=1e-5)
+        assert got_params.keys() == params.keys()
+        for key, value in params.items():
+            torch.testing.assert_close(got_params[key], value, rtol=1e-5, atol=1e-6)
+        grad_bytes = sum(p.numel() * 4 for p in params.values())
+        if not zero3:  # every gradient handed to the data axis once per step, nothing on the others
+            assert stats["dp"]["bytes_raw"] == grad_bytes and stats["tp"]["bytes_raw"] == stats["pp"]["bytes_raw"] == 0
+
+
+def _bad(rank, world, case):
+    w, _ = _workload("mlp-tiny")
+    kwargs = dict(loss_fn=w.loss_fn, optimizer=_optimizer)
+    try:
+        if case == "mesh":
+            autopar.parallelize(w.model, (1, 4), w.example_inputs, plan="4,1,1", **kwargs)
+        elif case == "tensor":
+            autopar.parallelize(w.model, (1, world), w.example_inputs, plan="1,2,1", **kwargs)
+        elif case == "other-model":
+            other = autopar.load_workload("gpt-tiny", batch=BATCH, device="cpu")
+            from autopar.manual import Layout, manual_plan, manual_search
+            from autopar.planner import Search
+            from cost_models import get_cluster
+
+            plan = manual_plan(manual_search(Search.start(other, get_cluster("cpu-local"), (1, world))),
+                               Layout.parse("2,1,1"))
+            autopar.parallelize(w.model, (1, world), w.example_inputs, plan=plan, **kwargs)
+    except AutoparError as exc:
+        return str(exc)
+    return "no error"
+
+
+@pytest.mark.parametrize("case, message", [
+    ("mesh", "mesh 1x4 has 4 devices, the job has 2 ranks"),
+    ("tensor", "splits a tensor axis of 2 devices"),
+    ("other-model", "this plan was made for another model"),
+])
+def test_bad_plans_are_one_clear_message(tmp_path, case, message):
+    for text in run_ranks(_bad, 2, tmp_path, case):
+        assert message in text
