@@ -183,6 +183,26 @@ def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
     return None
 
 
+def cmd_train(args: argparse.Namespace, out: Console) -> Any:
+    from runtime.train import launch
+
+    if args.nproc < 1 or args.steps < 1:
+        raise AutoparError(f"--nproc and --steps must be positive, got {args.nproc} and {args.steps}")
+    with Console(stderr=True).status(f"training {args.model} on {args.nproc} rank(s)"):
+        result = launch(args.model, args.nproc, args.plan, args.steps, args.batch, args.cluster)
+    if args.json:
+        return result
+    table = Table(title=f"{args.model}, plan {result['plan']}, {args.nproc} rank(s), global batch {result['batch']}")
+    table.add_column("step", justify="right")
+    table.add_column("loss", justify="right")
+    for i, loss in enumerate(result["losses"]):
+        table.add_row(str(i), f"{loss:.4f}")
+    out.print(table)
+    out.print(f"{human_time(result['step_time_s'])} per step (median), {result['samples_per_s']:.1f} samples/s, "
+              f"peak memory per rank {', '.join(human_bytes(b) for b in result['peak_memory_bytes'])}")
+    return None
+
+
 def _estimate(plan) -> dict[str, Any]:
     e = plan.estimate
     return {"step_time_s": e.step_time_s, "tflops_per_device": e.tflops_per_device,
@@ -272,6 +292,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("plan", help="plan JSON written by `autopar plan --out`")
     p = command("compare", cmd_compare, "the searched plan against every valid hand-written 3D layout")
     planning(p)
+    p = command("train", cmd_train, "train for real on synthetic data, launched through torchrun's launcher")
+    p.add_argument("model", help="zoo name, or FILE.py:FUNCTION returning (model, inputs, loss_fn, make_batch)")
+    p.add_argument("--nproc", type=int, required=True, help="processes (ranks) on this machine")
+    p.add_argument("--plan", help="plan JSON, or a layout DP,TP,PP[,MB] (default: searched)")
+    p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
+    p.add_argument("--batch", type=int, help="global batch (default: the model's suite default)")
+    p.add_argument("--cluster", help="cluster the search plans for (default cpu-local)")
     return parser
 
 

@@ -196,3 +196,13 @@ def test_json_stdout_survives_native_code_printing_to_it(capfd, monkeypatch):
     assert main(["clusters", "--json"]) == 0
     captured = capfd.readouterr()
     assert json.loads(captured.out)["clusters"] and "HighsMip" in captured.err
+
+
+def test_train_on_two_ranks_follows_the_one_rank_losses(capsys):
+    two = run_json(capsys, "train", "gpt-tiny", "--nproc", "2", "--plan", "2,1,1,2", "--steps", "2")
+    one = run_json(capsys, "train", "gpt-tiny", "--nproc", "1", "--plan", "1,1,1", "--steps", "2")
+    assert len(two["losses"]) == 2 and two["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert two["step_time_s"] > 0 and two["samples_per_s"] == pytest.approx(8 / two["step_time_s"])
+    assert len(two["peak_memory_bytes"]) == 2 and min(two["peak_memory_bytes"]) > 0
+    assert main(["train", "gpt-tiny", "--nproc", "2", "--plan", "1,2,1", "--steps", "1"]) == 2
+    assert "splits a tensor axis of 2 devices" in capsys.readouterr().err
