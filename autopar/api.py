@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import os
 import socket
 from pathlib import Path
@@ -15,6 +17,8 @@ from autopar.capture import capture
 from autopar.errors import AutoparError
 from autopar.models import Workload
 from autopar.plan import Plan
+
+log = logging.getLogger(__name__)
 
 
 def parallelize(
@@ -49,9 +53,16 @@ def parallelize(
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     graph = capture(model, args)
     batch = next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
-    chosen = [_resolve(plan, model, args, batch, graph, cluster, (hosts, per_host))] if rank == 0 else [None]
+    chosen: list[Any] = [None]
+    if rank == 0:
+        try:
+            chosen = [_resolve(plan, model, args, batch, graph, cluster, (hosts, per_host))]
+        except AutoparError as exc:  # every rank reports it, none waits for a plan that never comes
+            chosen = [exc]
     dist.broadcast_object_list(chosen, src=0)
-    resolved = chosen[0] if isinstance(chosen[0], Plan) else Plan.from_json(chosen[0])
+    if isinstance(chosen[0], AutoparError):
+        raise AutoparError(str(chosen[0]))
+    resolved = chosen[0]
     resolved.check_graph(graph.fingerprint())
     if resolved.num_devices != world:
         raise AutoparError(f"the plan runs on {resolved.num_devices} devices, the job has {world} ranks")
@@ -69,8 +80,12 @@ def _resolve(plan, model, args, batch, graph, cluster, mesh) -> Plan:
     from autopar.planner import Search
     from cost_models import get_cluster
 
+    spec = get_cluster(cluster or "cpu-local")
+    if cluster is None and mesh[1] > spec.devices_per_host:  # more local ranks than cores: they share them
+        log.warning("planning %d ranks on %d cores: the prediction assumes a core per rank", mesh[1], spec.devices_per_host)
+        spec = dataclasses.replace(spec, devices_per_host=mesh[1])
     workload = Workload(type(model).__name__, model, args, batch)
-    search = Search.start(workload, get_cluster(cluster or "cpu-local"), mesh, graph=graph)
+    search = Search.start(workload, spec, mesh, graph=graph)
     if plan is None:
         from autopar.planner import plan_auto
 

@@ -73,6 +73,7 @@ class OpGraph:
         fx_graph: Any = None,
         placeholders: dict[str, str] | None = None,
         trainable: set[str] | None = None,
+        batch: int | None = None,
     ) -> None:
         self.graph = graph
         self.params = params
@@ -83,6 +84,9 @@ class OpGraph:
         self.warnings = warnings or []
         self.fx_graph = fx_graph  # the exported torch.fx.Graph (aten ops)
         self._order = list(graph.nodes)
+        first = next((self.node(n) for n in self._order if self.node(n).op == "input" and self.node(n).outputs), None)
+        # the model's batch: dim 0 of its first input (a subgraph keeps its parent's)
+        self.batch = batch if batch is not None else (first.outputs[0].shape[0] if first and first.outputs[0].shape else None)
 
     @functools.cached_property
     def fx_nodes(self) -> dict[str, Any]:
@@ -177,7 +181,7 @@ class OpGraph:
         outputs = [n for n in names if n in self.outputs or any(d not in keep for d in self.graph.successors(n))]
         return OpGraph(sub, params={f: t for f, t in self.params.items() if f in used},
                        buffers=self.buffers, outputs=outputs, warnings=self.warnings, fx_graph=self.fx_graph,
-                       placeholders=self.placeholders, trainable=self.trainable & used)
+                       placeholders=self.placeholders, trainable=self.trainable & used, batch=self.batch)
 
     def fingerprint(self) -> str:
         """Structural hash: ops, shapes, dtypes, parameter names and edges; plans are keyed by it."""

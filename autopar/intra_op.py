@@ -203,9 +203,8 @@ class _Stage:
         for name in self.names:
             sig = self.sig[name]
             node = self.graph.node(name)
-            if node.op == "input":  # the batch is dim 0 of the inputs that share the first input's dim 0
-                first = next(self.graph.node(n).outputs for n in self.names if self.graph.node(n).op == "input")
-                same = node.outputs and first and node.outputs[0].shape[:1] == first[0].shape[:1]
+            if node.op == "input":  # the batch is dim 0 of the inputs as long as the model's batch
+                same = bool(node.outputs) and node.outputs[0].shape[:1] == (self.graph.batch,)
                 out[name] = [0 if sig.outputs[0] and same else None]
                 continue
             letter = None

@@ -147,8 +147,11 @@ def manual_plan(search: Search, layout: Layout) -> Plan:
         if best is None or (plan.estimate.fits, -plan.estimate.step_time_s) > (best.estimate.fits,
                                                                                 -best.estimate.step_time_s):
             best = plan
-    if best is None:
+    if best is None and not counts:
         raise AutoparError(f"layout {layout.name}: no microbatch count splits the batch {search.workload.batch}")
+    if best is None:
+        raise AutoparError(f"layout {layout.name}: some layer cannot run on the logical mesh ({layout.dp}, {layout.tp}) "
+                           f"(the data axis must divide every batch dimension); `autopar plan --stages 1` names the op")
     return best
 
 

@@ -11,8 +11,29 @@ from tests.distributed import run_ranks
 STEPS, BATCH = 3, 8
 
 
+def _hf_gpt2():
+    """A Hugging Face model built from a config, with a next-token loss over its logits."""
+    import transformers
+
+    cfg = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=4, vocab_size=128, n_positions=16,
+                                  bos_token_id=0, eos_token_id=0,  # no dropout: ranks draw other masks
+                                  resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    model = transformers.GPT2LMHeadModel(cfg)
+
+    def make_batch(batch, gen):
+        ids = torch.randint(0, 128, (batch, 17), generator=gen)
+        return (ids[:, :-1],), ids[:, 1:]
+
+    def loss_fn(out, target):
+        logits = out.logits if hasattr(out, "logits") else out
+        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+
+    return autopar.Workload("hf-gpt2", model, make_batch(BATCH, torch.Generator())[0], BATCH, loss_fn, make_batch)
+
+
 def _workload(name):
-    w = autopar.load_workload(name, batch=BATCH, device="cpu")
+    torch.manual_seed(0)
+    w = _hf_gpt2() if name == "hf-gpt2" else autopar.load_workload(name, batch=BATCH, device="cpu")
     g = torch.Generator().manual_seed(5)
     batches = [w.make_batch(BATCH, g) for _ in range(STEPS)]
     return w, batches
@@ -24,7 +45,6 @@ def _optimizer(params):
 
 
 def _single(name):
-    torch.manual_seed(0)
     w, batches = _workload(name)
     opt = _optimizer(list(w.model.parameters()))
     losses = []
@@ -53,7 +73,7 @@ def _parallel(rank, world, name, layout, zero3):
     return losses, pm.full_state_dict(), pm.comm_stats()
 
 
-@pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny", "moe-tiny"])
+@pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny", "moe-tiny", "hf-gpt2"])
 @pytest.mark.parametrize("zero3", [False, True], ids=["dp", "zero3"])
 def test_data_parallel_training_equals_single_process(tmp_path, name, zero3):
     losses, params = _single(name)
