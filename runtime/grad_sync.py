@@ -71,10 +71,9 @@ class GradSync:
                 current, size = [], 0
         if current:
             self.buckets.append(_Bucket(current))
-        self._handles = []
         for bucket in self.buckets:
             for p in bucket.params:
-                self._handles.append(p.register_post_accumulate_grad_hook(self._hook(bucket)))
+                p.register_post_accumulate_grad_hook(self._hook(bucket))
 
     def _hook(self, bucket: _Bucket) -> Callable[[torch.Tensor], None]:
         def ready(_: torch.Tensor) -> None:
@@ -118,7 +117,3 @@ class GradSync:
     def reset_stats(self) -> SyncStats:
         stats, self.stats = self.stats, SyncStats()
         return stats
-
-    def remove(self) -> None:
-        for handle in self._handles:
-            handle.remove()
