@@ -70,6 +70,7 @@ class ParallelModel:
             self.sync = GradSync(list(self.model.parameters()), group)
         self.optimizer = optimizer(list(self.model.parameters()))
         self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [0, 0]}
+        self._issued: list[dict[str, Any]] = []
 
     def step(self, inputs: Any, target: torch.Tensor) -> float:
         """One training step on the global batch; returns the global mean loss (same on every rank)."""
@@ -93,6 +94,7 @@ class ParallelModel:
             self.sync.finish()
             stats = self.sync.reset_stats()
             self._bytes["dp"] = [stats.bytes_raw, stats.bytes_sent]
+            self._issued = [{"axis": "dp", "kind": kind, "bytes": nbytes} for kind, nbytes in stats.collectives]
         else:  # FSDP2: reduce-scatter of each gradient, all-gather of each parameter, per microbatch
             nbytes = sum(p.to_local().numel() * p.to_local().element_size() * self.dp for p in self.model.parameters())
             self._bytes["dp"] = [nbytes * (2 * m + 1), nbytes * (2 * m + 1)]
@@ -106,6 +108,11 @@ class ParallelModel:
         for name, p in self.model.named_parameters():
             out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
         return out
+
+    def issued(self) -> list[dict[str, Any]]:
+        """The collectives the synchronizer issued in the last step ({axis, kind, bytes}), to check
+        against the plan's prediction (FSDP2 issues its own: not listed)."""
+        return list(self._issued)
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
         """Bytes this rank handed to collectives in the last step, per axis, before and after compression."""

@@ -117,3 +117,28 @@ def _bad(rank, world, case):
 def test_bad_plans_are_one_clear_message(tmp_path, case, message):
     for text in run_ranks(_bad, 2, tmp_path, case):
         assert message in text
+
+
+def _collectives(rank, world, name):
+    """What one DP step issues on the process group, as the runtime's counters see it."""
+    w, batches = _workload(name)
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
+                             plan="2,1,1")
+    pm.step(*batches[0])
+    return pm.issued(), pm.comm_stats()["dp"]["bytes_raw"]
+
+
+@pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny"])
+def test_a_data_parallel_step_issues_what_the_plan_predicts(tmp_path, name):
+    from autopar.intra_op import shard_stage
+    from cost_models import get_cluster
+
+    w, _ = _workload(name)
+    predicted = shard_stage(autopar.capture(w.model, w.example_inputs), get_cluster("cpu-local").with_mesh(1, 2),
+                            (1, 2), (2, 1)).collectives
+    assert {c["phase"] for c in predicted} == {"gradient"}  # nothing in forward or backward: no hidden gathers
+    assert {(c["kind"], c["axis"]) for c in predicted} == {("all_reduce", "dp")}
+    predicted_bytes = sum(c["bytes"] for c in predicted)
+    for issued, nbytes in run_ranks(_collectives, 2, tmp_path, name):
+        assert {(c["kind"], c["axis"]) for c in issued} == {("all_reduce", "dp")}
+        assert sum(c["bytes"] for c in issued) == nbytes == predicted_bytes
