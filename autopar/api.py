@@ -66,8 +66,13 @@ def parallelize(
     resolved.check_graph(graph.fingerprint())
     if resolved.num_devices != world:
         raise AutoparError(f"the plan runs on {resolved.num_devices} devices, the job has {world} ranks")
+    device = local_device(int(os.environ.get("LOCAL_RANK", rank)))
     try:
-        return ParallelModel(model, resolved, loss_fn, optimizer, device=local_device(int(os.environ.get("LOCAL_RANK", rank))))
+        if len(resolved.stages) > 1:
+            from runtime.pipeline import PipelineModel
+
+            return PipelineModel(model, resolved, loss_fn, optimizer, args, device=device)
+        return ParallelModel(model, resolved, loss_fn, optimizer, device=device)
     except UnsupportedPlan as exc:
         raise AutoparError(str(exc)) from None
 

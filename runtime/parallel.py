@@ -1,9 +1,9 @@
-"""Run a Plan's training step on torch.distributed: the data axis so far.
+"""Run a one-stage Plan's training step on torch.distributed (pipelines: runtime/pipeline.py).
 
 A one-stage plan without tensor parallelism runs here: the global batch is cut into this rank's
 slice and into the plan's microbatches; gradients are averaged by `GradSync` (plans with `R`
 parameters on the data axis) or by FSDP2's `fully_shard` (plans whose parameters are `S(0)`:
-ZeRO-3). Plans with pipeline stages or a tensor axis are refused with the reason, before any
+ZeRO-3). Plans with a tensor axis are refused with the reason (`check_runnable`), before any
 collective is issued; the runtime depends on the Plan alone.
 """
 
@@ -23,17 +23,20 @@ class UnsupportedPlan(ValueError):
 
 
 def check_runnable(plan: Any) -> None:
-    if len(plan.stages) != 1:
-        raise UnsupportedPlan(f"the plan has {len(plan.stages)} pipeline stages; this runtime runs one-stage "
-                              "(data-parallel) plans so far: plan with --stages 1 or a layout DP,1,1")
+    meshes = {tuple(s.logical_mesh) for s in plan.stages}
+    if len(meshes) > 1:
+        raise UnsupportedPlan(f"the plan's stages use different logical meshes {sorted(meshes)}; this runtime runs "
+                              "stages of one shape so far (cross-mesh resharding is not built): use a layout DP,1,PP")
     dp, tp = plan.stages[0].logical_mesh
     if tp != 1:
-        raise UnsupportedPlan(f"the plan splits a tensor axis of {tp} devices; this runtime runs data-parallel "
-                              "plans so far: use a layout DP,1,1")
+        raise UnsupportedPlan(f"the plan splits a tensor axis of {tp} devices; this runtime runs data and pipeline "
+                              "parallelism so far: use a layout DP,1,PP")
+    if len(plan.stages) > 1 and _zero3(plan):
+        raise UnsupportedPlan("the plan combines pipeline stages with ZeRO-3, which this runtime does not run yet")
 
 
 def _zero3(plan: Any) -> bool:
-    return any(p[0] == "S(0)" for p in plan.stages[0].params.values())
+    return any(p[0] == "S(0)" for s in plan.stages for p in s.params.values())
 
 
 def _split(batch: Any, parts: int, index: int) -> Any:

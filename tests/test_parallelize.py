@@ -87,6 +87,25 @@ def test_data_parallel_training_equals_single_process(tmp_path, name, zero3):
             assert stats["dp"]["bytes_raw"] == grad_bytes and stats["tp"]["bytes_raw"] == stats["pp"]["bytes_raw"] == 0
 
 
+def _pipelined(rank, world, name, layout):
+    w, batches = _workload(name)
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
+                             plan=layout)
+    return [pm.step(inputs, target) for inputs, target in batches], pm.full_state_dict(), pm.comm_stats()
+
+
+@pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny"])
+@pytest.mark.parametrize("layout", ["1,1,2,4", "2,1,2,2"], ids=["pp", "dp-pp"])
+def test_pipeline_training_equals_single_process(tmp_path, name, layout):
+    losses, params = _single(name)
+    world = 2 if layout.startswith("1,") else 4
+    for got_losses, got_params, _ in run_ranks(_pipelined, world, tmp_path, name, layout):
+        assert got_losses == pytest.approx(losses, rel=1e-5)
+        assert got_params.keys() >= params.keys()
+        for key, value in params.items():
+            torch.testing.assert_close(got_params[key], value, rtol=1e-5, atol=1e-6)
+
+
 def _bad(rank, world, case):
     w, _ = _workload("mlp-tiny")
     kwargs = dict(loss_fn=w.loss_fn, optimizer=_optimizer)
