@@ -106,7 +106,7 @@ class PipelineModel:
             stats = self.sync.reset_stats()
             self._bytes["dp"] = [stats.bytes_raw, stats.bytes_sent]
         self.optimizer.step()
-        total = torch.stack(losses).double().mean() if losses else torch.zeros((), dtype=torch.float64)
+        total = torch.stack(losses).detach().double().mean() if losses else torch.zeros((), dtype=torch.float64)
         dist.all_reduce(total)
         return float(total) / self.dp
 
