@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.capture import _WRAPPER_PREFIX as _INNER, _TensorOutput
 from runtime.grad_sync import GradSync
 from runtime.parallel import UnsupportedPlan, _split, check_runnable
 
@@ -51,9 +52,11 @@ class PipelineModel:
         mesh = init_device_mesh(device.type, (self.pp, self.dp), mesh_dim_names=("pp", "dp"))
         self.stage_index, self.dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
         self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-        tied = _tied(model)
+        tied = [[_INNER + n for n in names] for names in _tied(model)]
         micro = _split(_split(example_inputs, self.dp, 0), self.m, 0)
-        pipe = pipeline(model, mb_args=tuple(micro), split_spec={p: SplitPoint.BEGINNING for p in split_points(model, plan)})
+        points = {_INNER + p: SplitPoint.BEGINNING for p in split_points(model, plan)}
+        # traced as capture traces it: one tensor out (logits), no KV cache (Hugging Face models)
+        pipe = pipeline(_TensorOutput(model), mb_args=tuple(micro), split_spec=points)
         if pipe.num_stages != self.pp:
             raise UnsupportedPlan(f"the model cut into {pipe.num_stages} stages where the plan has {self.pp}")
         self.module = pipe.get_stage_module(self.stage_index).to(device)
@@ -111,7 +114,7 @@ class PipelineModel:
         return float(total) / self.dp
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        mine = {n: p.detach().cpu().clone() for n, p in self.module.named_parameters()}
+        mine = {n.removeprefix(_INNER): p.detach().cpu().clone() for n, p in self.module.named_parameters()}
         parts: list[dict] = [None] * self.pp
         dist.all_gather_object(parts, mine, group=self.pp_group)
         out: dict[str, torch.Tensor] = {}
