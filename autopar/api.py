@@ -91,13 +91,27 @@ def _resolve(plan, model, args, batch, graph, cluster, mesh) -> Plan:
         spec = dataclasses.replace(spec, devices_per_host=mesh[1])
     workload = Workload(type(model).__name__, model, args, batch)
     search = Search.start(workload, spec, mesh, graph=graph)
-    if plan is None:
-        from autopar.planner import plan_auto
+    from autopar.manual import Layout, layout_grid, manual_plan, manual_search
 
-        return plan_auto(search)
-    from autopar.manual import Layout, manual_plan, manual_search
+    if plan is not None:
+        return manual_plan(manual_search(search), Layout.parse(str(plan)))
+    from autopar.planner import plan_auto
+    from runtime.parallel import UnsupportedPlan, check_runnable
 
-    return manual_plan(manual_search(search), Layout.parse(str(plan)))
+    best = plan_auto(search)
+    try:
+        check_runnable(best)
+        return best
+    except UnsupportedPlan as why:  # run the fastest layout the runtime can, and say so
+        view = manual_search(search)
+        runnable = [manual_plan(view, layout) for layout in layout_grid(view) if layout.tp == 1]
+        fitting = [p for p in runnable if p.estimate.fits] or runnable
+        if not fitting:
+            raise AutoparError(f"the searched plan cannot run yet ({why}) and no data/pipeline layout exists") from None
+        chosen = min(fitting, key=lambda p: p.estimate.step_time_s)
+        log.warning("the searched plan (%.3g s per step predicted) cannot run yet: %s; running %s (%.3g s predicted)",
+                    best.estimate.step_time_s, why, chosen.name, chosen.estimate.step_time_s)
+        return chosen
 
 
 def _init_process_group(backend: str) -> None:

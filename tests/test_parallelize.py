@@ -106,6 +106,19 @@ def test_pipeline_training_equals_single_process(tmp_path, name, layout):
             torch.testing.assert_close(got_params[key], value, rtol=1e-5, atol=1e-6)
 
 
+def _searched(rank, world, name):
+    w, batches = _workload(name)
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer)
+    return [pm.step(inputs, target) for inputs, target in batches], pm.plan.name, pm.plan.stages[0].logical_mesh
+
+
+def test_a_searched_plan_the_runtime_cannot_run_yet_falls_back_to_a_layout_it_can(tmp_path):
+    losses, _ = _single("mlp-tiny")  # the search gives mlp-tiny a tensor axis on two ranks
+    for got, name, logical in run_ranks(_searched, 2, tmp_path, "mlp-tiny"):
+        assert name.startswith("megatron-") and logical[1] == 1
+        assert got == pytest.approx(losses, rel=1e-5)
+
+
 def _bad(rank, world, case):
     w, _ = _workload("mlp-tiny")
     kwargs = dict(loss_fn=w.loss_fn, optimizer=_optimizer)
