@@ -46,7 +46,8 @@ def parallelize(
                            "leave compression=None and delay=0")
     _init_process_group(default_backend())
     world, rank = dist.get_world_size(), dist.get_rank()
-    hosts, per_host = mesh if mesh is not None else (1, world)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun's ranks per host
+    hosts, per_host = mesh if mesh is not None else (max(1, world // per_node), min(per_node, world))
     if hosts * per_host != world:
         raise AutoparError(f"mesh {hosts}x{per_host} has {hosts * per_host} devices, the job has {world} ranks: "
                            f"launch with torchrun --nproc-per-node {hosts * per_host}, or pass mesh=(1, {world})")
