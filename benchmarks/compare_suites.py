@@ -14,7 +14,7 @@ import sys
 from _cli import run_cli
 from rich.progress import track
 
-SUITE = {  # model: (mesh, Alpa measured TFLOP/s per GPU, Megatron-LM measured)
+SUITE = {  # model: (mesh, Alpa measured TFLOP/s per GPU, baseline measured: Megatron-LM for GPT, DeepSpeed for MoE)
     "gpt-350m": ("1x1", 45.1, 47.5),
     "gpt-760m": ("1x2", 57.9, 55.5),
     "gpt-1.3b": ("1x4", 58.2, 55.9),
