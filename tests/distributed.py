@@ -17,6 +17,7 @@ def _entry(rank: int, fn: Callable, world: int, store: str, out: str, args: tupl
         torch.manual_seed(0)
         result = fn(rank, world, *args)
         torch.save(result, os.path.join(out, f"{rank}.pt"))
+        dist.barrier()  # no rank tears down while another still reads from it (gloo aborts then)
     finally:
         dist.destroy_process_group()
 
