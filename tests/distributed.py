@@ -20,6 +20,9 @@ def _entry(rank: int, fn: Callable, world: int, store: str, out: str, args: tupl
         dist.barrier()  # no rank tears down while another still reads from it (gloo aborts then)
     finally:
         dist.destroy_process_group()
+    # the result is saved: skip interpreter teardown, where a gloo/FSDP thread still joinable at
+    # exit sometimes aborts the process ("terminate called without an active exception")
+    os._exit(0)
 
 
 def run_ranks(fn: Callable, world: int, tmp: Path, *args: Any) -> list[Any]:
