@@ -73,7 +73,7 @@ def parallelize(
             from runtime.pipeline import PipelineModel
 
             return PipelineModel(model, resolved, loss_fn, optimizer, args, device=device)
-        return ParallelModel(model, resolved, loss_fn, optimizer, device=device)
+        return ParallelModel(model, resolved, loss_fn, optimizer, args, device=device)
     except UnsupportedPlan as exc:
         raise AutoparError(str(exc)) from None
 
@@ -105,7 +105,7 @@ def _resolve(plan, model, args, batch, graph, cluster, mesh) -> Plan:
         return best
     except UnsupportedPlan as why:  # run the fastest layout the runtime can, and say so
         view = manual_search(search)
-        runnable = [manual_plan(view, layout) for layout in layout_grid(view) if layout.tp == 1]
+        runnable = [p for p in (manual_plan(view, layout) for layout in layout_grid(view)) if _runnable(p)]
         fitting = [p for p in runnable if p.estimate.fits] or runnable
         if not fitting:
             raise AutoparError(f"the searched plan cannot run yet ({why}) and no data/pipeline layout exists") from None
@@ -113,6 +113,16 @@ def _resolve(plan, model, args, batch, graph, cluster, mesh) -> Plan:
         log.warning("the searched plan (%.3g s per step predicted) cannot run yet: %s; running %s (%.3g s predicted)",
                     best.estimate.step_time_s, why, chosen.name, chosen.estimate.step_time_s)
         return chosen
+
+
+def _runnable(plan: Plan) -> bool:
+    from runtime.parallel import UnsupportedPlan, check_runnable
+
+    try:
+        check_runnable(plan)
+        return True
+    except UnsupportedPlan:
+        return False
 
 
 def _init_process_group(backend: str) -> None:

@@ -104,6 +104,7 @@ class StageSharding:
     memory: dict[str, float]
     solver: dict[str, Any]
     collectives: list[dict[str, Any]]
+    needs: dict[str, list[str | None]] = field(default_factory=dict)  # see StagePlan.needs
 
     @property
     def time(self) -> float:
@@ -638,6 +639,7 @@ def shard_stage(
 def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bool], sol, problem) -> StageSharding:
     params: dict[str, list[str]] = {}
     ops: dict[str, list[str]] = {}
+    needs: dict[str, list[str | None]] = {}
     collectives: list[dict[str, Any]] = []
     anchors = [n for n in stage.names if stage.root.get(n) == n]
     for name in stage.names:
@@ -647,6 +649,8 @@ def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bo
         d = stage._batch_of(name, 0)
         outs = ev.out[stage.canon(name)]
         ops[name] = [shard(d) if d is not None and stage.mesh.dp > 1 else R, outs[0] if outs else R]
+        if stage.mesh.tp > 1 and stage.graph.node(name).op != "input":
+            needs[name] = list(ev.need[stage.canon(name)])
         for fqn, fqn_rep in zip(stage.graph.node(name).params, stage.graph.node(stage.canon(name)).params):
             if stage.owner[fqn] == name:
                 params[fqn] = ["S(0)" if zero[stage.group(name)] else R, ev.params[fqn_rep]]
@@ -687,6 +691,7 @@ def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bo
                 "variables": sol.num_variables, "constraints": sol.num_constraints,
                 "ilp_nodes": len(problem.node_costs), "anchors": len(anchors)},
         collectives=collectives,
+        needs=needs,
     )
 
 

@@ -35,6 +35,9 @@ class StagePlan:
     logical_mesh: tuple[int, int]  # (dp, tp)
     params: dict[str, list[str]] = field(default_factory=dict)  # FQN -> [placement on dp, on tp]
     ops: dict[str, list[str]] = field(default_factory=dict)  # node -> [placement on dp, on tp]
+    # node -> the tensor-axis placement each input (fx `all_input_nodes` order) must have when the
+    # op runs (None: not a tensor the op splits); the runtime redistributes to it. Stages with tp > 1
+    needs: dict[str, list[str | None]] = field(default_factory=dict)
     recompute: bool = False
     cost: dict[str, float] = field(default_factory=dict)  # per microbatch and per step, itemised
 
@@ -164,7 +167,8 @@ def _parse(data: Any, source: str) -> Plan:
         stage = StagePlan(
             layers=pair(s, "layers", where), submesh=pair(s, "submesh", where), logical_mesh=pair(s, "logical_mesh", where),
             params=need(s, "params", dict, where), ops=need(s, "ops", dict, where),
-            recompute=need(s, "recompute", bool, where), cost=need(s, "cost", dict, where))
+            recompute=need(s, "recompute", bool, where), cost=need(s, "cost", dict, where),
+            needs=s.get("needs") or {})
         for key, value in stage.cost.items():
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise PlanError(f"{source}: {where}cost.{key} must be a number, got {value!r}")
@@ -174,6 +178,10 @@ def _parse(data: Any, source: str) -> Plan:
                         and all(isinstance(p, str) and _PLACEMENT.fullmatch(p) for p in placement)):
                     raise PlanError(f"{source}: {where}{kind}[{key!r}] must be two placements (R, P or S(d)), "
                                     f"got {placement!r}")
+        for key, placements in stage.needs.items():
+            if not (isinstance(placements, list)
+                    and all(p is None or isinstance(p, str) and _PLACEMENT.fullmatch(p) for p in placements)):
+                raise PlanError(f"{source}: {where}needs[{key!r}] must be a list of placements or null, got {placements!r}")
         if stage.logical_mesh[0] * stage.logical_mesh[1] != stage.devices or stage.devices == 0:
             raise PlanError(f"{source}: {where}logical_mesh {list(stage.logical_mesh)} does not tile its submesh "
                             f"{list(stage.submesh)}")

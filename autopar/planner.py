@@ -162,7 +162,7 @@ def plan_single_stage(search: Search) -> Plan:
     comm = c["comm_s"] + c["reshard_s"]
     stage = StagePlan(
         layers=(0, len(search.layers)), submesh=search.mesh, logical_mesh=best.logical_mesh, params=best.params,
-        ops=best.ops, cost={"forward_s": c["compute_s"] * share + comm / 2,
+        ops=best.ops, needs=best.needs, cost={"forward_s": c["compute_s"] * share + comm / 2,
                             "backward_s": c["compute_s"] * (1 - share) + comm / 2, "send_s": 0.0,
                             "grad_sync_s": c["grad_sync_s"], "state_bytes": best.memory["model_states"],
                             "activation_bytes_per_microbatch": best.memory["activations"]})
@@ -196,13 +196,15 @@ def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int]
     for idx, ((i, j), shape, opt) in enumerate(chosen):
         params: dict[str, list[str]] = {}
         ops: dict[str, list[str]] = {}
+        needs: dict[str, list[str | None]] = {}
         for k in range(*search.atoms(i, j)):
-            atom_params, atom_ops = search.costs.placements(k, shape, opt.logical_mesh, opt.lean)
+            atom_params, atom_ops, atom_needs = search.costs.placements(k, shape, opt.logical_mesh, opt.lean)
             params.update(atom_params)
             ops.update(atom_ops)
+            needs.update(atom_needs)
         stages.append(StagePlan(
             layers=(i, j), submesh=shape, logical_mesh=opt.logical_mesh, params=dict(sorted(params.items())),
-            ops=ops, recompute=opt.recompute,
+            ops=ops, needs=needs, recompute=opt.recompute,
             cost={"forward_s": opt.forward_s, "backward_s": opt.backward_s, "send_s": opt.send_s,
                   "grad_sync_s": opt.grad_sync_s, "state_bytes": opt.state_bytes,
                   "activation_bytes_per_microbatch": opt.activation_bytes}))

@@ -98,8 +98,8 @@ class StageCosts:
         return result
 
     def placements(self, k: int, submesh: tuple[int, int], logical: tuple[int, int], lean: bool
-                   ) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
-        """(params, ops) of atom k, translated from the identical atom it was solved on."""
+                   ) -> tuple[dict[str, list[str]], dict[str, list[str]], dict[str, list[str | None]]]:
+        """(params, ops, needs) of atom k, translated from the identical atom it was solved on."""
         result = self.atom(k, submesh, logical, lean)
         k0 = self._first[self.hashes[k]]
         nodes = dict(zip(self.atoms[k0].nodes, self.atoms[k].nodes))
@@ -107,7 +107,8 @@ class StageCosts:
                 for f0, fk in zip(self.graph.node(n0).params, self.graph.node(nk).params)}
         params = {fqns[f]: p for f, p in result.params.items() if f in fqns}
         ops = {nodes[n]: p for n, p in result.ops.items() if n in nodes}
-        return params, ops
+        needs = {nodes[n]: p for n, p in result.needs.items() if n in nodes}
+        return params, ops, needs
 
     def options(self, atoms: tuple[int, int], submesh: tuple[int, int], num_microbatches: int,
                 logical: list[tuple[int, int]] | None = None, recompute: tuple[bool, ...] = (False, True),

@@ -1,10 +1,11 @@
 """Run a one-stage Plan's training step on torch.distributed (pipelines: runtime/pipeline.py).
 
-A one-stage plan without tensor parallelism runs here: the global batch is cut into this rank's
-slice and into the plan's microbatches; gradients are averaged by `GradSync` (plans with `R`
-parameters on the data axis) or by FSDP2's `fully_shard` (plans whose parameters are `S(0)`:
-ZeRO-3). Plans with a tensor axis are refused with the reason (`check_runnable`), before any
-collective is issued; the runtime depends on the Plan alone.
+Ranks form a (dp, tp) mesh, tp innermost (a tensor-parallel group shares a host, as the planner
+assumes). The global batch is cut into this rank's data-parallel slice and into the plan's
+microbatches; gradients are averaged over the data axis by `GradSync` (plans with `R` parameters
+on it) or by FSDP2's `fully_shard` (`S(0)`: ZeRO-3). With a tensor axis the model runs as its
+exported graph with the plan's placements (`runtime.sharded_graph`). What this runtime cannot run
+yet is refused with the reason (`check_runnable`) before any collective is issued.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from runtime.grad_sync import GradSync
+from runtime.sharded_graph import ShardedGraph
 
 
 class UnsupportedPlan(ValueError):
@@ -28,9 +30,11 @@ def check_runnable(plan: Any) -> None:
         raise UnsupportedPlan(f"the plan's stages use different logical meshes {sorted(meshes)}; this runtime runs "
                               "stages of one shape so far (cross-mesh resharding is not built): use a layout DP,1,PP")
     dp, tp = plan.stages[0].logical_mesh
-    if tp != 1:
-        raise UnsupportedPlan(f"the plan splits a tensor axis of {tp} devices; this runtime runs data and pipeline "
-                              "parallelism so far: use a layout DP,1,PP")
+    if tp != 1 and len(plan.stages) > 1:
+        raise UnsupportedPlan(f"the plan splits a tensor axis of {tp} devices inside pipeline stages, which this "
+                              "runtime does not run yet: use a layout DP,TP,1 or DP,1,PP")
+    if tp != 1 and _zero3(plan):
+        raise UnsupportedPlan("the plan combines a tensor axis with ZeRO-3, which this runtime does not run yet")
     if len(plan.stages) > 1 and _zero3(plan):
         raise UnsupportedPlan("the plan combines pipeline stages with ZeRO-3, which this runtime does not run yet")
 
@@ -54,23 +58,30 @@ class ParallelModel:
     """The model under a plan: `step(inputs, target)` takes the global batch on every rank."""
 
     def __init__(self, model: nn.Module, plan: Any, loss_fn: Callable, optimizer: Callable,
-                 group: dist.ProcessGroup | None = None, device: torch.device | None = None) -> None:
+                 example_inputs: tuple = (), device: torch.device | None = None) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
         check_runnable(plan)
-        self.plan, self.loss_fn, self.group = plan, loss_fn, group
-        self.dp = plan.stages[0].logical_mesh[0]
-        self.rank = dist.get_rank(group)
-        if dist.get_world_size(group) != self.dp:
-            raise UnsupportedPlan(f"the plan needs {self.dp} ranks, the process group has {dist.get_world_size(group)}")
-        self.model = model.to(device) if device is not None else model
+        self.plan, self.loss_fn = plan, loss_fn
+        self.dp, self.tp = plan.stages[0].logical_mesh
+        if dist.get_world_size() != self.dp * self.tp:
+            raise UnsupportedPlan(f"the plan needs {self.dp * self.tp} ranks, the job has {dist.get_world_size()}")
+        device = device or torch.device("cpu")
+        mesh = init_device_mesh(device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
+        self.group = mesh.get_group("dp")
+        self.rank, self.tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+        self.model = model.to(device)
+        self.graph: ShardedGraph | None = None
+        if self.tp > 1:
+            micro = _split(_split(example_inputs, self.dp, 0), plan.num_microbatches, 0)
+            self.graph = ShardedGraph(self.model, plan.stages[0], mesh["tp"], tuple(micro))
         self.sync: GradSync | None = None
         if _zero3(plan):
             from torch.distributed.fsdp import fully_shard
-            from torch.distributed.device_mesh import DeviceMesh
 
-            mesh = DeviceMesh.from_group(group or dist.group.WORLD, device_type=(device or torch.device("cpu")).type)
-            fully_shard(self.model, mesh=mesh)
-        else:
-            self.sync = GradSync(list(self.model.parameters()), group)
+            fully_shard(self.model, mesh=mesh["dp"])
+        elif self.dp > 1:
+            self.sync = GradSync(list(self.model.parameters()), self.group)
         self.optimizer = optimizer(list(self.model.parameters()))
         self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [0, 0]}
         self._issued: list[dict[str, Any]] = []
@@ -87,22 +98,30 @@ class ParallelModel:
             last = i == m - 1
             if self.sync is not None:
                 self.sync.sync = last
-            else:
+            elif _zero3(self.plan):
                 self.model.set_requires_gradient_sync(last)
             args = micro_in[i] if isinstance(micro_in[i], (tuple, list)) else (micro_in[i],)
-            loss = self.loss_fn(self.model(*args), micro_target[i]) / m
+            if self.graph is None:
+                loss = self.loss_fn(self.model(*args), micro_target[i]) / m
+                reported = loss
+            elif self.graph.output_shard:  # each tensor-parallel rank holds some samples
+                target = micro_target[i].tensor_split(self.tp)[self.tp_rank]
+                loss = reported = self.loss_fn(self.graph(*args), target) / (m * self.tp)
+            else:
+                loss = self.loss_fn(self.graph(*args), micro_target[i]) / m
+                reported = loss / self.tp
             loss.backward()
-            total += loss.detach().double().cpu()
+            total += reported.detach().double().cpu()
         if self.sync is not None:
             self.sync.finish()
             stats = self.sync.reset_stats()
             self._bytes["dp"] = [stats.bytes_raw, stats.bytes_sent]
             self._issued = [{"axis": "dp", "kind": kind, "bytes": nbytes} for kind, nbytes in stats.collectives]
-        else:  # FSDP2: reduce-scatter of each gradient, all-gather of each parameter, per microbatch
+        elif _zero3(self.plan):  # FSDP2: reduce-scatter of each gradient, all-gather of each parameter, per microbatch
             nbytes = sum(p.to_local().numel() * p.to_local().element_size() * self.dp for p in self.model.parameters())
             self._bytes["dp"] = [nbytes * (2 * m + 1), nbytes * (2 * m + 1)]
         self.optimizer.step()
-        dist.all_reduce(total, group=self.group)
+        dist.all_reduce(total)
         return float(total) / self.dp
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

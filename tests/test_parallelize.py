@@ -174,3 +174,15 @@ def test_a_data_parallel_step_issues_what_the_plan_predicts(tmp_path, name):
     for issued, nbytes in run_ranks(_collectives, 2, tmp_path, name):
         assert {(c["kind"], c["axis"]) for c in issued} == {("all_reduce", "dp")}
         assert sum(c["bytes"] for c in issued) == nbytes == predicted_bytes
+
+
+@pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny", "moe-tiny", "hf-gpt2"])
+@pytest.mark.parametrize("layout", ["1,2,1", "2,2,1,2"], ids=["tp", "dp-tp"])
+def test_tensor_parallel_training_equals_single_process(tmp_path, name, layout):
+    losses, params = _single(name)
+    world = 2 if layout.startswith("1,") else 4
+    for got_losses, got_params, _ in run_ranks(_pipelined, world, tmp_path, name, layout):
+        assert got_losses == pytest.approx(losses, rel=1e-5)
+        assert got_params.keys() == params.keys()
+        for key, value in params.items():
+            torch.testing.assert_close(got_params[key], value, rtol=1e-5, atol=1e-6)
