@@ -86,6 +86,7 @@ class _Eval:
     activation_memory: float = 0.0
     collectives: list[tuple] = field(default_factory=list)  # (node, kind, phase, bytes[, axis]); axis tp if absent
     letters: dict[str, str | None] = field(default_factory=dict)  # node -> the letter split on the tensor axis
+    partial: dict[str, set[int]] = field(default_factory=dict)  # node -> inputs whose gradient it leaves partial
     tp_grad_sync: bool = False  # some parameter's gradient is reduced over the tensor axis
 
     @property
@@ -418,12 +419,22 @@ class _Stage:
             fqn, placement = self._param_input(name, i, ev.need[name][i] or R)
             if fqn is not None:
                 self._cost_param(ev, name, fqn, placement, strategy, partial)
+            elif partial and self.root.get(src) is not None and src != self._primary(name):
+                ev.partial.setdefault(name, set()).add(i)  # the edge prices it: it depends on src's placement
             elif partial and self._grad(src):
-                # consumers' partial gradients add up locally first: one all-reduce, shared among them
                 nbytes = self._in_bytes(name, i, src)
-                anchors = sum(1 for n in self.graph.graph.successors(src) if self.sig[n].kind == L.ANCHOR)
-                ev.comm += collective_time("all_reduce", nbytes, mesh.tp, mesh.tp_link) / max(1, anchors)
-                ev.collectives.append((name, "all_reduce", "backward", nbytes))
+                ev.comm += collective_time("all_reduce", nbytes, mesh.tp, mesh.tp_link) / self._sharers(src)
+                if self._first_sharer(src, name):
+                    ev.collectives.append((name, "all_reduce", "backward", nbytes))
+
+    def _sharers(self, src: str) -> int:
+        """Consumers whose partial gradients of src add up locally before the one collective that
+        completes them (its cost is shared among them)."""
+        return max(1, sum(1 for n in self.graph.graph.successors(src) if self.sig[n].kind == L.ANCHOR))
+
+    def _first_sharer(self, src: str, name: str) -> bool:
+        anchors = [n for n in self.graph.graph.successors(src) if self.sig[n].kind == L.ANCHOR]
+        return not anchors or min(anchors, key=self.index.get) == name  # lists the shared collective once
 
     def _cost_param(self, ev: _Eval, name: str, fqn: str, placement: str, strategy: Strategy, partial: bool) -> None:
         """Model states and gradient synchronisation of one parameter.
@@ -498,8 +509,9 @@ class _Stage:
         out = []
         for (src, name, i), count in counts.items():
             k, gs, g = self._out_index(name, src), self.group(src), self.group(name)
-            nbytes, grad = self._in_bytes(name, i, src), self._grad(src)
-            m = np.array([[edge_time(a.out[src][k], b.need[name][i] or R, nbytes, mesh.tp, mesh.tp_link, grad)
+            nbytes, grad, share = self._in_bytes(name, i, src), self._grad(src), self._sharers(src)
+            m = np.array([[edge_time(a.out[src][k], b.need[name][i] or R, nbytes, mesh.tp, mesh.tp_link, grad,
+                                     partial_share=share if i in b.partial.get(name, ()) else 0)
                            for b in evals[g]] for a in evals[gs]])
             out.append((gs, g, m * count))
         users: dict[str, set[str]] = {}
@@ -716,7 +728,10 @@ def _edge_collectives(stage: _Stage, chosen: dict[str, _Eval]) -> list[dict[str,
         for kind, f in redistribution(have, need, stage.mesh.tp):
             out.append({"node": name, "kind": kind.value, "axis": "tp", "phase": "forward", "bytes": nbytes * f})
         if stage._grad(src):
-            for kind, f in redistribution(need, R if have == P else have, stage.mesh.tp):
+            partial = i in chosen[stage.group(name)].partial.get(stage.canon(name), ())
+            if partial and not stage._first_sharer(src, name):
+                continue  # one collective completes the partial gradients of all its consumers
+            for kind, f in redistribution(P if partial else need, R if have == P else have, stage.mesh.tp):
                 out.append({"node": name, "kind": kind.value, "axis": "tp", "phase": "backward", "bytes": nbytes * f})
     return out
 

@@ -40,9 +40,16 @@ def redistribution_time(src: str, dst: str, nbytes: float, n: int, link: Link) -
     return sum(collective_time(kind, nbytes * f, n, link) for kind, f in redistribution(src, dst, n))
 
 
-def edge_time(src: str, dst: str, nbytes: float, n: int, link: Link, grad: bool) -> float:
-    """Forward redistribution, plus the gradient's way back when the tensor is differentiated."""
+def edge_time(src: str, dst: str, nbytes: float, n: int, link: Link, grad: bool, partial_share: int = 0) -> float:
+    """Forward redistribution, plus the gradient's way back when the tensor is differentiated.
+
+    With `partial_share`, the consumer leaves the gradient a partial sum (a column-parallel
+    matmul's input): it goes back as P to the producer's placement — all-reduce to R,
+    reduce-scatter to S(d), as DTensor does — once for all `partial_share` consumers that add up first."""
     t = redistribution_time(src, dst, nbytes, n, link)
-    if grad:
-        t += redistribution_time(dst, R if src == P else src, nbytes, n, link)
+    back = R if src == P else src
+    if grad and partial_share:
+        t += redistribution_time(P, back, nbytes, n, link) / partial_share
+    elif grad:
+        t += redistribution_time(dst, back, nbytes, n, link)
     return t

@@ -204,5 +204,7 @@ def test_train_on_two_ranks_follows_the_one_rank_losses(capsys):
     assert len(two["losses"]) == 2 and two["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert two["step_time_s"] > 0 and two["samples_per_s"] == pytest.approx(8 / two["step_time_s"])
     assert len(two["peak_memory_bytes"]) == 2 and min(two["peak_memory_bytes"]) > 0
-    assert main(["train", "gpt-tiny", "--nproc", "2", "--plan", "1,2,1", "--steps", "1"]) == 2
-    assert "splits a tensor axis of 2 devices" in capsys.readouterr().err
+    tp = run_json(capsys, "train", "gpt-tiny", "--nproc", "2", "--plan", "1,2,1", "--steps", "2")
+    assert tp["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert main(["train", "gpt-tiny", "--nproc", "2", "--plan", "1,4,1", "--steps", "1"]) == 2
+    assert "dp × tp × pp = 4, the mesh has 2 devices" in capsys.readouterr().err

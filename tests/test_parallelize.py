@@ -112,10 +112,10 @@ def _searched(rank, world, name):
     return [pm.step(inputs, target) for inputs, target in batches], pm.plan.name, pm.plan.stages[0].logical_mesh
 
 
-def test_a_searched_plan_the_runtime_cannot_run_yet_falls_back_to_a_layout_it_can(tmp_path):
-    losses, _ = _single("mlp-tiny")  # the search gives mlp-tiny a tensor axis on two ranks
+def test_the_searched_plan_trains_like_one_process(tmp_path):
+    losses, _ = _single("mlp-tiny")
     for got, name, logical in run_ranks(_searched, 2, tmp_path, "mlp-tiny"):
-        assert name.startswith("megatron-") and logical[1] == 1
+        assert name == "auto" and logical == (1, 2)  # the search splits mlp-tiny's tensor axis on two ranks
         assert got == pytest.approx(losses, rel=1e-5)
 
 
@@ -125,8 +125,6 @@ def _bad(rank, world, case):
     try:
         if case == "mesh":
             autopar.parallelize(w.model, (1, 4), w.example_inputs, plan="4,1,1", **kwargs)
-        elif case == "tensor":
-            autopar.parallelize(w.model, (1, world), w.example_inputs, plan="1,2,1", **kwargs)
         elif case == "other-model":
             other = autopar.load_workload("gpt-tiny", batch=BATCH, device="cpu")
             from autopar.manual import Layout, manual_plan, manual_search
@@ -143,7 +141,6 @@ def _bad(rank, world, case):
 
 @pytest.mark.parametrize("case, message", [
     ("mesh", "mesh 1x4 has 4 devices, the job has 2 ranks"),
-    ("tensor", "splits a tensor axis of 2 devices"),
     ("other-model", "this plan was made for another model"),
 ])
 def test_bad_plans_are_one_clear_message(tmp_path, case, message):
@@ -186,3 +183,38 @@ def test_tensor_parallel_training_equals_single_process(tmp_path, name, layout):
         assert got_params.keys() == params.keys()
         for key, value in params.items():
             torch.testing.assert_close(got_params[key], value, rtol=1e-5, atol=1e-6)
+
+
+_FUNCOL = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+           "all_to_all_single": "all_to_all"}
+
+
+def _tp_collectives(rank, world, name):
+    """What one TP step issues on the tensor axis (DTensor's functional collectives), by kind."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    w, batches = _workload(name)
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
+                             plan="1,2,1")
+    with CommDebugMode() as mode:
+        pm.step(*batches[0])
+    counts = {str(op): n for op, n in mode.get_comm_counts().items()}
+    issued = {_FUNCOL[k.split(".")[-1]]: n for k, n in counts.items() if k.startswith("c10d_functional.")}
+    return issued, pm.graph.unplanned
+
+
+@pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny", "hf-gpt2"])
+def test_a_tensor_parallel_step_issues_what_the_plan_predicts(tmp_path, name):
+    from collections import Counter
+
+    from autopar.intra_op import shard_stage
+    from autopar.manual import MEGATRON
+    from cost_models import get_cluster
+
+    w, _ = _workload(name)
+    predicted = shard_stage(autopar.capture(w.model, w.example_inputs), get_cluster("cpu-local").with_mesh(1, 2),
+                            (1, 2), (1, 2), rule=MEGATRON).collectives
+    expected = Counter(c["kind"] for c in predicted if c["axis"] == "tp")
+    for issued, unplanned in run_ranks(_tp_collectives, 2, tmp_path, name):
+        assert unplanned == []  # every op's output landed where the plan put it
+        assert issued == dict(expected)  # no hidden gathers, no missing reductions
