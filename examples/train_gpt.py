@@ -3,8 +3,8 @@
     torchrun --nproc-per-node 4 examples/train_gpt.py --model gpt-tiny --plan 4,1,1 --steps 10
 
 `--plan` is a layout DP,TP,PP[,MB], a plan JSON written by `autopar plan --out`, or omitted
-(searched on rank 0 for this machine). The runtime runs data- and pipeline-parallel plans so far,
-e.g. `--plan 2,1,2` on 4 ranks.
+(searched on rank 0 for this machine), e.g. `--plan 2,2,1` (data × tensor) or `--plan 2,1,2`
+(data × pipeline) on 4 ranks.
 """
 
 from __future__ import annotations

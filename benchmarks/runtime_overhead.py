@@ -1,0 +1,145 @@
+"""Runtime overhead: autopar's data- and tensor-parallel runtime against what people write by hand.
+
+Same model (zoo `gpt-small` by default), same ranks (gloo, one thread each), same global batch:
+- pure DP: `parallelize(plan="N,1,1")` against `torch.nn.parallel.DistributedDataParallel`;
+- pure TP: `parallelize(plan="1,N,1")` against `parallelize_module` with torchtitan's layout
+  (column-parallel Q/K/V and fc1, row-parallel proj and fc2, vocabulary-parallel embedding and
+  output layer, local head count in attention).
+Each runs `--warmup` steps, then `--steps` timed ones; the table gives medians and the ratio
+autopar / hand-written (target ≤ 1.10). Run it alone: other work on the cores skews the times.
+
+    python benchmarks/runtime_overhead.py [--model gpt-small] [--nproc 2] [--steps 8] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+import types
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _optimizer(params):
+    return torch.optim.SGD(params, lr=0.01, momentum=0.9)
+
+
+def _local_heads(self, x):
+    """Attention with this rank's heads (what a hand-written TP model does, e.g. torchtitan)."""
+    b, t, c = x.shape
+    hd = c // self.heads
+    q, k, v = (lin(x).view(b, t, -1, hd).transpose(1, 2) for lin in (self.q, self.k, self.v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return self.proj(y.transpose(1, 2).reshape(b, t, -1))
+
+
+def _hand_tp(model, world):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (world,))
+    layout = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
+              "lm_head": ColwiseParallel(output_layouts=Replicate())}
+    for i, block in enumerate(model.h):
+        block.attn.forward = types.MethodType(_local_heads, block.attn)
+        for name in ("attn.q", "attn.k", "attn.v", "mlp.fc1"):
+            layout[f"h.{i}.{name}"] = ColwiseParallel()
+        for name in ("attn.proj", "mlp.fc2"):
+            layout[f"h.{i}.{name}"] = RowwiseParallel()
+    parallelize_module(model, mesh, layout)
+    model.lm_head.weight = model.wte.weight  # both Shard(0) over the vocabulary: tie them again
+    return model
+
+
+def _rank(rank, world, port, out, args):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    import autopar
+
+    results = {}
+    for kind in args.kinds:
+        torch.manual_seed(0)
+        w = autopar.load_workload(args.model, batch=args.batch, device="cpu")
+        gen = torch.Generator().manual_seed(1)
+        batches = [w.make_batch(w.batch, gen) for _ in range(args.warmup + args.steps)]
+        if kind.startswith("autopar"):
+            plan = f"{world},1,1" if kind == "autopar-dp" else f"1,{world},1"
+            pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
+                                     plan=plan)
+            step = lambda inputs, target: pm.step(inputs, target)  # noqa: E731
+        else:
+            if kind == "ddp":
+                model = torch.nn.parallel.DistributedDataParallel(w.model)
+                part = lambda t: t.tensor_split(world)[rank]  # noqa: E731
+            else:
+                model = _hand_tp(w.model, world)
+                part = lambda t: t  # noqa: E731
+            opt = _optimizer(list(model.parameters()))
+
+            def step(inputs, target, model=model, opt=opt, part=part):
+                opt.zero_grad(set_to_none=True)
+                loss = w.loss_fn(model(*(part(x) for x in inputs)), part(target))
+                loss.backward()
+                opt.step()
+                return loss.item()
+        times = []
+        for i, (inputs, target) in enumerate(batches):
+            dist.barrier()
+            start = time.perf_counter()
+            step(inputs, target)
+            if i >= args.warmup:
+                times.append(time.perf_counter() - start)
+        results[kind] = statistics.median(times)
+        if rank == 0:
+            print(f"  {kind}: {results[kind] * 1e3:.1f} ms per step", file=sys.stderr, flush=True)
+    if rank == 0:
+        torch.save(results, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="gpt-small")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=None)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    args.kinds = ["ddp", "autopar-dp", "hand-tp", "autopar-tp"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = os.path.join(tempfile.mkdtemp(), "times.pt")
+    print(f"{args.model} on {args.nproc} gloo ranks, {args.steps} timed steps each", file=sys.stderr)
+    mp.spawn(_rank, args=(args.nproc, port, out, args), nprocs=args.nproc)
+    t = torch.load(out)
+    rows = [("data parallel", "DistributedDataParallel", t["ddp"], t["autopar-dp"]),
+            ("tensor parallel", "parallelize_module", t["hand-tp"], t["autopar-tp"])]
+    if args.json:
+        print(json.dumps({"model": args.model, "nproc": args.nproc, "rows": [
+            {"layout": a, "baseline": b, "baseline_s": x, "autopar_s": y, "ratio": y / x} for a, b, x, y in rows]}))
+    else:
+        print(f"| layout ({args.model}, {args.nproc} ranks) | baseline | baseline ms/step | autopar ms/step | ratio |")
+        print("|---|---|---:|---:|---:|")
+        for a, b, x, y in rows:
+            print(f"| {a} | {b} | {x * 1e3:.1f} | {y * 1e3:.1f} | {y / x:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
