@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autopar.capture import _export
 from runtime.grad_sync import GradSync
 from runtime.sharded_graph import ShardedGraph
 
@@ -30,9 +31,6 @@ def check_runnable(plan: Any) -> None:
         raise UnsupportedPlan(f"the plan's stages use different logical meshes {sorted(meshes)}; this runtime runs "
                               "stages of one shape so far (cross-mesh resharding is not built): use a layout DP,1,PP")
     dp, tp = plan.stages[0].logical_mesh
-    if tp != 1 and len(plan.stages) > 1:
-        raise UnsupportedPlan(f"the plan splits a tensor axis of {tp} devices inside pipeline stages, which this "
-                              "runtime does not run yet: use a layout DP,TP,1 or DP,1,PP")
     if tp != 1 and _zero3(plan):
         raise UnsupportedPlan("the plan combines a tensor axis with ZeRO-3, which this runtime does not run yet")
     if len(plan.stages) > 1 and _zero3(plan):
@@ -74,7 +72,8 @@ class ParallelModel:
         self.graph: ShardedGraph | None = None
         if self.tp > 1:
             micro = _split(_split(example_inputs, self.dp, 0), plan.num_microbatches, 0)
-            self.graph = ShardedGraph(self.model, plan.stages[0], mesh["tp"], tuple(micro))
+            ep = _export(self.model, tuple(micro), {})  # before sharding: export traces plain tensors
+            self.graph = ShardedGraph(self.model, plan.stages[0], mesh["tp"], ep)
         self.sync: GradSync | None = None
         if _zero3(plan):
             from torch.distributed.fsdp import fully_shard

@@ -1,11 +1,15 @@
-"""Pipeline stages with data parallelism inside each: torch.distributed.pipelining does the stages.
+"""Pipeline stages with data and tensor parallelism inside each: torch.distributed.pipelining
+runs the schedule.
 
-The plan's stage boundaries are layer names (module paths such as `h.3`); `pipeline()` traces the
-model and cuts it there, `PipelineStage` + `Schedule1F1B` / `ScheduleGPipe` run the microbatches.
-Ranks form a (pp, dp) mesh: pipeline stage s, data-parallel rank d. After the schedule, gradients
-are averaged over the stage's data-parallel group (`GradSync`, launched when the schedule is
-done: the schedule owns the backward) and weights tied across stages (a GPT's embedding and
-output layer) get the sum of their copies' gradients, as Megatron-LM does.
+The model is exported at the shape one rank runs (a microbatch of its data-parallel slice) and
+cut at the plan's stage boundaries: the plan's layers name their nodes, so a stage may begin
+anywhere between layers, module boundary or not (`sharded_graph.cut`). Each rank builds only its
+own stage (`ShardedGraph`, with the plan's tensor-axis placements when tp > 1) and hands it to a
+`PipelineStage`; `Schedule1F1B` / `ScheduleGPipe` run the microbatches. Ranks form a
+(pp, dp, tp) mesh. After the schedule, gradients are averaged over the stage's data-parallel group
+(`GradSync`, launched when the schedule is done: the schedule owns the backward), and weights
+used by several stages (a GPT's tied embedding and output layer) get the sum of their copies'
+gradients, as Megatron-LM does.
 """
 
 from __future__ import annotations
@@ -16,25 +20,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.capture import _WRAPPER_PREFIX as _INNER, _TensorOutput
-from runtime.grad_sync import GradSync
+from autopar.capture import _export
+from runtime.grad_sync import GradSync, local
 from runtime.parallel import UnsupportedPlan, _split, check_runnable
-
-
-def split_points(model: nn.Module, plan: Any) -> list[str]:
-    """The module path each stage after the first begins with."""
-    points = []
-    for stage in plan.stages[1:]:
-        name = plan.layers[stage.layers[0]]["name"].split("…")[0]
-        try:
-            model.get_submodule(name)
-        except AttributeError:
-            name = ""
-        if not name:
-            raise UnsupportedPlan(f"a stage begins at {plan.layers[stage.layers[0]]['name']!r}, which is not a "
-                                  "module the pipeline can be cut at")
-        points.append(name)
-    return points
+from runtime.sharded_graph import ShardedGraph, cut
 
 
 class PipelineModel:
@@ -43,47 +32,60 @@ class PipelineModel:
     def __init__(self, model: nn.Module, plan: Any, loss_fn: Callable, optimizer: Callable,
                  example_inputs: tuple, device: torch.device | None = None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, SplitPoint, pipeline
+        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         check_runnable(plan)
         self.plan, self.loss_fn = plan, loss_fn
-        self.pp, self.dp, self.m = len(plan.stages), plan.stages[0].logical_mesh[0], plan.num_microbatches
+        self.pp, self.m = len(plan.stages), plan.num_microbatches
+        self.dp, self.tp = plan.stages[0].logical_mesh
         device = device or torch.device("cpu")
-        mesh = init_device_mesh(device.type, (self.pp, self.dp), mesh_dim_names=("pp", "dp"))
+        mesh = init_device_mesh(device.type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
         self.stage_index, self.dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
         self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
-        tied = [[_INNER + n for n in names] for names in _tied(model)]
-        micro = _split(_split(example_inputs, self.dp, 0), self.m, 0)
-        points = {_INNER + p: SplitPoint.BEGINNING for p in split_points(model, plan)}
-        # traced as capture traces it: one tensor out (logits), no KV cache (Hugging Face models)
-        pipe = pipeline(_TensorOutput(model), mb_args=tuple(micro), split_spec=points)
-        if pipe.num_stages != self.pp:
-            raise UnsupportedPlan(f"the model cut into {pipe.num_stages} stages where the plan has {self.pp}")
-        self.module = pipe.get_stage_module(self.stage_index).to(device)
-        stage = pipe.build_stage(self.stage_index, device, group=self.pp_group)
+        micro = tuple(_split(_split(example_inputs, self.dp, 0), self.m, 0))
+        ep = _export(model.to(device), micro, {})
+        user = [n.name for n in ep.graph.nodes if n.op == "placeholder" and n.name in ep.graph_signature.user_inputs]
+        parts = cut(ep.graph, plan, user)
+        part = parts[self.stage_index]
+        self.module = ShardedGraph(model, plan.stages[self.stage_index], mesh["tp"] if self.tp > 1 else None, ep, part)
+        values = {n.name: n.meta.get("val") for n in ep.graph.nodes}
+        example = {**values, **dict(zip(user, micro))}
+
+        def like(names: list[str], grad: bool) -> tuple[torch.Tensor, ...]:  # activations carry gradients
+            return tuple(torch.zeros(example[n].shape, dtype=example[n].dtype, device=device)
+                         .requires_grad_(grad and example[n].is_floating_point()) for n in names)
+
+        stage = PipelineStage(self.module, self.stage_index, self.pp, device,
+                              input_args=like(part.inputs, self.stage_index > 0),
+                              output_args=like(part.outputs, True), group=self.pp_group)
         kind = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
         self.schedule = kind(stage, self.m, loss_fn=loss_fn)
         self.sync = GradSync(list(self.module.parameters()), self.dp_group) if self.dp > 1 else None
         if self.sync:
             self.sync.sync = False  # the schedule runs the backward: reduce once it is done
-        self.tied = self._tied_groups(tied)
+        self.tied = self._tied_groups(mesh)
         self.optimizer = optimizer(list(self.module.parameters()))
         self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [0, 0]}
 
-    def _tied_groups(self, tied: list[list[str]]) -> list[tuple[nn.Parameter, dist.ProcessGroup]]:
-        """For each weight held by several stages: this rank's copy and the group of the copies."""
-        names = dict(self.module.named_parameters())
-        holders = [None] * self.pp
-        dist.all_gather_object(holders, sorted(names), group=self.pp_group)
+    def _tied_groups(self, mesh: Any) -> list[tuple[nn.Parameter, dist.ProcessGroup]]:
+        """For each weight several stages use: this rank's copy and the group of the copies (one
+        group per data- and tensor-parallel position; every rank creates every group, in order)."""
+        mine = {n: str(getattr(p, "placements", "")) for n, p in self.module.params.items()}
+        holders: list[dict[str, str]] = [None] * self.pp
+        dist.all_gather_object(holders, mine, group=self.pp_group)
         out = []
-        for aliases in tied:
-            stages = sorted({s for s in range(self.pp) if any(a in holders[s] for a in aliases)})
-            for d in range(self.dp):  # every rank creates every group, in the same order
-                ranks = [s * self.dp + d for s in stages]
-                group = dist.new_group(ranks) if len(ranks) > 1 else None
-                mine = next((names[a] for a in aliases if a in names), None)
-                if group is not None and d == self.dp_rank and mine is not None:
-                    out.append((mine, group))
+        ranks = mesh.mesh  # [pp, dp, tp] -> global rank
+        for name in sorted({n for h in holders for n in h}):
+            stages = [s for s in range(self.pp) if name in holders[s]]
+            if len(stages) < 2:
+                continue
+            if len({holders[s][name] for s in stages}) > 1:
+                raise UnsupportedPlan(f"stages {stages} place their copies of {name} differently on the tensor axis")
+            for d in range(self.dp):
+                for t in range(self.tp):
+                    group = dist.new_group([int(ranks[s, d, t]) for s in stages])
+                    if dist.get_rank() in [int(ranks[s, d, t]) for s in stages]:
+                        out.append((self.module.params[name], group))
         return out
 
     def step(self, inputs: Any, target: torch.Tensor) -> float:
@@ -103,7 +105,7 @@ class PipelineModel:
             self.schedule.step()
         for weight, group in self.tied:  # copies of one weight: each gets the sum of their gradients
             if weight.grad is not None:
-                dist.all_reduce(weight.grad, group=group)
+                dist.all_reduce(local(weight.grad), group=group)
         if self.sync:
             self.sync.finish()
             stats = self.sync.reset_stats()
@@ -111,10 +113,11 @@ class PipelineModel:
         self.optimizer.step()
         total = torch.stack(losses).detach().double().mean() if losses else torch.zeros((), dtype=torch.float64)
         dist.all_reduce(total)
-        return float(total) / self.dp
+        return float(total) / (self.dp * self.tp)  # every rank of the last stage holds the loss
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        mine = {n.removeprefix(_INNER): p.detach().cpu().clone() for n, p in self.module.named_parameters()}
+        mine = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+                for n, p in sorted(self.module.params.items())}
         parts: list[dict] = [None] * self.pp
         dist.all_gather_object(parts, mine, group=self.pp_group)
         out: dict[str, torch.Tensor] = {}
@@ -128,10 +131,3 @@ class PipelineModel:
     def issued(self) -> list[dict[str, Any]]:
         return []
 
-
-def _tied(model: nn.Module) -> list[list[str]]:
-    """Names under which one weight is reachable more than once (tied embedding and output layer)."""
-    names: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), []).append(name)
-    return [v for v in names.values() if len(v) > 1]

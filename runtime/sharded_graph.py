@@ -14,6 +14,7 @@ independently; the plan only splits such ops along letters present in all their 
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
-from autopar.capture import _WRAPPER_PREFIX, _export
+from autopar.capture import _WRAPPER_PREFIX
 
 
 _CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
@@ -45,13 +46,15 @@ def _same(have: Placement, want: Placement) -> bool:
     return have == want
 
 
-def shard_parameters(model: nn.Module, params: dict[str, list[str]], mesh: DeviceMesh) -> None:
-    """Replace each parameter of `model` by a DTensor with its plan placement on the tensor axis
-    (every alias of a tied weight points to the one new parameter)."""
+def shard_parameters(model: nn.Module, params: dict[str, list[str]], mesh: DeviceMesh, only: set[str]) -> None:
+    """Replace the parameters of `model` named in `only` by DTensors with their plan placement on
+    the tensor axis (every alias of a tied weight points to the one new parameter)."""
     aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
     for names in aliases.values():
+        if not only.intersection(names):
+            continue
         p = model.get_parameter(names[0])
         spec = next((params[n][1] for n in names if n in params), "R")
         new = nn.Parameter(distribute_tensor(p.detach(), mesh, [placement(spec)]), requires_grad=p.requires_grad)
@@ -69,58 +72,115 @@ def _grad_like_param(p: torch.Tensor) -> None:
         p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
-class ShardedGraph:
-    """Runs `model`'s exported graph with the tensor-axis placements of one plan stage.
+@dataclass
+class Part:
+    """The nodes one pipeline stage runs, the values it receives and the values it sends on."""
 
-    Call it with one microbatch (this rank's slice); it returns the output as a plain tensor,
-    replicated on the tensor axis, or this rank's samples of it when the plan leaves the output
-    split by batch (`output_shard`; the loss is then computed per shard)."""
+    nodes: set[str]
+    inputs: list[str]
+    outputs: list[str]
 
-    def __init__(self, model: nn.Module, stage: Any, mesh: DeviceMesh, example_inputs: tuple) -> None:
+
+def cut(graph: fx.Graph, plan: Any, user_inputs: list[str]) -> list[Part]:
+    """Split the exported graph at the plan's stage boundaries (its layers name their nodes).
+
+    Nodes no layer lists (getitem, export's checks) join the stage of their latest input, or of
+    their first user. A value a later stage needs travels through every stage in between."""
+    listed = {}
+    for i, stage in enumerate(plan.stages):
+        for k in range(*stage.layers):
+            listed.update({name: i for name in plan.layers[k]["nodes"]})
+    ops = [n for n in graph.nodes if n.op == "call_function"]
+    where: dict[str, int] = {name: 0 for name in user_inputs}
+    for node in ops:
+        made = [where[i.name] for i in node.all_input_nodes if i.name in where]
+        where[node.name] = listed.get(node.name, max(made, default=-1))
+    for node in reversed(ops):  # sources no layer lists (constants, aranges): with their first user
+        if where[node.name] < 0:
+            where[node.name] = min((where[u.name] for u in node.users if u.op == "call_function"), default=0)
+    out = next(n for n in graph.nodes if n.op == "output").args[0]
+    output = (out[0] if isinstance(out, (tuple, list)) else out).name
+    last = len(plan.stages) - 1
+    needed = {name: where[name] for name in where}  # the last stage that uses each value
+    for node in ops:
+        for i in node.all_input_nodes:
+            if i.name in needed:
+                needed[i.name] = max(needed[i.name], where[node.name])
+    needed[output] = last
+    order = list(where)
+    carried = [[v for v in order if where[v] <= s < needed[v]] for s in range(last)]
+    return [Part({n.name for n in ops if where[n.name] == s}, user_inputs if s == 0 else carried[s - 1],
+                 carried[s] if s < last else [output]) for s in range(last + 1)]
+
+
+class ShardedGraph(nn.Module):
+    """Runs (part of) `model`'s exported graph with the tensor-axis placements of one plan stage.
+
+    `ep` is the model exported at the shape this rank runs (one microbatch of its data-parallel
+    slice). Called with the part's inputs, it returns its outputs as plain tensors replicated on
+    the tensor axis — or, for a whole graph whose plan leaves the output split by batch, this
+    rank's samples of it (`output_shard`; the loss is then computed per shard). Without a mesh
+    (tp = 1) the ops run on plain tensors."""
+
+    def __init__(self, model: nn.Module, stage: Any, mesh: DeviceMesh | None, ep: Any, part: Part | None = None) -> None:
+        super().__init__()
         self.mesh, self.stage = mesh, stage
-        ep = _export(model, example_inputs, {})  # before sharding: export traces plain tensors
-        shard_parameters(model, stage.params, mesh)
         self.graph = ep.graph_module.graph
         sig = ep.graph_signature
-        named = dict(model.named_parameters(remove_duplicate=False))
-        buffers = dict(model.named_buffers(remove_duplicate=False))
-        self.fixed: dict[str, Any] = {}  # placeholder -> parameter, buffer or constant
-        self.user_inputs: list[str] = []
-        for node in self.graph.nodes:
-            if node.op != "placeholder":
-                continue
+        user = [n.name for n in self.graph.nodes if n.op == "placeholder" and n.name in sig.user_inputs]
+        out = next(n for n in self.graph.nodes if n.op == "output").args[0]
+        output = out[0] if isinstance(out, (tuple, list)) else out
+        self.part = part or Part({n.name for n in self.graph.nodes if n.op == "call_function"}, user, [output.name])
+        self.nodes = [n for n in self.graph.nodes if n.op == "call_function" and n.name in self.part.nodes]
+        by_name = {n.name: n for n in self.graph.nodes}
+        self.inputs = [by_name[n] for n in self.part.inputs]
+        self.outputs = [by_name[n] for n in self.part.outputs]
+        used = {i for n in self.nodes for i in n.all_input_nodes if i.op == "placeholder"}
+        fqns = {}
+        for node in used:
             fqn = sig.inputs_to_parameters.get(node.name) or sig.inputs_to_buffers.get(node.name)
             if fqn is not None:
-                fqn = fqn.removeprefix(_WRAPPER_PREFIX)
-                self.fixed[node.name] = named[fqn] if fqn in named else buffers[fqn]
+                fqns[node.name] = fqn.removeprefix(_WRAPPER_PREFIX)
+        if mesh is not None:
+            shard_parameters(model, stage.params, mesh, set(fqns.values()))
+        named = dict(model.named_parameters(remove_duplicate=False))
+        buffers = dict(model.named_buffers(remove_duplicate=False))
+        canonical = {id(p): n for n, p in model.named_parameters()}
+        self.fixed: dict[fx.Node, Any] = {}  # placeholder -> parameter, buffer or constant
+        self.params: dict[str, nn.Parameter] = {}  # this part's parameters by the model's own names
+        for node in used:
+            if node.name in fqns:
+                fqn = fqns[node.name]
+                self.fixed[node] = named[fqn] if fqn in named else buffers[fqn]
+                if fqn in named:
+                    self.params[canonical[id(named[fqn])]] = named[fqn]
             elif node.name in sig.inputs_to_lifted_tensor_constants:
-                self.fixed[node.name] = ep.constants[sig.inputs_to_lifted_tensor_constants[node.name]]
-            else:
-                self.user_inputs.append(node.name)
-        out = next(n for n in self.graph.nodes if n.op == "output").args[0]
-        self.output = out[0] if isinstance(out, (tuple, list)) else out
-        want = stage.ops.get(self.output.name, ["R", "R"])[1]
-        self.output_shard = want == "S(0)"  # split by batch (inputs carry it in dim 0): the loss runs per shard
+                self.fixed[node] = ep.constants[sig.inputs_to_lifted_tensor_constants[node.name]]
+        for i, (name, p) in enumerate(sorted(self.params.items())):
+            self.register_parameter(f"p{i}", p)  # so the pipeline stage and optimizer see them
+        want = stage.ops.get(output.name, ["R", "R"])[1]
+        # split by batch (inputs carry it in dim 0): the loss runs per shard
+        self.output_shard = part is None and mesh is not None and want == "S(0)"
         self.unplanned: list[str] = []  # ops whose output DTensor placed otherwise than the plan
 
     # ---- running ---------------------------------------------------------------------------
 
-    def __call__(self, *inputs: torch.Tensor) -> torch.Tensor:
-        env: dict[fx.Node, Any] = {}
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        env: dict[fx.Node, Any] = dict(self.fixed)
+        env.update(zip(self.inputs, inputs))
         wrapped: dict[fx.Node, DTensor] = {}  # replicated values wrapped once (see module docstring)
-        user = iter(inputs)
-        for node in self.graph.nodes:
-            if node.op == "placeholder":
-                env[node] = self.fixed[node.name] if node.name in self.fixed else next(user)
-            elif node.op == "call_function":
-                env[node] = self._run(node, env, wrapped)
-            elif node.op == "get_attr":
-                raise RuntimeError(f"unexpected get_attr {node.target} in an exported graph")
-        out = env[self.output]
+        for node in self.nodes:
+            env[node] = self._run(node, env, wrapped)
+        outs = [self._plain(env[n]) for n in self.outputs]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _plain(self, out: Any) -> Any:
         if isinstance(out, DTensor):
             want = Shard(0) if self.output_shard else Replicate()
             return (out if out.placements[0] == want else out.redistribute(self.mesh, [want])).to_local()
-        return out.tensor_split(self.mesh.size())[self.mesh.get_local_rank()] if self.output_shard else out
+        if self.output_shard:
+            return out.tensor_split(self.mesh.size())[self.mesh.get_local_rank()]
+        return out
 
     def _run(self, node: fx.Node, env: dict, wrapped: dict) -> Any:
         if node.target is operator.getitem:

@@ -94,14 +94,36 @@ def _pipelined(rank, world, name, layout):
     return [pm.step(inputs, target) for inputs, target in batches], pm.full_state_dict(), pm.comm_stats()
 
 
-@pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny", "hf-gpt2"])  # moe-tiny: 1 MoE block, no even split
-@pytest.mark.parametrize("layout", ["1,1,2,4", "2,1,2,2"], ids=["pp", "dp-pp"])
+@pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny", "hf-gpt2"])  # moe-tiny: below (1 MoE block)
+@pytest.mark.parametrize("layout", ["1,1,2,4", "2,1,2,2", "1,2,2,2"], ids=["pp", "dp-pp", "tp-pp"])
 def test_pipeline_training_equals_single_process(tmp_path, name, layout):
     losses, params = _single(name)
-    world = 2 if layout.startswith("1,") else 4
+    world = 2 if layout == "1,1,2,4" else 4
     for got_losses, got_params, _ in run_ranks(_pipelined, world, tmp_path, name, layout):
         assert got_losses == pytest.approx(losses, rel=1e-5)
-        assert got_params.keys() >= params.keys()
+        assert got_params.keys() == params.keys()
+        for key, value in params.items():
+            torch.testing.assert_close(got_params[key], value, rtol=1e-5, atol=1e-6)
+
+
+def _two_stages(rank, world, name):
+    """The searched plan with two pipeline stages: moe-tiny's one block of two layers (dense, MoE)
+    has no even Megatron split; the plan cuts between its layers, inside the block module."""
+    from autopar.planner import Search, plan_auto
+    from cost_models import get_cluster
+
+    w, batches = _workload(name)
+    plan = plan_auto(Search.start(w, get_cluster("cpu-local"), (1, world)), stages=2, num_microbatches=4)
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer, plan=plan)
+    return [pm.step(inputs, target) for inputs, target in batches], pm.full_state_dict(), len(pm.plan.stages)
+
+
+def test_a_two_stage_plan_cuts_a_moe_model_between_layers(tmp_path):
+    losses, params = _single("moe-tiny")
+    for got_losses, got_params, stages in run_ranks(_two_stages, 2, tmp_path, "moe-tiny"):
+        assert stages == 2
+        assert got_losses == pytest.approx(losses, rel=1e-5)
+        assert got_params.keys() == params.keys()
         for key, value in params.items():
             torch.testing.assert_close(got_params[key], value, rtol=1e-5, atol=1e-6)
 
