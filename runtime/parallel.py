@@ -31,13 +31,10 @@ def check_runnable(plan: Any) -> None:
         raise UnsupportedPlan(f"the plan's stages use different logical meshes {sorted(meshes)}; this runtime runs "
                               "stages of one shape so far (cross-mesh resharding is not built): use a layout DP,1,PP")
     dp, tp = plan.stages[0].logical_mesh
-    if tp != 1 and _zero3(plan):
-        raise UnsupportedPlan("the plan combines a tensor axis with ZeRO-3, which this runtime does not run yet")
-    if len(plan.stages) > 1 and _zero3(plan):
-        raise UnsupportedPlan("the plan combines pipeline stages with ZeRO-3, which this runtime does not run yet")
 
 
-def _zero3(plan: Any) -> bool:
+def zero3(plan: Any) -> bool:
+    """Parameters sharded over the data axis (S(0) there): FSDP2 runs it."""
     return any(p[0] == "S(0)" for s in plan.stages for p in s.params.values())
 
 
@@ -74,14 +71,16 @@ class ParallelModel:
             micro = _split(_split(example_inputs, self.dp, 0), plan.num_microbatches, 0)
             ep = _export(self.model, tuple(micro), {})  # before sharding: export traces plain tensors
             self.graph = ShardedGraph(self.model, plan.stages[0], mesh["tp"], ep)
+        # what trains: the model, or with a tensor axis the graph holding its DTensor parameters
+        self.trained: nn.Module = self.graph if self.graph is not None else self.model
         self.sync: GradSync | None = None
-        if _zero3(plan):
+        if zero3(plan) and self.dp > 1:
             from torch.distributed.fsdp import fully_shard
 
-            fully_shard(self.model, mesh=mesh["dp"])
+            fully_shard(self.trained, mesh=mesh["dp"])
         elif self.dp > 1:
-            self.sync = GradSync(list(self.model.parameters()), self.group)
-        self.optimizer = optimizer(list(self.model.parameters()))
+            self.sync = GradSync(list(self.trained.parameters()), self.group)
+        self.optimizer = optimizer(list(self.trained.parameters()))
         self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [0, 0]}
         self._issued: list[dict[str, Any]] = []
 
@@ -97,8 +96,8 @@ class ParallelModel:
             last = i == m - 1
             if self.sync is not None:
                 self.sync.sync = last
-            elif _zero3(self.plan):
-                self.model.set_requires_gradient_sync(last)
+            elif zero3(self.plan) and self.dp > 1:
+                self.trained.set_requires_gradient_sync(last)
             args = micro_in[i] if isinstance(micro_in[i], (tuple, list)) else (micro_in[i],)
             if self.graph is None:
                 loss = self.loss_fn(self.model(*args), micro_target[i]) / m
@@ -116,8 +115,8 @@ class ParallelModel:
             stats = self.sync.reset_stats()
             self._bytes["dp"] = [stats.bytes_raw, stats.bytes_sent]
             self._issued = [{"axis": "dp", "kind": kind, "bytes": nbytes} for kind, nbytes in stats.collectives]
-        elif _zero3(self.plan):  # FSDP2: reduce-scatter of each gradient, all-gather of each parameter, per microbatch
-            nbytes = sum(p.to_local().numel() * p.to_local().element_size() * self.dp for p in self.model.parameters())
+        elif zero3(self.plan) and self.dp > 1:  # FSDP2: reduce-scatter of each gradient, all-gather of each parameter, per microbatch
+            nbytes = sum(p.to_local().numel() * p.to_local().element_size() * self.dp for p in self.trained.parameters())
             self._bytes["dp"] = [nbytes * (2 * m + 1), nbytes * (2 * m + 1)]
         self.optimizer.step()
         dist.all_reduce(total)
@@ -125,10 +124,10 @@ class ParallelModel:
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters, as single-process training would hold them."""
-        out = {}
-        for name, p in self.model.named_parameters():
-            out[name] = (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
-        return out
+        if self.graph is not None:
+            return self.graph.full_state_dict()
+        return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+                for name, p in self.model.named_parameters()}
 
     def issued(self) -> list[dict[str, Any]]:
         """The collectives the synchronizer issued in the last step ({axis, kind, bytes}), to check

@@ -22,7 +22,7 @@ from torch import nn
 
 from autopar.capture import _export
 from runtime.grad_sync import GradSync, local
-from runtime.parallel import UnsupportedPlan, _split, check_runnable
+from runtime.parallel import UnsupportedPlan, _split, check_runnable, zero3
 from runtime.sharded_graph import ShardedGraph, cut
 
 
@@ -60,7 +60,13 @@ class PipelineModel:
                               output_args=like(part.outputs, True), group=self.pp_group)
         kind = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
         self.schedule = kind(stage, self.m, loss_fn=loss_fn)
-        self.sync = GradSync(list(self.module.parameters()), self.dp_group) if self.dp > 1 else None
+        self.sync = None
+        if zero3(plan) and self.dp > 1:  # the stage shards its parameters over the data axis (FSDP2)
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(self.module, mesh=mesh["dp"])
+        elif self.dp > 1:
+            self.sync = GradSync(list(self.module.parameters()), self.dp_group)
         if self.sync:
             self.sync.sync = False  # the schedule runs the backward: reduce once it is done
         self.tied = self._tied_groups(mesh)
@@ -70,7 +76,7 @@ class PipelineModel:
     def _tied_groups(self, mesh: Any) -> list[tuple[nn.Parameter, dist.ProcessGroup]]:
         """For each weight several stages use: this rank's copy and the group of the copies (one
         group per data- and tensor-parallel position; every rank creates every group, in order)."""
-        mine = {n: str(getattr(p, "placements", "")) for n, p in self.module.params.items()}
+        mine = {n: str(getattr(p, "placements", "")) for n, p in self.module.named_parameters()}
         holders: list[dict[str, str]] = [None] * self.pp
         dist.all_gather_object(holders, mine, group=self.pp_group)
         out = []
@@ -85,7 +91,7 @@ class PipelineModel:
                 for t in range(self.tp):
                     group = dist.new_group([int(ranks[s, d, t]) for s in stages])
                     if dist.get_rank() in [int(ranks[s, d, t]) for s in stages]:
-                        out.append((self.module.params[name], group))
+                        out.append((self.module.get_parameter(name), group))
         return out
 
     def step(self, inputs: Any, target: torch.Tensor) -> float:
@@ -116,8 +122,7 @@ class PipelineModel:
         return float(total) / (self.dp * self.tp)  # every rank of the last stage holds the loss
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        mine = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
-                for n, p in sorted(self.module.params.items())}
+        mine = self.module.full_state_dict()
         parts: list[dict] = [None] * self.pp
         dist.all_gather_object(parts, mine, group=self.pp_group)
         out: dict[str, torch.Tensor] = {}

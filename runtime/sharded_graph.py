@@ -135,7 +135,10 @@ class ShardedGraph(nn.Module):
         by_name = {n.name: n for n in self.graph.nodes}
         self.inputs = [by_name[n] for n in self.part.inputs]
         self.outputs = [by_name[n] for n in self.part.outputs]
-        used = {i for n in self.nodes for i in n.all_input_nodes if i.op == "placeholder"}
+        inputs_used = {i for n in self.nodes for i in n.all_input_nodes if i.op == "placeholder"}
+        # graph order: every rank registers the parameters in the same order (FSDP and the
+        # gradient buckets pair them up across ranks by position)
+        used = [n for n in self.graph.nodes if n in inputs_used]
         fqns = {}
         for node in used:
             fqn = sig.inputs_to_parameters.get(node.name) or sig.inputs_to_buffers.get(node.name)
@@ -146,18 +149,21 @@ class ShardedGraph(nn.Module):
         named = dict(model.named_parameters(remove_duplicate=False))
         buffers = dict(model.named_buffers(remove_duplicate=False))
         canonical = {id(p): n for n, p in model.named_parameters()}
-        self.fixed: dict[fx.Node, Any] = {}  # placeholder -> parameter, buffer or constant
-        self.params: dict[str, nn.Parameter] = {}  # this part's parameters by the model's own names
+        self.fixed: dict[fx.Node, Any] = {}  # placeholder -> buffer or constant
+        owner: dict[int, str] = {}  # parameter -> its name here (FQN with dots as "__")
+        self.param_of: dict[fx.Node, str] = {}  # placeholder -> parameter name here
         for node in used:
-            if node.name in fqns:
-                fqn = fqns[node.name]
-                self.fixed[node] = named[fqn] if fqn in named else buffers[fqn]
-                if fqn in named:
-                    self.params[canonical[id(named[fqn])]] = named[fqn]
+            fqn = fqns.get(node.name)
+            if fqn in named:
+                p = named[fqn]
+                if id(p) not in owner:
+                    owner[id(p)] = canonical[id(p)].replace(".", "__")
+                    self.register_parameter(owner[id(p)], p)  # what the stage, optimizer and FSDP see
+                self.param_of[node] = owner[id(p)]
+            elif fqn is not None:
+                self.fixed[node] = buffers[fqn]
             elif node.name in sig.inputs_to_lifted_tensor_constants:
                 self.fixed[node] = ep.constants[sig.inputs_to_lifted_tensor_constants[node.name]]
-        for i, (name, p) in enumerate(sorted(self.params.items())):
-            self.register_parameter(f"p{i}", p)  # so the pipeline stage and optimizer see them
         want = stage.ops.get(output.name, ["R", "R"])[1]
         # split by batch (inputs carry it in dim 0): the loss runs per shard
         self.output_shard = part is None and mesh is not None and want == "S(0)"
@@ -167,12 +173,20 @@ class ShardedGraph(nn.Module):
 
     def forward(self, *inputs: torch.Tensor) -> Any:
         env: dict[fx.Node, Any] = dict(self.fixed)
+        for node, name in self.param_of.items():  # read each call: FSDP swaps in gathered parameters
+            env[node] = getattr(self, name)
         env.update(zip(self.inputs, inputs))
         wrapped: dict[fx.Node, DTensor] = {}  # replicated values wrapped once (see module docstring)
         for node in self.nodes:
             env[node] = self._run(node, env, wrapped)
         outs = [self._plain(env[n]) for n in self.outputs]
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This part's parameters, whole (gathered over the tensor and data axes), by the model's names.
+        A collective: every rank of the part calls it."""
+        return {name.replace("__", "."): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+                for name, p in sorted(self.named_parameters())}
 
     def _plain(self, out: Any) -> Any:
         if isinstance(out, DTensor):

@@ -65,9 +65,12 @@ def _parallel(rank, world, name, layout, zero3):
         from autopar.planner import Search
         from cost_models import get_cluster
 
-        search = Search.start(w, get_cluster("cpu-local"), (1, world))
-        plan = manual_plan(manual_search(search), Layout.parse(layout))
-        plan.stages[0].params = {f: ["S(0)", p[1]] for f, p in plan.stages[0].params.items()}
+        import dataclasses
+
+        cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)  # ranks share cores
+        plan = manual_plan(manual_search(Search.start(w, cluster, (1, world))), Layout.parse(layout))
+        for stage in plan.stages:
+            stage.params = {f: ["S(0)", p[1]] for f, p in stage.params.items()}
     pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer, plan=plan)
     losses = [pm.step(inputs, target) for inputs, target in batches]
     return losses, pm.full_state_dict(), pm.comm_stats()
@@ -85,6 +88,17 @@ def test_data_parallel_training_equals_single_process(tmp_path, name, zero3):
         grad_bytes = sum(p.numel() * 4 for p in params.values())
         if not zero3:  # every gradient handed to the data axis once per step, nothing on the others
             assert stats["dp"]["bytes_raw"] == grad_bytes and stats["tp"]["bytes_raw"] == stats["pp"]["bytes_raw"] == 0
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "hf-gpt2"])
+@pytest.mark.parametrize("layout", ["2,2,1,2", "2,1,2,2"], ids=["dp-tp", "dp-pp"])
+def test_zero3_with_a_tensor_or_pipeline_axis_equals_single_process(tmp_path, name, layout):
+    losses, params = _single(name)
+    for got_losses, got_params, _ in run_ranks(_parallel, 4, tmp_path, name, layout, True):
+        assert got_losses == pytest.approx(losses, rel=1e-5)
+        assert got_params.keys() == params.keys()
+        for key, value in params.items():
+            torch.testing.assert_close(got_params[key], value, rtol=1e-5, atol=1e-6)
 
 
 def _pipelined(rank, world, name, layout):
