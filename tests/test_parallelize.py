@@ -148,10 +148,12 @@ def _searched(rank, world, name):
     return [pm.step(inputs, target) for inputs, target in batches], pm.plan.name, pm.plan.stages[0].logical_mesh
 
 
-def test_the_searched_plan_trains_like_one_process(tmp_path):
-    losses, _ = _single("mlp-tiny")
-    for got, name, logical in run_ranks(_searched, 2, tmp_path, "mlp-tiny"):
-        assert name == "auto" and logical == (1, 2)  # the search splits mlp-tiny's tensor axis on two ranks
+@pytest.mark.parametrize("name, world, mesh", [("mlp-tiny", 2, (1, 2)), ("mlp-tiny", 4, (1, 4)),
+                                              ("gpt-tiny", 4, (4, 1)), ("moe-tiny", 4, (4, 1))])
+def test_the_searched_plan_trains_like_one_process(tmp_path, name, world, mesh):
+    losses, _ = _single(name)
+    for got, plan_name, logical in run_ranks(_searched, world, tmp_path, name):
+        assert plan_name == "auto" and logical == mesh  # e.g. mlp-tiny's tensor axis over every rank
         assert got == pytest.approx(losses, rel=1e-5)
 
 
