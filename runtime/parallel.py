@@ -38,6 +38,17 @@ def zero3(plan: Any) -> bool:
     return any(p[0] == "S(0)" for s in plan.stages for p in s.params.values())
 
 
+def check_batch(inputs: Any, plan: Any) -> None:
+    """The global batch a step gets must be the one the plan was made for (it fixes the shapes)."""
+    from autopar.errors import AutoparError
+
+    first = next((t for t in (inputs if isinstance(inputs, (tuple, list)) else (inputs,))
+                  if isinstance(t, torch.Tensor)), None)
+    if first is not None and first.shape[0] != plan.batch:
+        raise AutoparError(f"step got a batch of {first.shape[0]} samples, the plan was made for {plan.batch}: "
+                           f"pass batches of {plan.batch}, or re-plan for this batch")
+
+
 def _split(batch: Any, parts: int, index: int) -> Any:
     """Slice `index` of `parts` along dim 0 of every tensor in `batch` (tuples and dicts kept)."""
     if isinstance(batch, torch.Tensor):
@@ -86,6 +97,7 @@ class ParallelModel:
 
     def step(self, inputs: Any, target: torch.Tensor) -> float:
         """One training step on the global batch; returns the global mean loss (same on every rank)."""
+        check_batch(inputs, self.plan)
         m = self.plan.num_microbatches
         local_in, local_target = _split(inputs, self.dp, self.rank), _split(target, self.dp, self.rank)
         micro_in = [_split(local_in, m, i) for i in range(m)]

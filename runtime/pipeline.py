@@ -22,7 +22,7 @@ from torch import nn
 
 from autopar.capture import _export
 from runtime.grad_sync import GradSync, local
-from runtime.parallel import UnsupportedPlan, _split, check_runnable, zero3
+from runtime.parallel import UnsupportedPlan, _split, check_batch, check_runnable, zero3
 from runtime.sharded_graph import ShardedGraph, cut
 
 
@@ -95,6 +95,7 @@ class PipelineModel:
         return out
 
     def step(self, inputs: Any, target: torch.Tensor) -> float:
+        check_batch(inputs, self.plan)
         local_in = _split(inputs, self.dp, self.dp_rank)
         local_target = _split(target, self.dp, self.dp_rank)
         args = local_in if isinstance(local_in, (tuple, list)) else (local_in,)

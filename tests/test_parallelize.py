@@ -161,6 +161,10 @@ def _bad(rank, world, case):
     w, _ = _workload("mlp-tiny")
     kwargs = dict(loss_fn=w.loss_fn, optimizer=_optimizer)
     try:
+        if case == "batch":
+            pm = autopar.parallelize(w.model, (1, world), w.example_inputs, plan="2,1,1", **kwargs)
+            inputs, target = w.make_batch(BATCH - 2, torch.Generator())
+            pm.step(inputs, target)
         if case == "mesh":
             autopar.parallelize(w.model, (1, 4), w.example_inputs, plan="4,1,1", **kwargs)
         elif case == "other-model":
@@ -179,6 +183,7 @@ def _bad(rank, world, case):
 
 @pytest.mark.parametrize("case, message", [
     ("mesh", "mesh 1x4 has 4 devices, the job has 2 ranks"),
+    ("batch", "step got a batch of 6 samples, the plan was made for 8"),
     ("other-model", "this plan was made for another model"),
 ])
 def test_bad_plans_are_one_clear_message(tmp_path, case, message):
