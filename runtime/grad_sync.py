@@ -40,6 +40,7 @@ class SyncStats:
     bytes_raw: int = 0
     bytes_sent: int = 0
     collectives: list[tuple[str, int]] = field(default_factory=list)  # (kind, bytes)
+    overlapped: int = 0  # buckets launched while backward still ran
 
 
 def all_reduce(flat: torch.Tensor, group: dist.ProcessGroup | None) -> object:
@@ -93,6 +94,7 @@ class GradSync:
         self.stats.bytes_sent += nbytes
         self.stats.collectives.append(("all_reduce", nbytes))
         bucket.work, bucket.in_backward = self.reduce(bucket.flat, self.group), in_backward
+        self.stats.overlapped += in_backward
 
     @torch.no_grad()
     def finish(self) -> None:

@@ -7,7 +7,7 @@ anywhere between layers, module boundary or not (`sharded_graph.cut`). Each rank
 own stage (`ShardedGraph`, with the plan's tensor-axis placements when tp > 1) and hands it to a
 `PipelineStage`; `Schedule1F1B` / `ScheduleGPipe` run the microbatches. Ranks form a
 (pp, dp, tp) mesh. After the schedule, gradients are averaged over the stage's data-parallel group
-(`GradSync`, launched when the schedule is done: the schedule owns the backward), and weights
+(`GradSync`, its buckets launched during the last microbatch's backward), and weights
 used by several stages (a GPT's tied embedding and output layer) get the sum of their copies'
 gradients, as Megatron-LM does.
 """
@@ -19,11 +19,24 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from autopar.capture import _export
 from runtime.grad_sync import GradSync, local
 from runtime.parallel import UnsupportedPlan, _split, check_batch, check_runnable, zero3
 from runtime.sharded_graph import ShardedGraph, cut
+
+
+class SyncingStage(PipelineStage):
+    """A PipelineStage that lets the gradient synchroniser launch its buckets while the last
+    microbatch's backward still runs (the schedule says which backward is the last)."""
+
+    sync: GradSync | None = None
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward: bool = False):
+        if self.sync is not None:
+            self.sync.sync = last_backward
+        return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
 
 
 class PipelineModel:
@@ -32,7 +45,6 @@ class PipelineModel:
     def __init__(self, model: nn.Module, plan: Any, loss_fn: Callable, optimizer: Callable,
                  example_inputs: tuple, device: torch.device | None = None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
         check_runnable(plan)
         self.plan, self.loss_fn = plan, loss_fn
@@ -55,11 +67,14 @@ class PipelineModel:
             return tuple(torch.zeros(example[n].shape, dtype=example[n].dtype, device=device)
                          .requires_grad_(grad and example[n].is_floating_point()) for n in names)
 
-        stage = PipelineStage(self.module, self.stage_index, self.pp, device,
+        stage = SyncingStage(self.module, self.stage_index, self.pp, device,
                               input_args=like(part.inputs, self.stage_index > 0),
                               output_args=like(part.outputs, True), group=self.pp_group)
         kind = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
-        self.schedule = kind(stage, self.m, loss_fn=loss_fn)
+        # the loss, not the gradients, carries the 1/m of the microbatch mean: the synchroniser reads
+        # the gradients during the last backward, before the schedule could scale them
+        self.schedule = kind(stage, self.m, loss_fn=lambda out, target: loss_fn(out, target) / self.m,
+                             scale_grads=False)
         self.sync = None
         if zero3(plan) and self.dp > 1:  # the stage shards its parameters over the data axis (FSDP2)
             from torch.distributed.fsdp import fully_shard
@@ -67,11 +82,11 @@ class PipelineModel:
             fully_shard(self.module, mesh=mesh["dp"])
         elif self.dp > 1:
             self.sync = GradSync(list(self.module.parameters()), self.dp_group)
-        if self.sync:
-            self.sync.sync = False  # the schedule runs the backward: reduce once it is done
+        stage.sync = self.sync  # buckets launch during the last microbatch's backward
         self.tied = self._tied_groups(mesh)
         self.optimizer = optimizer(list(self.module.parameters()))
         self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [0, 0]}
+        self.overlapped = 0  # gradient buckets of the last step launched during backward
 
     def _tied_groups(self, mesh: Any) -> list[tuple[nn.Parameter, dist.ProcessGroup]]:
         """For each weight several stages use: this rank's copy and the group of the copies (one
@@ -110,15 +125,16 @@ class PipelineModel:
             self.schedule.step(target=local_target, losses=losses)
         else:
             self.schedule.step()
-        for weight, group in self.tied:  # copies of one weight: each gets the sum of their gradients
-            if weight.grad is not None:
-                dist.all_reduce(local(weight.grad), group=group)
-        if self.sync:
+        if self.sync:  # before the tied sum: finish() writes the averages back
             self.sync.finish()
             stats = self.sync.reset_stats()
             self._bytes["dp"] = [stats.bytes_raw, stats.bytes_sent]
+            self.overlapped = stats.overlapped
+        for weight, group in self.tied:  # copies of one weight: each gets the sum of their gradients
+            if weight.grad is not None:
+                dist.all_reduce(local(weight.grad), group=group)
         self.optimizer.step()
-        total = torch.stack(losses).detach().double().mean() if losses else torch.zeros((), dtype=torch.float64)
+        total = torch.stack(losses).detach().double().sum() if losses else torch.zeros((), dtype=torch.float64)
         dist.all_reduce(total)
         return float(total) / (self.dp * self.tp)  # every rank of the last stage holds the loss
 
