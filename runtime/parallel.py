@@ -26,11 +26,10 @@ class UnsupportedPlan(ValueError):
 
 
 def check_runnable(plan: Any) -> None:
-    meshes = {tuple(s.logical_mesh) for s in plan.stages}
-    if len(meshes) > 1:
-        raise UnsupportedPlan(f"the plan's stages use different logical meshes {sorted(meshes)}; this runtime runs "
-                              "stages of one shape so far (cross-mesh resharding is not built): use a layout DP,1,PP")
-    dp, tp = plan.stages[0].logical_mesh
+    sizes = sorted({s.devices for s in plan.stages})
+    if len(sizes) > 1:
+        raise UnsupportedPlan(f"the plan's stages have {', '.join(map(str, sizes))} devices; this runtime pairs the "
+                              "ranks of neighbouring stages one to one, so stages of different sizes do not run yet")
 
 
 def zero3(plan: Any) -> bool:

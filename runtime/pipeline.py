@@ -20,11 +20,54 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor, Replicate
 
 from autopar.capture import _export
+from runtime.cross_mesh import batch_dims
 from runtime.grad_sync import GradSync, local
 from runtime.parallel import UnsupportedPlan, _split, check_batch, check_runnable, zero3
 from runtime.sharded_graph import ShardedGraph, cut
+
+
+class _Groups:
+    """Where this rank sits and the process groups it needs. Stages have equal sizes; rank
+    s·size + j is position j of stage s (data-parallel index j // tp, tensor index j % tp of that
+    stage's logical mesh). With one logical mesh throughout this is a (pp, dp, tp) DeviceMesh;
+    otherwise the groups are made one by one (every rank creates every group, in order) and the
+    boundaries between stages of different meshes are bridged (`runtime.cross_mesh`)."""
+
+    def __init__(self, plan: Any, device_type: str) -> None:
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        self.size = plan.stages[0].devices
+        rank = dist.get_rank()
+        self.stage, j = divmod(rank, self.size)
+        dp, tp = plan.stages[self.stage].logical_mesh
+        self.dp_rank = j // tp
+        meshes = [tuple(s.logical_mesh) for s in plan.stages]
+        self.bridged_before = self.stage > 0 and meshes[self.stage - 1] != meshes[self.stage]
+        self.bridged_after = self.stage < len(meshes) - 1 and meshes[self.stage + 1] != meshes[self.stage]
+        if len(set(meshes)) == 1:
+            mesh = init_device_mesh(device_type, (len(meshes), dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+            self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+            self.dp_mesh, self.tp_mesh = mesh["dp"], (mesh["tp"] if tp > 1 else None)
+            return
+        for k in range(self.size):
+            group = dist.new_group([s * self.size + k for s in range(len(meshes))])
+            if k == j:
+                self.pp_group = group
+        for s, (sdp, stp) in enumerate(meshes):
+            base = s * self.size
+            for t in range(stp):
+                group = dist.new_group([base + d * stp + t for d in range(sdp)])
+                if s == self.stage and t == j % tp:
+                    self.dp_group = group
+            for d in range(sdp):
+                group = dist.new_group([base + d * stp + t for t in range(stp)])
+                if s == self.stage and d == self.dp_rank:
+                    tp_group = group
+        self.dp_mesh = DeviceMesh.from_group(self.dp_group, device_type)
+        self.tp_mesh = DeviceMesh.from_group(tp_group, device_type) if tp > 1 else None
 
 
 class SyncingStage(PipelineStage):
@@ -44,32 +87,44 @@ class PipelineModel:
 
     def __init__(self, model: nn.Module, plan: Any, loss_fn: Callable, optimizer: Callable,
                  example_inputs: tuple, device: torch.device | None = None) -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-
         check_runnable(plan)
         self.plan, self.loss_fn = plan, loss_fn
         self.pp, self.m = len(plan.stages), plan.num_microbatches
-        self.dp, self.tp = plan.stages[0].logical_mesh
         device = device or torch.device("cpu")
-        mesh = init_device_mesh(device.type, (self.pp, self.dp, self.tp), mesh_dim_names=("pp", "dp", "tp"))
-        self.stage_index, self.dp_rank = mesh.get_local_rank("pp"), mesh.get_local_rank("dp")
-        self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+        g = _Groups(plan, device.type)
+        self.stage_index, self.dp_rank, self.pp_group, self.dp_group = g.stage, g.dp_rank, g.pp_group, g.dp_group
+        self.dp, self.tp = plan.stages[self.stage_index].logical_mesh
         micro = tuple(_split(_split(example_inputs, self.dp, 0), self.m, 0))
         ep = _export(model.to(device), micro, {})
         user = [n.name for n in ep.graph.nodes if n.op == "placeholder" and n.name in ep.graph_signature.user_inputs]
         parts = cut(ep.graph, plan, user)
         part = parts[self.stage_index]
-        self.module = ShardedGraph(model, plan.stages[self.stage_index], mesh["tp"] if self.tp > 1 else None, ep, part)
+        if g.bridged_before or g.bridged_after:  # a second export (before sharding) tells batch dimensions
+            twice = _export(model, tuple(torch.cat([x, x]) if isinstance(x, torch.Tensor) else x for x in micro), {})
+        self.module = ShardedGraph(model, plan.stages[self.stage_index], g.tp_mesh, ep, part)
         values = {n.name: n.meta.get("val") for n in ep.graph.nodes}
         example = {**values, **dict(zip(user, micro))}
+        shapes = {n: list(getattr(example[n], "shape", ())) for n in example}
+        if g.bridged_before or g.bridged_after:  # values cross whole: find their batch dimension
+            dims = batch_dims(ep.graph, twice.graph, part.inputs + part.outputs)
+            for i, name in enumerate(part.inputs):
+                if g.bridged_before and self.stage_index > 0:
+                    self.module.slice_inputs[i] = (dims.get(name), self.dp_group)
+                    if dims.get(name) is not None:
+                        shapes[name][dims[name]] *= self.dp  # it arrives whole
+            for i, name in enumerate(part.outputs):
+                if g.bridged_after and self.stage_index < self.pp - 1:
+                    self.module.gather_outputs[i] = (dims.get(name), self.dp_group)
+                    if dims.get(name) is not None:
+                        shapes[name][dims[name]] *= self.dp  # it leaves whole
 
         def like(names: list[str], grad: bool) -> tuple[torch.Tensor, ...]:  # activations carry gradients
-            return tuple(torch.zeros(example[n].shape, dtype=example[n].dtype, device=device)
+            return tuple(torch.zeros(shapes[n], dtype=example[n].dtype, device=device)
                          .requires_grad_(grad and example[n].is_floating_point()) for n in names)
 
         stage = SyncingStage(self.module, self.stage_index, self.pp, device,
-                              input_args=like(part.inputs, self.stage_index > 0),
-                              output_args=like(part.outputs, True), group=self.pp_group)
+                             input_args=like(part.inputs, self.stage_index > 0),
+                             output_args=like(part.outputs, True), group=self.pp_group)
         kind = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
         # the loss, not the gradients, carries the 1/m of the microbatch mean: the synchroniser reads
         # the gradients during the last backward, before the schedule could scale them
@@ -79,40 +134,40 @@ class PipelineModel:
         if zero3(plan) and self.dp > 1:  # the stage shards its parameters over the data axis (FSDP2)
             from torch.distributed.fsdp import fully_shard
 
-            fully_shard(self.module, mesh=mesh["dp"])
+            fully_shard(self.module, mesh=g.dp_mesh)
         elif self.dp > 1:
             self.sync = GradSync(list(self.module.parameters()), self.dp_group)
         stage.sync = self.sync  # buckets launch during the last microbatch's backward
-        self.tied = self._tied_groups(mesh)
+        self.tied = self._tied_groups(g)
         self.optimizer = optimizer(list(self.module.parameters()))
         self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [0, 0]}
         self.overlapped = 0  # gradient buckets of the last step launched during backward
 
-    def _tied_groups(self, mesh: Any) -> list[tuple[nn.Parameter, dist.ProcessGroup]]:
-        """For each weight several stages use: this rank's copy and the group of the copies (one
-        group per data- and tensor-parallel position; every rank creates every group, in order)."""
+    def _tied_groups(self, g: _Groups) -> list[tuple[nn.Parameter, dist.ProcessGroup, bool]]:
+        """For each weight several stages use: this rank's copy, the group of the copies (one group
+        per position in the stage; every rank creates every group, in order), and whether every
+        copy is placed alike (then the local shards add up as they are)."""
         mine = {n: str(getattr(p, "placements", "")) for n, p in self.module.named_parameters()}
         holders: list[dict[str, str]] = [None] * self.pp
         dist.all_gather_object(holders, mine, group=self.pp_group)
         out = []
-        ranks = mesh.mesh  # [pp, dp, tp] -> global rank
         for name in sorted({n for h in holders for n in h}):
             stages = [s for s in range(self.pp) if name in holders[s]]
             if len(stages) < 2:
                 continue
-            if len({holders[s][name] for s in stages}) > 1:
-                raise UnsupportedPlan(f"stages {stages} place their copies of {name} differently on the tensor axis")
-            for d in range(self.dp):
-                for t in range(self.tp):
-                    group = dist.new_group([int(ranks[s, d, t]) for s in stages])
-                    if dist.get_rank() in [int(ranks[s, d, t]) for s in stages]:
-                        out.append((self.module.get_parameter(name), group))
+            same = len({holders[s][name] for s in stages}) == 1 and len({self.plan.stages[s].logical_mesh
+                                                                          for s in stages}) == 1
+            for j in range(g.size):
+                ranks = [s * g.size + j for s in stages]
+                group = dist.new_group(ranks)
+                if dist.get_rank() in ranks:
+                    out.append((self.module.get_parameter(name), group, same))
         return out
 
     def step(self, inputs: Any, target: torch.Tensor) -> float:
         check_batch(inputs, self.plan)
-        local_in = _split(inputs, self.dp, self.dp_rank)
-        local_target = _split(target, self.dp, self.dp_rank)
+        local_in = self._local(inputs)  # used by the first stage
+        local_target = self._local(target)  # used by the last stage
         args = local_in if isinstance(local_in, (tuple, list)) else (local_in,)
         self.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
@@ -130,13 +185,32 @@ class PipelineModel:
             stats = self.sync.reset_stats()
             self._bytes["dp"] = [stats.bytes_raw, stats.bytes_sent]
             self.overlapped = stats.overlapped
-        for weight, group in self.tied:  # copies of one weight: each gets the sum of their gradients
-            if weight.grad is not None:
-                dist.all_reduce(local(weight.grad), group=group)
+        for weight, group, same in self.tied:  # copies of one weight: each gets the sum of their gradients
+            grad = weight.grad
+            if grad is None:
+                continue
+            if same or not isinstance(grad, DTensor):
+                dist.all_reduce(local(grad), group=group)
+            else:  # placed differently in another stage: add up whole gradients, keep this copy's part
+                whole = grad.full_tensor()
+                dist.all_reduce(whole, group=group)
+                weight.grad = DTensor.from_local(whole, grad.device_mesh, [Replicate()] * grad.device_mesh.ndim,
+                                                 run_check=False).redistribute(grad.device_mesh, grad.placements)
         self.optimizer.step()
         total = torch.stack(losses).detach().double().sum() if losses else torch.zeros((), dtype=torch.float64)
         dist.all_reduce(total)
-        return float(total) / (self.dp * self.tp)  # every rank of the last stage holds the loss
+        last = self.plan.stages[-1].logical_mesh
+        return float(total) / (last[0] * last[1])  # every rank of the last stage holds the loss
+
+    def _local(self, batch: Any) -> Any:
+        """This rank's samples, microbatch by microbatch: microbatch i is the i-th m-th of the global
+        batch on every stage, whatever each stage's data-parallel size (the schedule cuts the
+        result into m equal chunks)."""
+        chunks = [_split(_split(batch, self.m, i), self.dp, self.dp_rank) for i in range(self.m)]
+        if isinstance(batch, torch.Tensor):
+            return torch.cat(chunks)
+        return type(batch)(torch.cat([c[k] for c in chunks]) if isinstance(batch[k], torch.Tensor) else batch[k]
+                           for k in range(len(batch)))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         mine = self.module.full_state_dict()

@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
 
 from autopar.capture import _WRAPPER_PREFIX
+from runtime.cross_mesh import gather_batch, slice_batch
 
 
 _CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
@@ -168,6 +169,9 @@ class ShardedGraph(nn.Module):
         # split by batch (inputs carry it in dim 0): the loss runs per shard
         self.output_shard = part is None and mesh is not None and want == "S(0)"
         self.unplanned: list[str] = []  # ops whose output DTensor placed otherwise than the plan
+        # at a boundary with a stage of another logical mesh: position -> (batch dim, dp group)
+        self.slice_inputs: dict[int, tuple[int | None, Any]] = {}
+        self.gather_outputs: dict[int, tuple[int | None, Any]] = {}
 
     # ---- running ---------------------------------------------------------------------------
 
@@ -175,11 +179,14 @@ class ShardedGraph(nn.Module):
         env: dict[fx.Node, Any] = dict(self.fixed)
         for node, name in self.param_of.items():  # read each call: FSDP swaps in gathered parameters
             env[node] = getattr(self, name)
+        inputs = tuple(slice_batch(x, *self.slice_inputs[i]) if i in self.slice_inputs else x
+                       for i, x in enumerate(inputs))
         env.update(zip(self.inputs, inputs))
         wrapped: dict[fx.Node, DTensor] = {}  # replicated values wrapped once (see module docstring)
         for node in self.nodes:
             env[node] = self._run(node, env, wrapped)
         outs = [self._plain(env[n]) for n in self.outputs]
+        outs = [gather_batch(x, *self.gather_outputs[i]) if i in self.gather_outputs else x for i, x in enumerate(outs)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:

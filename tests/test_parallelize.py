@@ -146,6 +146,35 @@ def test_a_two_stage_plan_cuts_a_moe_model_between_layers(tmp_path):
             torch.testing.assert_close(got_params[key], value, rtol=1e-5, atol=1e-6)
 
 
+def _mixed(rank, world, name, meshes):
+    """A two-stage plan whose stages split their devices differently: (dp, tp) per stage."""
+    import dataclasses
+
+    from autopar.manual import Layout, manual_plan, manual_search
+    from autopar.planner import Search
+    from cost_models import get_cluster
+
+    w, batches = _workload(name)
+    cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)
+    view = manual_search(Search.start(w, cluster, (1, world)))
+    stages = [manual_plan(view, Layout.parse(f"{dp},{tp},2,2")).stages[i] for i, (dp, tp) in enumerate(meshes)]
+    plan = manual_plan(view, Layout.parse(f"{meshes[0][0]},{meshes[0][1]},2,2"))
+    plan.stages = stages
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer, plan=plan)
+    return [pm.step(inputs, target) for inputs, target in batches], pm.full_state_dict()
+
+
+@pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny"])
+@pytest.mark.parametrize("meshes", [((2, 1), (1, 2)), ((1, 2), (2, 1))], ids=["dp-then-tp", "tp-then-dp"])
+def test_stages_of_different_logical_meshes_equal_single_process(tmp_path, name, meshes):
+    losses, params = _single(name)
+    for got_losses, got_params in run_ranks(_mixed, 4, tmp_path, name, meshes):
+        assert got_losses == pytest.approx(losses, rel=1e-5)
+        assert got_params.keys() == params.keys()
+        for key, value in params.items():
+            torch.testing.assert_close(got_params[key], value, rtol=1e-5, atol=1e-6)
+
+
 def _searched(rank, world, name):
     w, batches = _workload(name)
     pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer)
