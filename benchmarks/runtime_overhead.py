@@ -47,7 +47,11 @@ def _local_heads(self, x):
 def _hand_tp(model, world):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
 
     mesh = init_device_mesh("cpu", (world,))
     layout = {"wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate()),
@@ -79,7 +83,7 @@ def _rank(rank, world, port, out, args):
             plan = f"{world},1,1" if kind == "autopar-dp" else f"1,{world},1"
             pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
                                      plan=plan)
-            step = lambda inputs, target: pm.step(inputs, target)  # noqa: E731
+            step = pm.step
         else:
             if kind == "ddp":
                 model = torch.nn.parallel.DistributedDataParallel(w.model)
@@ -89,9 +93,9 @@ def _rank(rank, world, port, out, args):
                 part = lambda t: t  # noqa: E731
             opt = _optimizer(list(model.parameters()))
 
-            def step(inputs, target, model=model, opt=opt, part=part):
+            def step(inputs, target, model=model, opt=opt, part=part, loss_fn=w.loss_fn):
                 opt.zero_grad(set_to_none=True)
-                loss = w.loss_fn(model(*(part(x) for x in inputs)), part(target))
+                loss = loss_fn(model(*(part(x) for x in inputs)), part(target))
                 loss.backward()
                 opt.step()
                 return loss.item()

@@ -1,4 +1,5 @@
-"""The tensor axis at run time: the exported graph, op by op, with the plan's placements (DTensor).
+"""The exported graph, op by op, as a stage of the plan runs it: the tensor axis through DTensor,
+pipeline stages as parts of the graph (`cut`).
 
 The model is exported again at the shape one rank runs (its microbatch), so node names are the
 plan's. Parameters become DTensors with the plan's tensor-axis placements; before each op its
@@ -20,11 +21,17 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
 
 from autopar.capture import _WRAPPER_PREFIX
 from runtime.cross_mesh import gather_batch, slice_batch
-
 
 _CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
 # attention on CPU: no DTensor rule (DTensor would try propagating through its decomposition, which
@@ -168,7 +175,7 @@ class ShardedGraph(nn.Module):
         want = stage.ops.get(output.name, ["R", "R"])[1]
         # split by batch (inputs carry it in dim 0): the loss runs per shard
         self.output_shard = part is None and mesh is not None and want == "S(0)"
-        self.unplanned: list[str] = []  # ops whose output DTensor placed otherwise than the plan
+        self.unplanned: set[str] = set()  # ops whose output DTensor placed otherwise than the plan
         # at a boundary with a stage of another logical mesh: position -> (batch dim, dp group)
         self.slice_inputs: dict[int, tuple[int | None, Any]] = {}
         self.gather_outputs: dict[int, tuple[int | None, Any]] = {}
@@ -243,7 +250,7 @@ class ShardedGraph(nn.Module):
             out = DTensor.from_local(out, self.mesh, [Replicate()], run_check=False)
         if isinstance(out, DTensor):
             if want is not None and not _same(out.placements[0], placement(want)):
-                self.unplanned.append(node.name)
+                self.unplanned.add(node.name)
                 out = out.redistribute(self.mesh, [placement(want)])
             if isinstance(out.placements[0], Replicate):
                 out = out.to_local()

@@ -57,18 +57,31 @@ def _single(name):
     return losses, {n: p.detach().clone() for n, p in w.model.named_parameters()}
 
 
+def _assert_same_training(got_losses, got_params, losses, params):
+    """Losses of every step and final parameters as single-process training has them (rel 1e-5)."""
+    assert got_losses == pytest.approx(losses, rel=1e-5)
+    assert got_params.keys() == params.keys()
+    for key, value in params.items():
+        torch.testing.assert_close(got_params[key], value, rtol=1e-5, atol=1e-6)
+
+
+def _layout(w, world, layout):
+    """The hand-written layout's plan for `world` local ranks (sharing this machine's cores)."""
+    import dataclasses
+
+    from autopar.manual import Layout, manual_plan, manual_search
+    from autopar.planner import Search
+    from cost_models import get_cluster
+
+    cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)
+    return manual_plan(manual_search(Search.start(w, cluster, (1, world))), Layout.parse(layout))
+
+
 def _parallel(rank, world, name, layout, zero3):
     w, batches = _workload(name)
     plan = layout
     if zero3:  # the same layout with every parameter sharded over the data axis (ZeRO-3)
-        from autopar.manual import Layout, manual_plan, manual_search
-        from autopar.planner import Search
-        from cost_models import get_cluster
-
-        import dataclasses
-
-        cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)  # ranks share cores
-        plan = manual_plan(manual_search(Search.start(w, cluster, (1, world))), Layout.parse(layout))
+        plan = _layout(w, world, layout)
         for stage in plan.stages:
             stage.params = {f: ["S(0)", p[1]] for f, p in stage.params.items()}
     pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer, plan=plan)
@@ -81,10 +94,7 @@ def _parallel(rank, world, name, layout, zero3):
 def test_data_parallel_training_equals_single_process(tmp_path, name, zero3):
     losses, params = _single(name)
     for got_losses, got_params, stats in run_ranks(_parallel, 2, tmp_path, name, "2,1,1,2", zero3):
-        assert got_losses == pytest.approx(losses, rel=1e-5)
-        assert got_params.keys() == params.keys()
-        for key, value in params.items():
-            torch.testing.assert_close(got_params[key], value, rtol=1e-5, atol=1e-6)
+        _assert_same_training(got_losses, got_params, losses, params)
         grad_bytes = sum(p.numel() * 4 for p in params.values())
         if not zero3:  # every gradient handed to the data axis once per step, nothing on the others
             assert stats["dp"]["bytes_raw"] == grad_bytes and stats["tp"]["bytes_raw"] == stats["pp"]["bytes_raw"] == 0
@@ -95,10 +105,7 @@ def test_data_parallel_training_equals_single_process(tmp_path, name, zero3):
 def test_zero3_with_a_tensor_or_pipeline_axis_equals_single_process(tmp_path, name, layout):
     losses, params = _single(name)
     for got_losses, got_params, _ in run_ranks(_parallel, 4, tmp_path, name, layout, True):
-        assert got_losses == pytest.approx(losses, rel=1e-5)
-        assert got_params.keys() == params.keys()
-        for key, value in params.items():
-            torch.testing.assert_close(got_params[key], value, rtol=1e-5, atol=1e-6)
+        _assert_same_training(got_losses, got_params, losses, params)
 
 
 def _pipelined(rank, world, name, layout):
@@ -118,10 +125,7 @@ def test_pipeline_training_equals_single_process(tmp_path, name, layout):
     for got_losses, got_params, (overlapped, buckets) in run_ranks(_pipelined, world, tmp_path, name, layout):
         if layout.startswith("2,"):  # every gradient bucket launched while the last backward ran
             assert overlapped == buckets >= 1
-        assert got_losses == pytest.approx(losses, rel=1e-5)
-        assert got_params.keys() == params.keys()
-        for key, value in params.items():
-            torch.testing.assert_close(got_params[key], value, rtol=1e-5, atol=1e-6)
+        _assert_same_training(got_losses, got_params, losses, params)
 
 
 def _two_stages(rank, world, name):
@@ -140,25 +144,14 @@ def test_a_two_stage_plan_cuts_a_moe_model_between_layers(tmp_path):
     losses, params = _single("moe-tiny")
     for got_losses, got_params, stages in run_ranks(_two_stages, 2, tmp_path, "moe-tiny"):
         assert stages == 2
-        assert got_losses == pytest.approx(losses, rel=1e-5)
-        assert got_params.keys() == params.keys()
-        for key, value in params.items():
-            torch.testing.assert_close(got_params[key], value, rtol=1e-5, atol=1e-6)
+        _assert_same_training(got_losses, got_params, losses, params)
 
 
 def _mixed(rank, world, name, meshes):
     """A two-stage plan whose stages split their devices differently: (dp, tp) per stage."""
-    import dataclasses
-
-    from autopar.manual import Layout, manual_plan, manual_search
-    from autopar.planner import Search
-    from cost_models import get_cluster
-
     w, batches = _workload(name)
-    cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)
-    view = manual_search(Search.start(w, cluster, (1, world)))
-    stages = [manual_plan(view, Layout.parse(f"{dp},{tp},2,2")).stages[i] for i, (dp, tp) in enumerate(meshes)]
-    plan = manual_plan(view, Layout.parse(f"{meshes[0][0]},{meshes[0][1]},2,2"))
+    plan = _layout(w, world, f"{meshes[0][0]},{meshes[0][1]},2,2")
+    stages = [_layout(w, world, f"{dp},{tp},2,2").stages[i] for i, (dp, tp) in enumerate(meshes)]
     plan.stages = stages
     pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer, plan=plan)
     return [pm.step(inputs, target) for inputs, target in batches], pm.full_state_dict()
@@ -169,10 +162,7 @@ def _mixed(rank, world, name, meshes):
 def test_stages_of_different_logical_meshes_equal_single_process(tmp_path, name, meshes):
     losses, params = _single(name)
     for got_losses, got_params in run_ranks(_mixed, 4, tmp_path, name, meshes):
-        assert got_losses == pytest.approx(losses, rel=1e-5)
-        assert got_params.keys() == params.keys()
-        for key, value in params.items():
-            torch.testing.assert_close(got_params[key], value, rtol=1e-5, atol=1e-6)
+        _assert_same_training(got_losses, got_params, losses, params)
 
 
 def _searched(rank, world, name):
@@ -255,10 +245,7 @@ def test_tensor_parallel_training_equals_single_process(tmp_path, name, layout):
     losses, params = _single(name)
     world = 2 if layout.startswith("1,") else 4
     for got_losses, got_params, _ in run_ranks(_pipelined, world, tmp_path, name, layout):
-        assert got_losses == pytest.approx(losses, rel=1e-5)
-        assert got_params.keys() == params.keys()
-        for key, value in params.items():
-            torch.testing.assert_close(got_params[key], value, rtol=1e-5, atol=1e-6)
+        _assert_same_training(got_losses, got_params, losses, params)
 
 
 _FUNCOL = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
@@ -276,7 +263,7 @@ def _tp_collectives(rank, world, name):
         pm.step(*batches[0])
     counts = {str(op): n for op, n in mode.get_comm_counts().items()}
     issued = {_FUNCOL[k.split(".")[-1]]: n for k, n in counts.items() if k.startswith("c10d_functional.")}
-    return issued, pm.graph.unplanned
+    return issued, sorted(pm.graph.unplanned)
 
 
 @pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny", "hf-gpt2"])
