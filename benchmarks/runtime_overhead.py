@@ -8,7 +8,7 @@ Same model (zoo `gpt-small` by default), same ranks (gloo, one thread each), sam
 Each runs `--warmup` steps, then `--steps` timed ones; the table gives medians and the ratio
 autopar / hand-written (target ≤ 1.10). Run it alone: other work on the cores skews the times.
 
-    python benchmarks/runtime_overhead.py [--model gpt-small] [--nproc 2] [--steps 8] [--json]
+    python benchmarks/runtime_overhead.py [--model gpt-small] [--nproc 2] [--steps 20] [--json]
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     args.kinds = ["ddp", "autopar-dp", "hand-tp", "autopar-tp"]
