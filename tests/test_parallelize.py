@@ -100,8 +100,8 @@ def test_data_parallel_training_equals_single_process(tmp_path, name, zero3):
             assert stats["dp"]["bytes_raw"] == grad_bytes and stats["tp"]["bytes_raw"] == stats["pp"]["bytes_raw"] == 0
 
 
-@pytest.mark.parametrize("name", ["gpt-tiny", "hf-gpt2"])
-@pytest.mark.parametrize("layout", ["2,2,1,2", "2,1,2,2"], ids=["dp-tp", "dp-pp"])
+@pytest.mark.parametrize("name, layout", [(n, lay) for n in ("mlp-tiny", "gpt-tiny", "hf-gpt2") for lay in ("2,2,1,2", "2,1,2,2")]
+                         + [("moe-tiny", "2,2,1,2")])  # moe-tiny: one MoE block, no even pipeline split
 def test_zero3_with_a_tensor_or_pipeline_axis_equals_single_process(tmp_path, name, layout):
     losses, params = _single(name)
     for got_losses, got_params, _ in run_ranks(_parallel, 4, tmp_path, name, layout, True):
@@ -172,7 +172,8 @@ def _searched(rank, world, name):
 
 
 @pytest.mark.parametrize("name, world, mesh", [("mlp-tiny", 2, (1, 2)), ("mlp-tiny", 4, (1, 4)),
-                                              ("gpt-tiny", 4, (4, 1)), ("moe-tiny", 4, (4, 1))])
+                                              ("gpt-tiny", 4, (4, 1)), ("moe-tiny", 4, (4, 1)),
+                                              ("hf-gpt2", 4, (2, 2))])
 def test_the_searched_plan_trains_like_one_process(tmp_path, name, world, mesh):
     losses, _ = _single(name)
     for got, plan_name, logical in run_ranks(_searched, world, tmp_path, name):
