@@ -5,8 +5,9 @@ The model is exported at the shape one rank runs (a microbatch of its data-paral
 cut at the plan's stage boundaries: the plan's layers name their nodes, so a stage may begin
 anywhere between layers, module boundary or not (`sharded_graph.cut`). Each rank builds only its
 own stage (`ShardedGraph`, with the plan's tensor-axis placements when tp > 1) and hands it to a
-`PipelineStage`; `Schedule1F1B` / `ScheduleGPipe` run the microbatches. Ranks form a
-(pp, dp, tp) mesh. After the schedule, gradients are averaged over the stage's data-parallel group
+`PipelineStage`; `Schedule1F1B` / `ScheduleGPipe` run the microbatches. Stages have equal
+sizes; each splits its devices by its own logical mesh (`_Groups`; boundaries between different
+ones are bridged by `runtime.cross_mesh`). After the schedule, gradients are averaged over the stage's data-parallel group
 (`GradSync`, its buckets launched during the last microbatch's backward), and weights
 used by several stages (a GPT's tied embedding and output layer) get the sum of their copies'
 gradients, as Megatron-LM does.
@@ -199,8 +200,8 @@ class PipelineModel:
         self.optimizer.step()
         total = torch.stack(losses).detach().double().sum() if losses else torch.zeros((), dtype=torch.float64)
         dist.all_reduce(total)
-        last = self.plan.stages[-1].logical_mesh
-        return float(total) / (last[0] * last[1])  # every rank of the last stage holds the loss
+        dp, tp = self.plan.stages[-1].logical_mesh
+        return float(total) / (dp * tp)  # every rank of the last stage holds the loss
 
     def _local(self, batch: Any) -> Any:
         """This rank's samples, microbatch by microbatch: microbatch i is the i-th m-th of the global
