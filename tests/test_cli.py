@@ -169,6 +169,7 @@ def test_compare_lists_the_deepspeed_moe_layout_for_moe_models(capsys):
     (lambda p: p["layers"].__setitem__(0, "wte"), "layers[0] must be"),
     (lambda p: p.update(num_microbatches=3), "num_microbatches 3 must be at least 1 and divide the batch 8"),
     (lambda p: p["stages"][0]["params"].__setitem__("wte.weight", ["R", "X"]), "two placements"),
+    (lambda p: p["stages"][0]["needs"].__setitem__("linear", ["S(x)"]), "needs['linear'] must be a list of placements"),
 ])
 def test_malformed_plans_are_explained(capsys, tmp_path, mutate, message):
     from autopar.plan import Plan, PlanError
@@ -179,6 +180,18 @@ def test_malformed_plans_are_explained(capsys, tmp_path, mutate, message):
     mutate(data)
     with pytest.raises(PlanError, match=re.escape(message)):
         Plan.from_json(json.dumps(data))
+
+
+def test_a_tensor_parallel_plan_round_trips_with_what_each_op_needs(tmp_path):
+    from autopar.plan import Plan
+
+    path = tmp_path / "plan.json"
+    assert main(["plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x2", "--manual", "1,2,1", "--out", str(path)]) == 0
+    plan = Plan.load(path)
+    needs = plan.stages[0].needs
+    assert needs and set(needs) <= set(plan.stages[0].ops)  # every op of the tensor-parallel stage
+    assert needs["embedding"] == ["S(0)", "R"]  # vocabulary-parallel: the weight split, the indices whole
+    assert Plan.from_json(plan.to_json()).to_json() == plan.to_json() == path.read_text()
 
 
 def test_json_stdout_survives_native_code_printing_to_it(capfd, monkeypatch):
