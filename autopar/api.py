@@ -97,32 +97,31 @@ def _resolve(plan, model, args, batch, graph, cluster, mesh) -> Plan:
     if plan is not None:
         return manual_plan(manual_search(search), Layout.parse(str(plan)))
     from autopar.planner import plan_auto
-    from runtime.parallel import UnsupportedPlan, check_runnable
 
     best = plan_auto(search)
-    try:
-        check_runnable(best)
+    why = _why_not_runnable(best)
+    if why is None:
         return best
-    except UnsupportedPlan as why:  # run the fastest layout the runtime can, and say so
-        view = manual_search(search)
-        runnable = [p for p in (manual_plan(view, layout) for layout in layout_grid(view)) if _runnable(p)]
-        fitting = [p for p in runnable if p.estimate.fits] or runnable
-        if not fitting:
-            raise AutoparError(f"the searched plan cannot run yet ({why}) and no data/pipeline layout exists") from None
-        chosen = min(fitting, key=lambda p: p.estimate.step_time_s)
-        log.warning("the searched plan (%.3g s per step predicted) cannot run yet: %s; running %s (%.3g s predicted)",
-                    best.estimate.step_time_s, why, chosen.name, chosen.estimate.step_time_s)
-        return chosen
+    # run the fastest layout the runtime can, and say so
+    view = manual_search(search)
+    runnable = [p for p in (manual_plan(view, layout) for layout in layout_grid(view)) if _why_not_runnable(p) is None]
+    fitting = [p for p in runnable if p.estimate.fits] or runnable
+    if not fitting:
+        raise AutoparError(f"the searched plan cannot run yet ({why}) and no hand-written layout can either")
+    chosen = min(fitting, key=lambda p: p.estimate.step_time_s)
+    log.warning("the searched plan (%.3g s per step predicted) cannot run yet: %s; running %s (%.3g s predicted)",
+                best.estimate.step_time_s, why, chosen.name, chosen.estimate.step_time_s)
+    return chosen
 
 
-def _runnable(plan: Plan) -> bool:
+def _why_not_runnable(plan: Plan) -> str | None:
     from runtime.parallel import UnsupportedPlan, check_runnable
 
     try:
         check_runnable(plan)
-        return True
-    except UnsupportedPlan:
-        return False
+    except UnsupportedPlan as why:
+        return str(why)
+    return None
 
 
 def _init_process_group(backend: str) -> None:
