@@ -6,8 +6,9 @@ import dataclasses
 import logging
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -92,36 +93,13 @@ def _resolve(plan, model, args, batch, graph, cluster, mesh) -> Plan:
         spec = dataclasses.replace(spec, devices_per_host=mesh[1])
     workload = Workload(type(model).__name__, model, args, batch)
     search = Search.start(workload, spec, mesh, graph=graph)
-    from autopar.manual import Layout, layout_grid, manual_plan, manual_search
+    from autopar.manual import Layout, manual_plan, manual_search
 
     if plan is not None:
         return manual_plan(manual_search(search), Layout.parse(str(plan)))
     from autopar.planner import plan_auto
 
-    best = plan_auto(search)
-    why = _why_not_runnable(best)
-    if why is None:
-        return best
-    # run the fastest layout the runtime can, and say so
-    view = manual_search(search)
-    runnable = [p for p in (manual_plan(view, layout) for layout in layout_grid(view)) if _why_not_runnable(p) is None]
-    fitting = [p for p in runnable if p.estimate.fits] or runnable
-    if not fitting:
-        raise AutoparError(f"the searched plan cannot run yet ({why}) and no hand-written layout can either")
-    chosen = min(fitting, key=lambda p: p.estimate.step_time_s)
-    log.warning("the searched plan (%.3g s per step predicted) cannot run yet: %s; running %s (%.3g s predicted)",
-                best.estimate.step_time_s, why, chosen.name, chosen.estimate.step_time_s)
-    return chosen
-
-
-def _why_not_runnable(plan: Plan) -> str | None:
-    from runtime.parallel import UnsupportedPlan, check_runnable
-
-    try:
-        check_runnable(plan)
-    except UnsupportedPlan as why:
-        return str(why)
-    return None
+    return plan_auto(search)
 
 
 def _init_process_group(backend: str) -> None:

@@ -4,13 +4,13 @@ Ranks form a (dp, tp) mesh, tp innermost (a tensor-parallel group shares a host,
 assumes). The global batch is cut into this rank's data-parallel slice and into the plan's
 microbatches; gradients are averaged over the data axis by `GradSync` (plans with `R` parameters
 on it) or by FSDP2's `fully_shard` (`S(0)`: ZeRO-3). With a tensor axis the model runs as its
-exported graph with the plan's placements (`runtime.sharded_graph`). What this runtime cannot run
-yet is refused with the reason (`check_runnable`) before any collective is issued.
+exported graph with the plan's placements (`runtime.sharded_graph`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -23,13 +23,6 @@ from runtime.sharded_graph import ShardedGraph
 
 class UnsupportedPlan(ValueError):
     """A plan this runtime cannot execute yet (the message says which part)."""
-
-
-def check_runnable(plan: Any) -> None:
-    sizes = sorted({s.devices for s in plan.stages})
-    if len(sizes) > 1:
-        raise UnsupportedPlan(f"the plan's stages have {', '.join(map(str, sizes))} devices; this runtime pairs the "
-                              "ranks of neighbouring stages one to one, so stages of different sizes do not run yet")
 
 
 def zero3(plan: Any) -> bool:
@@ -66,7 +59,6 @@ class ParallelModel:
                  example_inputs: tuple = (), device: torch.device | None = None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        check_runnable(plan)
         self.plan, self.loss_fn = plan, loss_fn
         self.dp, self.tp = plan.stages[0].logical_mesh
         if dist.get_world_size() != self.dp * self.tp:

@@ -15,7 +15,9 @@ gradients, as Megatron-LM does.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import itertools
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -25,24 +27,29 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from autopar.capture import _export
 from runtime.cross_mesh import batch_dims
+from runtime.fan_out import FanOutSchedule
 from runtime.grad_sync import GradSync, local
-from runtime.parallel import UnsupportedPlan, _split, check_batch, check_runnable, zero3
+from runtime.parallel import UnsupportedPlan, _split, check_batch, zero3
 from runtime.sharded_graph import ShardedGraph, cut
 
 
 class _Groups:
-    """Where this rank sits and the process groups it needs. Stages have equal sizes; rank
-    s·size + j is position j of stage s (data-parallel index j // tp, tensor index j % tp of that
-    stage's logical mesh). With one logical mesh throughout this is a (pp, dp, tp) DeviceMesh;
+    """Where this rank sits and the process groups it needs. Stage s holds the ranks from
+    offsets[s] on; position j of a stage is data-parallel index j // tp and tensor index j % tp of
+    its logical mesh. With one logical mesh throughout this is a (pp, dp, tp) DeviceMesh;
     otherwise the groups are made one by one (every rank creates every group, in order) and the
-    boundaries between stages of different meshes are bridged (`runtime.cross_mesh`)."""
+    boundaries between stages of different meshes are bridged (`runtime.cross_mesh`). Stages of
+    equal sizes chain position j of every stage into a pipeline group; stages of different sizes
+    have none (`runtime.fan_out` sends to global ranks)."""
 
     def __init__(self, plan: Any, device_type: str) -> None:
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-        self.size = plan.stages[0].devices
+        self.sizes = [s.devices for s in plan.stages]
+        self.offsets = list(itertools.accumulate([0, *self.sizes]))
         rank = dist.get_rank()
-        self.stage, j = divmod(rank, self.size)
+        self.stage = next(s for s in range(len(self.sizes)) if rank < self.offsets[s + 1])
+        j = rank - self.offsets[self.stage]
         dp, tp = plan.stages[self.stage].logical_mesh
         self.dp_rank = j // tp
         meshes = [tuple(s.logical_mesh) for s in plan.stages]
@@ -53,12 +60,14 @@ class _Groups:
             self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
             self.dp_mesh, self.tp_mesh = mesh["dp"], (mesh["tp"] if tp > 1 else None)
             return
-        for k in range(self.size):
-            group = dist.new_group([s * self.size + k for s in range(len(meshes))])
-            if k == j:
-                self.pp_group = group
+        self.pp_group = None
+        if len(set(self.sizes)) == 1:
+            for k in range(self.sizes[0]):
+                group = dist.new_group([s * self.sizes[0] + k for s in range(len(meshes))])
+                if k == j:
+                    self.pp_group = group
         for s, (sdp, stp) in enumerate(meshes):
-            base = s * self.size
+            base = self.offsets[s]
             for t in range(stp):
                 group = dist.new_group([base + d * stp + t for d in range(sdp)])
                 if s == self.stage and t == j % tp:
@@ -88,7 +97,6 @@ class PipelineModel:
 
     def __init__(self, model: nn.Module, plan: Any, loss_fn: Callable, optimizer: Callable,
                  example_inputs: tuple, device: torch.device | None = None) -> None:
-        check_runnable(plan)
         self.plan, self.loss_fn = plan, loss_fn
         self.pp, self.m = len(plan.stages), plan.num_microbatches
         device = device or torch.device("cpu")
@@ -105,32 +113,38 @@ class PipelineModel:
         self.module = ShardedGraph(model, plan.stages[self.stage_index], g.tp_mesh, ep, part)
         values = {n.name: n.meta.get("val") for n in ep.graph.nodes}
         example = {**values, **dict(zip(user, micro))}
-        shapes = {n: list(getattr(example[n], "shape", ())) for n in example}
+        dims: dict[str, int | None] = {}
         if g.bridged_before or g.bridged_after:  # values cross whole: find their batch dimension
             dims = batch_dims(ep.graph, twice.graph, part.inputs + part.outputs)
-            for i, name in enumerate(part.inputs):
-                if g.bridged_before and self.stage_index > 0:
-                    self.module.slice_inputs[i] = (dims.get(name), self.dp_group)
-                    if dims.get(name) is not None:
-                        shapes[name][dims[name]] *= self.dp  # it arrives whole
-            for i, name in enumerate(part.outputs):
-                if g.bridged_after and self.stage_index < self.pp - 1:
-                    self.module.gather_outputs[i] = (dims.get(name), self.dp_group)
-                    if dims.get(name) is not None:
-                        shapes[name][dims[name]] *= self.dp  # it leaves whole
+        if g.bridged_before:
+            self.module.slice_inputs = {i: (dims.get(n), self.dp_group) for i, n in enumerate(part.inputs)}
+        if g.bridged_after:
+            self.module.gather_outputs = {i: (dims.get(n), self.dp_group) for i, n in enumerate(part.outputs)}
 
-        def like(names: list[str], grad: bool) -> tuple[torch.Tensor, ...]:  # activations carry gradients
-            return tuple(torch.zeros(shapes[n], dtype=example[n].dtype, device=device)
-                         .requires_grad_(grad and example[n].is_floating_point()) for n in names)
+        def like(names: list[str], grad: bool, whole: bool) -> tuple[torch.Tensor, ...]:
+            """Zero tensors of what crosses the boundary (activations carry gradients)."""
+            out = []
+            for n in names:
+                shape = list(getattr(example[n], "shape", ()))
+                if whole and dims.get(n) is not None:
+                    shape[dims[n]] *= self.dp
+                out.append(torch.zeros(shape, dtype=example[n].dtype, device=device)
+                           .requires_grad_(grad and example[n].is_floating_point()))
+            return tuple(out)
 
-        stage = SyncingStage(self.module, self.stage_index, self.pp, device,
-                             input_args=like(part.inputs, self.stage_index > 0),
-                             output_args=like(part.outputs, True), group=self.pp_group)
         kind = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
         # the loss, not the gradients, carries the 1/m of the microbatch mean: the synchroniser reads
         # the gradients during the last backward, before the schedule could scale them
-        self.schedule = kind(stage, self.m, loss_fn=lambda out, target: loss_fn(out, target) / self.m,
-                             scale_grads=False)
+        loss_m = lambda out, target: loss_fn(out, target) / self.m
+        inputs = like(part.inputs, self.stage_index > 0, g.bridged_before)
+        outputs = like(part.outputs, True, g.bridged_after)
+        if g.pp_group is None:  # stages of different sizes: a rank may send to several
+            stage = FanOutSchedule(self.module, self.stage_index, g.sizes, self.m, loss_m, plan.schedule, inputs, outputs)
+            self.schedule = stage
+        else:
+            stage = SyncingStage(self.module, self.stage_index, self.pp, device, input_args=inputs,
+                                 output_args=outputs, group=self.pp_group)
+            self.schedule = kind(stage, self.m, loss_fn=loss_m, scale_grads=False)
         self.sync = None
         if zero3(plan) and self.dp > 1:  # the stage shards its parameters over the data axis (FSDP2)
             from torch.distributed.fsdp import fully_shard
@@ -140,29 +154,35 @@ class PipelineModel:
             self.sync = GradSync(list(self.module.parameters()), self.dp_group)
         stage.sync = self.sync  # buckets launch during the last microbatch's backward
         self.tied = self._tied_groups(g)
+        self._offsets = g.offsets
         self.optimizer = optimizer(list(self.module.parameters()))
         self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [0, 0]}
         self.overlapped = 0  # gradient buckets of the last step launched during backward
 
-    def _tied_groups(self, g: _Groups) -> list[tuple[nn.Parameter, dist.ProcessGroup, bool]]:
-        """For each weight several stages use: this rank's copy, the group of the copies (one group
-        per position in the stage; every rank creates every group, in order), and whether every
-        copy is placed alike (then the local shards add up as they are)."""
-        mine = {n: str(getattr(p, "placements", "")) for n, p in self.module.named_parameters()}
-        holders: list[dict[str, str]] = [None] * self.pp
-        dist.all_gather_object(holders, mine, group=self.pp_group)
+    def _tied_groups(self, g: _Groups) -> list[tuple[nn.Parameter, dist.ProcessGroup, int | None]]:
+        """For each weight several stages use: this rank's copy, the group that sums the copies'
+        gradients (every rank creates every group, in order), and None when every copy is placed
+        alike on stages of one logical mesh (a group per position: local shards add up as they are),
+        else this stage's size (one group of all their ranks, each adding its whole gradient / size)."""
+        placed = {n: str(getattr(p, "placements", "")) for n, p in self.module.named_parameters()}
+        per_rank: list[dict[str, str]] = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, placed)
+        holders = [per_rank[g.offsets[s]] for s in range(self.pp)]
         out = []
         for name in sorted({n for h in holders for n in h}):
             stages = [s for s in range(self.pp) if name in holders[s]]
             if len(stages) < 2:
                 continue
-            same = len({holders[s][name] for s in stages}) == 1 and len({self.plan.stages[s].logical_mesh
-                                                                          for s in stages}) == 1
-            for j in range(g.size):
-                ranks = [s * g.size + j for s in stages]
+            if len({holders[s][name] for s in stages}) == 1 and len({self.plan.stages[s].logical_mesh for s in stages}) == 1:
+                groups = [[g.offsets[s] + j for s in stages] for j in range(g.sizes[stages[0]])]
+                share = None
+            else:
+                groups = [[r for s in stages for r in range(g.offsets[s], g.offsets[s + 1])]]
+                share = g.sizes[self.stage_index]
+            for ranks in groups:
                 group = dist.new_group(ranks)
                 if dist.get_rank() in ranks:
-                    out.append((self.module.get_parameter(name), group, same))
+                    out.append((self.module.get_parameter(name), group, share))
         return out
 
     def step(self, inputs: Any, target: torch.Tensor) -> float:
@@ -186,17 +206,19 @@ class PipelineModel:
             stats = self.sync.reset_stats()
             self._bytes["dp"] = [stats.bytes_raw, stats.bytes_sent]
             self.overlapped = stats.overlapped
-        for weight, group, same in self.tied:  # copies of one weight: each gets the sum of their gradients
+        for weight, group, share in self.tied:  # copies of one weight: each gets the sum of their gradients
             grad = weight.grad
             if grad is None:
                 continue
-            if same or not isinstance(grad, DTensor):
+            if share is None:
                 dist.all_reduce(local(grad), group=group)
-            else:  # placed differently in another stage: add up whole gradients, keep this copy's part
-                whole = grad.full_tensor()
-                dist.all_reduce(whole, group=group)
-                weight.grad = DTensor.from_local(whole, grad.device_mesh, [Replicate()] * grad.device_mesh.ndim,
-                                                 run_check=False).redistribute(grad.device_mesh, grad.placements)
+                continue
+            # placed differently in another stage: add up whole gradients, keep this copy's part
+            whole = (grad.full_tensor() if isinstance(grad, DTensor) else grad) / share
+            dist.all_reduce(whole, group=group)
+            weight.grad = whole if not isinstance(grad, DTensor) else DTensor.from_local(
+                whole, grad.device_mesh, [Replicate()] * grad.device_mesh.ndim, run_check=False,
+            ).redistribute(grad.device_mesh, grad.placements)
         self.optimizer.step()
         total = torch.stack(losses).detach().double().sum() if losses else torch.zeros((), dtype=torch.float64)
         dist.all_reduce(total)
@@ -214,9 +236,9 @@ class PipelineModel:
                            for k in range(len(batch)))
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        mine = self.module.full_state_dict()
-        parts: list[dict] = [None] * self.pp
-        dist.all_gather_object(parts, mine, group=self.pp_group)
+        mine = self.module.full_state_dict()  # a collective within the stage; one rank per stage shares it
+        parts: list[dict] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine if dist.get_rank() in self._offsets else {})
         out: dict[str, torch.Tensor] = {}
         for part in parts:
             out.update(part)

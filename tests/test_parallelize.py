@@ -147,21 +147,47 @@ def test_a_two_stage_plan_cuts_a_moe_model_between_layers(tmp_path):
         _assert_same_training(got_losses, got_params, losses, params)
 
 
-def _mixed(rank, world, name, meshes):
-    """A two-stage plan whose stages split their devices differently: (dp, tp) per stage."""
+def _staged(w, world, meshes, schedule, m):
+    """A plan cutting the searched layers into len(meshes) stages (the last takes the rest), stage i
+    with logical mesh meshes[i] and the intra-op pass's placements for it."""
+    import dataclasses
+
+    from autopar.planner import Search, assemble
+    from cost_models import get_cluster
+
+    search = Search.start(w, dataclasses.replace(get_cluster("cpu-local"), devices_per_host=4), (1, 4))
+    n, k = len(search.layers), len(meshes)
+    bounds = [i * (n // k) for i in range(k)] + [n]
+    chosen = [((i, j), (1, dp * tp), search.option(i, j, (1, dp * tp), m, ((dp, tp), False, False)))
+              for (i, j), (dp, tp) in zip(zip(bounds, bounds[1:]), meshes)]
+    return dataclasses.replace(assemble(search, chosen, m, "staged"), mesh=(1, world), schedule=schedule)
+
+
+def _run_staged(rank, world, name, meshes, schedule):
     w, batches = _workload(name)
-    plan = _layout(w, world, f"{meshes[0][0]},{meshes[0][1]},2,2")
-    stages = [_layout(w, world, f"{dp},{tp},2,2").stages[i] for i, (dp, tp) in enumerate(meshes)]
-    plan.stages = stages
+    # GShard routes groups of up to 64 tokens (2 samples): a rank's microbatch must hold whole groups for the
+    # MoE to compute what one process computes, so moe-tiny runs 2 microbatches of 2 samples per rank
+    plan = _staged(w, world, meshes, schedule, 2 if name == "moe-tiny" else 4)
     pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer, plan=plan)
     return [pm.step(inputs, target) for inputs, target in batches], pm.full_state_dict()
 
 
-@pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny"])
-@pytest.mark.parametrize("meshes", [((2, 1), (1, 2)), ((1, 2), (2, 1))], ids=["dp-then-tp", "tp-then-dp"])
-def test_stages_of_different_logical_meshes_equal_single_process(tmp_path, name, meshes):
+@pytest.mark.parametrize("name, meshes, schedule", [
+    # neighbouring stages split their devices differently: values cross whole
+    ("mlp-tiny", ((2, 1), (1, 2)), "1f1b"), ("mlp-tiny", ((1, 2), (2, 1)), "1f1b"),
+    ("gpt-tiny", ((2, 1), (1, 2)), "1f1b"), ("gpt-tiny", ((1, 2), (2, 1)), "gpipe"),
+    # moe-tiny's one block has no even Megatron split: DP×PP and TP×PP cut between its layers
+    ("moe-tiny", ((2, 1), (2, 1)), "1f1b"), ("moe-tiny", ((1, 2), (1, 2)), "1f1b"),
+    # stages of different sizes: a rank sends to none (2 + 1) or to two (1 + 2)
+    ("mlp-tiny", ((2, 1), (1, 1)), "1f1b"), ("gpt-tiny", ((1, 1), (1, 2)), "1f1b"),
+    ("hf-gpt2", ((2, 1), (1, 1)), "gpipe"),
+    ("gpt-tiny", ((1, 2), (1, 1), (1, 1)), "1f1b"),  # 2 + 1 + 1, the tied embedding on stages of 2 and 1
+], ids=["mlp-dp-then-tp", "mlp-tp-then-dp", "gpt-dp-then-tp", "gpt-tp-then-dp-gpipe", "moe-dp-pp", "moe-tp-pp",
+        "mlp-2+1", "gpt-1+2", "hf-2+1-gpipe", "gpt-2+1+1"])
+def test_stages_of_different_meshes_and_sizes_equal_single_process(tmp_path, name, meshes, schedule):
     losses, params = _single(name)
-    for got_losses, got_params in run_ranks(_mixed, 4, tmp_path, name, meshes):
+    world = sum(dp * tp for dp, tp in meshes)
+    for got_losses, got_params in run_ranks(_run_staged, world, tmp_path, name, meshes, schedule):
         _assert_same_training(got_losses, got_params, losses, params)
 
 
