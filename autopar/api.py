@@ -38,13 +38,18 @@ def parallelize(
 
     `plan`: None (search), a Plan, a path to plan JSON, or a layout "DP,TP,PP[,MB]". Every rank
     calls this with the same arguments; rank 0 plans and the others receive its plan.
+    `compression` ("dgc:0.999", "powersgd:2", ... see `runtime.compression`) and `delay` (delayed
+    gradient averaging, in steps) replace the plan's `dp_gradient` choices.
     """
     from runtime import default_backend, local_device
-    from runtime.parallel import ParallelModel, UnsupportedPlan
+    from runtime.parallel import ParallelModel, UnsupportedPlan, zero3
 
-    if compression is not None or delay:
-        raise AutoparError("gradient compression and delayed averaging are not implemented yet: "
-                           "leave compression=None and delay=0")
+    if compression is not None:
+        from runtime.compression import validate
+
+        validate(compression)  # a misspelt method fails here, on every rank, before any process group
+    if delay < 0:
+        raise AutoparError(f"delay must be a number of steps ≥ 0, got {delay}")
     _init_process_group(default_backend())
     world, rank = dist.get_world_size(), dist.get_rank()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun's ranks per host
@@ -68,6 +73,12 @@ def parallelize(
     resolved.check_graph(graph.fingerprint())
     if resolved.num_devices != world:
         raise AutoparError(f"the plan runs on {resolved.num_devices} devices, the job has {world} ranks")
+    if compression is not None or delay:  # the caller's choice overrides the plan's
+        resolved = dataclasses.replace(resolved, dp_gradient={**resolved.dp_gradient, "compression": compression,
+                                                              "delay": delay})
+    if (resolved.dp_gradient.get("compression") or resolved.dp_gradient.get("delay")) and zero3(resolved):
+        raise AutoparError("compression and delayed averaging work on replicated gradients; this plan shards them "
+                           "over the data axis (ZeRO-3): use a plan without S(0) parameters")
     device = local_device(int(os.environ.get("LOCAL_RANK", rank)))
     try:
         if len(resolved.stages) > 1:

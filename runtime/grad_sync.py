@@ -5,13 +5,17 @@ averaging can replace the all-reduce (see DESIGN.md): `reduce` is that point. Bu
 reverse order of the parameters (roughly the order backward produces their gradients); a bucket
 is reduced as soon as its last gradient is accumulated, asynchronously, and `finish()` waits for
 all of them and writes the averages back. Under gradient accumulation (pipeline microbatches),
-only the backward that runs with `sync=True` launches anything.
+only the backward that runs with `sync=True` launches anything. With a compressor
+(`runtime.compression`) the buckets are compressed and averaged in `finish()`, after backward:
+their collectives come in rounds whose sizes depend on the data.
 """
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -24,6 +28,27 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
+def write_grad(p: torch.nn.Parameter, value: torch.Tensor) -> None:
+    if p.grad is None:
+        p.grad = value.clone() if not hasattr(p, "to_local") else None
+    else:
+        local(p.grad).copy_(value)
+
+
+@dataclass
+class EmulatedLink:
+    """A slower link than the one at hand, for benchmarks (labelled emulated wherever reported):
+    a collective's result is usable only `latency + bytes / bandwidth` seconds after its launch."""
+
+    latency: float = 0.0
+    bandwidth: float = float("inf")  # bytes per second
+
+    def wait(self, launched: float, nbytes: int) -> None:
+        delay = launched + self.latency + nbytes / self.bandwidth - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+
+
 @dataclass
 class _Bucket:
     params: list[torch.nn.Parameter]
@@ -31,6 +56,7 @@ class _Bucket:
     flat: torch.Tensor | None = None
     work: object = None
     in_backward: bool = False  # launched from a gradient hook, i.e. overlapped with backward
+    launched: float = 0.0
 
 
 @dataclass
@@ -56,8 +82,10 @@ class GradSync:
         group: dist.ProcessGroup | None = None,
         bucket_bytes: int = BUCKET_BYTES,
         reduce: Callable[[torch.Tensor, dist.ProcessGroup | None], object] = all_reduce,
+        compressed: Any = None,
+        link: EmulatedLink | None = None,
     ) -> None:
-        self.group, self.reduce = group, reduce
+        self.group, self.reduce, self.compressed, self.link = group, reduce, compressed, link
         self.world = dist.get_world_size(group)
         self.sync = True
         self.stats = SyncStats()
@@ -78,7 +106,7 @@ class GradSync:
 
     def _hook(self, bucket: _Bucket) -> Callable[[torch.Tensor], None]:
         def ready(_: torch.Tensor) -> None:
-            if not self.sync:
+            if not self.sync or self.compressed is not None:
                 return
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
@@ -94,27 +122,43 @@ class GradSync:
         self.stats.bytes_sent += nbytes
         self.stats.collectives.append(("all_reduce", nbytes))
         bucket.work, bucket.in_backward = self.reduce(bucket.flat, self.group), in_backward
+        bucket.launched = time.perf_counter()
         self.stats.overlapped += in_backward
 
     @torch.no_grad()
     def finish(self) -> None:
         """Wait for every bucket (launching those whose gradients never all arrived, e.g. unused
         parameters, so every rank issues the same collectives) and write the averages back."""
+        if self.compressed is not None:
+            self._finish_compressed()
+            return
         for bucket in self.buckets:
             if bucket.work is None:
                 self._launch(bucket, in_backward=False)
         for bucket in self.buckets:
             bucket.work.wait()
-            offset = 0
-            for p in bucket.params:
-                n = local(p).numel()
-                avg = bucket.flat[offset : offset + n].view_as(local(p)) / self.world
-                if p.grad is None:
-                    p.grad = avg.clone() if not hasattr(p, "to_local") else None
-                else:
-                    local(p.grad).copy_(avg)
-                offset += n
+            if self.link is not None:
+                self.link.wait(bucket.launched, bucket.flat.numel() * bucket.flat.element_size())
+            sizes = [local(p).numel() for p in bucket.params]
+            for p, avg in zip(bucket.params, bucket.flat.split(sizes)):
+                write_grad(p, avg.view_as(local(p)) / self.world)
             bucket.ready, bucket.flat, bucket.work = 0, None, None
+
+    def _finish_compressed(self) -> None:
+        before = self.compressed.bytes_sent
+        for b, bucket in enumerate(self.buckets):  # keys name the same gradient on every rank
+            grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in bucket.params]
+            self.stats.bytes_raw += sum(g.numel() * g.element_size() for g in grads)
+            keys = [f"{b}.{i}" for i in range(len(grads))]
+            for p, avg in zip(bucket.params, self.compressed.average(grads, keys)):
+                write_grad(p, avg)
+        self.stats.bytes_sent += self.compressed.bytes_sent - before
+        self.stats.collectives += self.compressed.collectives
+        self.compressed.collectives = []
+        self.compressed.finish_step()
+
+    def after_step(self) -> None:
+        """After the optimizer's step (delayed averaging re-synchronises replicas there)."""
 
     def reset_stats(self) -> SyncStats:
         stats, self.stats = self.stats, SyncStats()

@@ -41,6 +41,43 @@ def check_batch(inputs: Any, plan: Any) -> None:
                            f"pass batches of {plan.batch}, or re-plan for this batch")
 
 
+def data_sync(params: list[nn.Parameter], group: dist.ProcessGroup, plan: Any) -> Any:
+    """The data-parallel synchroniser the plan's `dp_gradient` asks for: bucketed all-reduce,
+    through a compressor, or delayed averaging. `AUTOPAR_EMULATE_LINK="latency_s[,bytes_per_s]"`
+    makes its results wait as on a slower link (benchmarks; `EmulatedLink`)."""
+    import os
+
+    from runtime.grad_sync import EmulatedLink
+
+    gradient = plan.dp_gradient or {}
+    link = None
+    if os.environ.get("AUTOPAR_EMULATE_LINK"):
+        values = [float(v) for v in os.environ["AUTOPAR_EMULATE_LINK"].split(",")]
+        link = EmulatedLink(*values)
+    if gradient.get("delay"):
+        if gradient.get("compression"):
+            raise UnsupportedPlan("delayed averaging runs on dense gradients: use compression or delay, not both")
+        from runtime.delayed import DelayedSync
+
+        return DelayedSync(params, group, int(gradient["delay"]), link=link)
+    compressed = None
+    if gradient.get("compression"):
+        from runtime.compression import Compressed
+
+        compressed = Compressed(gradient["compression"], group)
+    return GradSync(params, group, compressed=compressed, link=link)
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, plan: Any) -> None:
+    """DGC's momentum correction is the momentum: an optimizer with its own would apply it twice."""
+    if str((plan.dp_gradient or {}).get("compression") or "").startswith("dgc") and any(
+            g.get("momentum", 0) for g in optimizer.param_groups):
+        from autopar.errors import AutoparError
+
+        raise AutoparError("DGC carries the momentum itself (momentum correction): build the optimizer without "
+                           "momentum and give DGC's as dgc:SPARSITY,momentum=0.9")
+
+
 def _split(batch: Any, parts: int, index: int) -> Any:
     """Slice `index` of `parts` along dim 0 of every tensor in `batch` (tuples and dicts kept)."""
     if isinstance(batch, torch.Tensor):
@@ -81,8 +118,9 @@ class ParallelModel:
 
             fully_shard(self.trained, mesh=mesh["dp"])
         elif self.dp > 1:
-            self.sync = GradSync(list(self.trained.parameters()), self.group)
+            self.sync = data_sync(list(self.trained.parameters()), self.group, plan)
         self.optimizer = optimizer(list(self.trained.parameters()))
+        check_optimizer(self.optimizer, plan)
         self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [0, 0]}
         self._issued: list[dict[str, Any]] = []
 
@@ -122,6 +160,8 @@ class ParallelModel:
             nbytes = sum(p.to_local().numel() * p.to_local().element_size() * self.dp for p in self.trained.parameters())
             self._bytes["dp"] = [nbytes * (2 * m + 1), nbytes * (2 * m + 1)]
         self.optimizer.step()
+        if self.sync is not None:
+            self.sync.after_step()
         dist.all_reduce(total)
         return float(total) / self.dp
 

@@ -29,7 +29,14 @@ from autopar.capture import _export
 from runtime.cross_mesh import batch_dims
 from runtime.fan_out import FanOutSchedule
 from runtime.grad_sync import GradSync, local
-from runtime.parallel import UnsupportedPlan, _split, check_batch, zero3
+from runtime.parallel import (
+    UnsupportedPlan,
+    _split,
+    check_batch,
+    check_optimizer,
+    data_sync,
+    zero3,
+)
 from runtime.sharded_graph import ShardedGraph, cut
 
 
@@ -151,11 +158,12 @@ class PipelineModel:
 
             fully_shard(self.module, mesh=g.dp_mesh)
         elif self.dp > 1:
-            self.sync = GradSync(list(self.module.parameters()), self.dp_group)
+            self.sync = data_sync(list(self.module.parameters()), self.dp_group, plan)
         stage.sync = self.sync  # buckets launch during the last microbatch's backward
         self.tied = self._tied_groups(g)
         self._offsets = g.offsets
         self.optimizer = optimizer(list(self.module.parameters()))
+        check_optimizer(self.optimizer, plan)
         self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [0, 0]}
         self.overlapped = 0  # gradient buckets of the last step launched during backward
 
@@ -220,6 +228,8 @@ class PipelineModel:
                 whole, grad.device_mesh, [Replicate()] * grad.device_mesh.ndim, run_check=False,
             ).redistribute(grad.device_mesh, grad.placements)
         self.optimizer.step()
+        if self.sync:
+            self.sync.after_step()
         total = torch.stack(losses).detach().double().sum() if losses else torch.zeros((), dtype=torch.float64)
         dist.all_reduce(total)
         dp, tp = self.plan.stages[-1].logical_mesh

@@ -1,0 +1,242 @@
+"""Compressed gradient averaging on the data-parallel axis: memory, communicator, and the spec
+strings users write (`compression="dgc:0.999"`).
+
+Three parts kept apart, as in GRACE: the compressor (`runtime.compressors`: encode/decode), the
+memory (error feedback: what was not sent is added to the next step's gradient; DGC's momentum
+correction), and the communicator (all-reduce for summable encodings, all-gather for the others,
+majority vote for signs). `Compressed.average` is what `GradSync` calls per bucket instead of its
+dense all-reduce, and reports the bytes it handed to collectives.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autopar.errors import AutoparError
+from runtime.compressors import (
+    QSGD,
+    DGCSelect,
+    Half,
+    OneBit,
+    PowerSGD,
+    RandomK,
+    SignSGD,
+    TernGrad,
+    Threshold,
+    TopK,
+)
+
+METHODS = ("fp16", "topk", "randk", "dgc", "powersgd", "onebit", "threshold", "terngrad", "qsgd", "signsgd")
+EXAMPLES = "fp16, topk:0.01, randk:0.01, dgc:0.999, powersgd:2, onebit, threshold:0.01, terngrad, qsgd:16, signsgd"
+
+
+# ---- memory ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class ErrorFeedback:
+    """Residuals per gradient: compensate(g) = g + e; after sending, e = compensated − sent."""
+
+    residual: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        e = self.residual.get(key)
+        return grad.clone() if e is None else grad + e
+
+    def update(self, key: str, compensated: torch.Tensor, sent: torch.Tensor) -> None:
+        self.residual[key] = compensated - sent
+
+
+@dataclass
+class NoMemory:
+    def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        return grad
+
+    def update(self, key: str, compensated: torch.Tensor, sent: torch.Tensor) -> None:
+        pass
+
+
+@dataclass
+class DGCMemory:
+    """DGC's memory: momentum correction (accumulate the velocity u = m·u + g into v, and send
+    from v), local gradient clipping (each rank clips its gradient's norm at clip/√N), and
+    momentum factor masking (u and v cleared where sent). At 0 % sparsity every coordinate is sent
+    every step, nothing is stale, and the masking is off: the result is momentum SGD exactly."""
+
+    momentum: float = 0.9
+    clip: float | None = None
+    ranks: int = 1
+    masking: bool = True
+    u: dict[str, torch.Tensor] = field(default_factory=dict)
+    v: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
+        if self.clip is not None:
+            bound = self.clip / math.sqrt(self.ranks)
+            grad = grad * min(1.0, bound / (float(grad.norm()) + 1e-12))
+        u = self.u[key] = self.momentum * self.u[key] + grad if key in self.u else grad.clone()
+        v = self.v[key] = self.v[key] + u if key in self.v else u.clone()
+        return v
+
+    def update(self, key: str, compensated: torch.Tensor, sent: torch.Tensor) -> None:
+        self.v[key] = compensated - sent  # zero where sent: the selected values travel exactly
+        if self.masking:
+            self.u[key] = torch.where(sent != 0, 0, self.u[key])
+
+
+# ---- the spec -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Spec:
+    method: str
+    arg: float | None
+    options: dict[str, float]
+    text: str
+
+
+def parse(text: str) -> Spec:
+    """`name[:value][,key=value...]`, e.g. "dgc:0.999,warmup=100", "topk:0.01,ef=0"."""
+    head, *rest = text.split(",")
+    name, _, arg = head.partition(":")
+    if name not in METHODS:
+        raise AutoparError(f"unknown compression {text!r}: use one of {EXAMPLES}")
+    try:
+        value = float(arg) if arg else None
+        options = {k: float(v) for k, v in (o.split("=", 1) for o in rest)}
+    except ValueError:
+        raise AutoparError(f"compression {text!r}: values must be numbers, as in dgc:0.999,warmup=100") from None
+    return Spec(name, value, options, text)
+
+
+def validate(text: str) -> None:
+    """Raise the clear error a bad spec deserves, before any process group exists."""
+    _compressor(parse(text), nccl=False)
+
+
+def _compressor(spec: Spec, nccl: bool) -> Any:
+    a, o = spec.arg, spec.options
+    if spec.method in ("topk", "randk") and not (a and 0 < a <= 1):
+        raise AutoparError(f"compression {spec.text!r}: give the fraction kept, e.g. {spec.method}:0.01")
+    if spec.method == "dgc" and not (a is not None and 0 <= a < 1):
+        raise AutoparError(f"compression {spec.text!r}: give the final sparsity in [0, 1), e.g. dgc:0.999")
+    if spec.method == "qsgd" and a is not None and not 1 <= a <= 127:
+        raise AutoparError(f"compression {spec.text!r}: levels must be 1 to 127 (they travel in int8)")
+    if spec.method == "powersgd" and a is not None and (a < 1 or a != int(a)):
+        raise AutoparError(f"compression {spec.text!r}: the rank must be a positive integer, e.g. powersgd:2")
+    if spec.method == "threshold" and not (a and a > 0):
+        raise AutoparError(f"compression {spec.text!r}: give the threshold τ, e.g. threshold:0.01")
+    return {
+        "fp16": lambda: Half(torch.bfloat16 if nccl else torch.float16),
+        "topk": lambda: TopK(a),
+        "randk": lambda: RandomK(a),
+        "dgc": lambda: DGCSelect(a, warmup=int(o.get("warmup", 0))),
+        "powersgd": lambda: PowerSGD(int(a or 2)),
+        "onebit": OneBit,
+        "threshold": lambda: Threshold(a),
+        "terngrad": TernGrad,
+        "qsgd": lambda: QSGD(int(a or 16)),
+        "signsgd": SignSGD,
+    }[spec.method]()
+
+
+# ---- the communicator -----------------------------------------------------------------------------
+
+
+class Compressed:
+    """Averages gradients over `group` through a compressor: `average(grads, keys)` returns the
+    averages (signSGD: the vote) and counts what this rank handed to collectives."""
+
+    def __init__(self, text: str, group: dist.ProcessGroup | None = None) -> None:
+        self.spec = parse(text)
+        self.group = group
+        self.n = dist.get_world_size(group)
+        self.compressor = _compressor(self.spec, dist.get_backend(group) == "nccl")
+        ef = self.spec.options.get("ef", 1.0 if self.compressor.error_feedback else 0.0)
+        if self.spec.method == "dgc":
+            self.memory: Any = DGCMemory(self.spec.options.get("momentum", 0.9), self.spec.options.get("clip"),
+                                         self.n, masking=self.spec.arg > 0)
+        else:
+            self.memory = ErrorFeedback() if ef else NoMemory()
+        self.step = 0
+        self.bytes_sent = 0
+        self.collectives: list[tuple[str, int]] = []
+
+    @property
+    def per_tensor(self) -> bool:
+        """Shape-aware methods see each gradient; the others a bucket's gradients end to end."""
+        return isinstance(self.compressor, (PowerSGD, OneBit))
+
+    def average(self, grads: list[torch.Tensor], keys: list[str]) -> list[torch.Tensor]:
+        if not self.per_tensor:
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            avg = self._one(flat, "|".join(keys[:1]) + f"+{len(keys)}").split([g.numel() for g in grads])
+            return [a.view_as(g) for a, g in zip(avg, grads)]
+        return [self._one(g, k) for g, k in zip(grads, keys)]
+
+    def _one(self, grad: torch.Tensor, key: str) -> torch.Tensor:
+        x = self.memory.compensate(key, grad)
+        c = self.compressor
+        if c.allreduce:
+            total, own = self._all_reduce_rounds(c.rounds(x, self.n, key, self.step))
+        else:
+            parts = c.compress(x, self.step)
+            gathered = self._all_gather(parts, dense_bytes=2 * x.numel() * x.element_size()
+                                        if getattr(c, "sparse", False) else None)
+            if gathered is None:  # the gathered volume would exceed a dense all-reduce: send it dense
+                total, own = x.clone(), x
+                self._collective("all_reduce", total)
+                dist.all_reduce(total, group=self.group)
+            else:
+                own = c.decompress(parts, x)
+                total = torch.stack([c.decompress(p, x) for p in gathered]).sum(0)
+                if getattr(c, "vote", False):
+                    return torch.sign(total)
+        self.memory.update(key, x, own)
+        return total / self.n
+
+    def _all_reduce_rounds(self, rounds: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        wire = next(rounds)
+        while True:
+            self._collective("all_reduce", wire)
+            dist.all_reduce(wire, group=self.group)
+            try:
+                wire = rounds.send(None)
+            except StopIteration as done:
+                return done.value
+
+    def _all_gather(self, parts: list[torch.Tensor], dense_bytes: int | None) -> list[list[torch.Tensor]] | None:
+        """Every rank's parts. Where their sizes may differ by rank, the sizes travel first (one
+        small gather) and the parts are padded to the longest. None when a sparse method's gathered
+        volume would reach `dense_bytes`, what a ring all-reduce moves (every rank sees the same
+        sizes, so all decide alike)."""
+        sizes = [torch.tensor([p.numel() for p in parts], dtype=torch.int64)] * self.n
+        if getattr(self.compressor, "variable", False):
+            mine, sizes = sizes[0], [torch.empty_like(sizes[0]) for _ in range(self.n)]
+            self._collective("all_gather", mine)
+            dist.all_gather(sizes, mine, group=self.group)
+        longest = torch.stack(sizes).max(0).values
+        if dense_bytes is not None and self.n * sum(int(k) * p.element_size() for k, p in zip(longest, parts)) >= dense_bytes:
+            return None
+        out: list[list[torch.Tensor]] = [[] for _ in range(self.n)]
+        for i, part in enumerate(parts):
+            padded = torch.nn.functional.pad(part.reshape(-1), (0, int(longest[i]) - part.numel()))
+            bufs = [torch.empty_like(padded) for _ in range(self.n)]
+            self._collective("all_gather", padded)
+            dist.all_gather(bufs, padded, group=self.group)
+            for r in range(self.n):
+                out[r].append(bufs[r][: int(sizes[r][i])])
+        return out
+
+    def _collective(self, kind: str, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        self.bytes_sent += nbytes
+        self.collectives.append((kind, nbytes))
+
+    def finish_step(self) -> None:
+        self.step += 1
