@@ -38,16 +38,17 @@ def parallelize(
 
     `plan`: None (search), a Plan, a path to plan JSON, or a layout "DP,TP,PP[,MB]". Every rank
     calls this with the same arguments; rank 0 plans and the others receive its plan.
-    `compression` ("dgc:0.999", "powersgd:2", ... see `runtime.compression`) and `delay` (delayed
-    gradient averaging, in steps) replace the plan's `dp_gradient` choices.
+    `compression` ("dgc:0.999", "powersgd:2", ... see `runtime.compression`; "auto": the planner
+    weighs a few) and `delay` (delayed gradient averaging, in steps) replace the plan's
+    `dp_gradient` choices; a searched or hand-written layout is planned with them priced in.
     """
     from runtime import default_backend, local_device
     from runtime.parallel import ParallelModel, UnsupportedPlan, zero3
 
-    if compression is not None:
-        from runtime.compression import validate
+    if compression not in (None, "auto"):
+        from cost_models.compression import parse
 
-        validate(compression)  # a misspelt method fails here, on every rank, before any process group
+        parse(compression)  # a misspelt method fails here, on every rank, before any process group
     if delay < 0:
         raise AutoparError(f"delay must be a number of steps ≥ 0, got {delay}")
     _init_process_group(default_backend())
@@ -63,7 +64,7 @@ def parallelize(
     chosen: list[Any] = [None]
     if rank == 0:
         try:
-            chosen = [_resolve(plan, model, args, batch, graph, cluster, (hosts, per_host))]
+            chosen = [_resolve(plan, model, args, batch, graph, cluster, (hosts, per_host), compression)]
         except AutoparError as exc:  # every rank reports it, none waits for a plan that never comes
             chosen = [exc]
     dist.broadcast_object_list(chosen, src=0)
@@ -73,9 +74,10 @@ def parallelize(
     resolved.check_graph(graph.fingerprint())
     if resolved.num_devices != world:
         raise AutoparError(f"the plan runs on {resolved.num_devices} devices, the job has {world} ranks")
-    if compression is not None or delay:  # the caller's choice overrides the plan's
-        resolved = dataclasses.replace(resolved, dp_gradient={**resolved.dp_gradient, "compression": compression,
-                                                              "delay": delay})
+    if compression not in (None, "auto") or delay:  # the caller's choice overrides the plan's
+        resolved = dataclasses.replace(resolved, dp_gradient={
+            **resolved.dp_gradient, "compression": resolved.dp_gradient.get("compression") if compression == "auto"
+            else compression, "delay": delay})
     if (resolved.dp_gradient.get("compression") or resolved.dp_gradient.get("delay")) and zero3(resolved):
         raise AutoparError("compression and delayed averaging work on replicated gradients; this plan shards them "
                            "over the data axis (ZeRO-3): use a plan without S(0) parameters")
@@ -90,7 +92,7 @@ def parallelize(
         raise AutoparError(str(exc)) from None
 
 
-def _resolve(plan, model, args, batch, graph, cluster, mesh) -> Plan:
+def _resolve(plan, model, args, batch, graph, cluster, mesh, compression) -> Plan:
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, Path) or (isinstance(plan, str) and plan.endswith(".json")):
@@ -105,12 +107,12 @@ def _resolve(plan, model, args, batch, graph, cluster, mesh) -> Plan:
     workload = Workload(type(model).__name__, model, args, batch)
     search = Search.start(workload, spec, mesh, graph=graph)
     from autopar.manual import Layout, manual_plan, manual_search
+    from autopar.planner import plan_auto, plan_compressed
 
     if plan is not None:
-        return manual_plan(manual_search(search), Layout.parse(str(plan)))
-    from autopar.planner import plan_auto
-
-    return plan_auto(search)
+        layout = Layout.parse(str(plan))
+        return plan_compressed(search, compression, lambda s: manual_plan(manual_search(s), layout))
+    return plan_compressed(search, compression, plan_auto)
 
 
 def _init_process_group(backend: str) -> None:

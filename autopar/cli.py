@@ -9,7 +9,8 @@ import json
 import os
 import sys
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from rich.console import Console
@@ -102,7 +103,7 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
     import time
 
     from autopar.manual import Layout, manual_plan, manual_search
-    from autopar.planner import plan_auto
+    from autopar.planner import plan_auto, plan_compressed
 
     start = time.perf_counter()
     bar, step = _progress(f"planning {args.model}")
@@ -113,9 +114,11 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
             raise AutoparError(f"--stages {args.stages}: {args.model} has {len(search.layers)} layers and the mesh "
                                f"{search.cluster.num_devices} devices; choose 1 to {min(len(search.layers), search.cluster.num_devices)}")
         if args.manual:
-            plan = manual_plan(manual_search(search), Layout.parse(args.manual, args.recompute))
+            layout = Layout.parse(args.manual, args.recompute)
+            plan = plan_compressed(search, args.compression, lambda s: manual_plan(manual_search(s), layout), step)
         else:
-            plan = plan_auto(search, stages=args.stages, progress=step)
+            plan = plan_compressed(search, args.compression, lambda s: plan_auto(s, stages=args.stages, progress=step),
+                                   step)
     elapsed = time.perf_counter() - start
     if args.out:
         plan.save(args.out)
@@ -138,7 +141,13 @@ def cmd_show(args: argparse.Namespace, out: Console) -> Any:
 
 
 def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
-    from autopar.manual import deepspeed_moe_plan, has_experts, layout_grid, manual_plan, manual_search
+    from autopar.manual import (
+        deepspeed_moe_plan,
+        has_experts,
+        layout_grid,
+        manual_plan,
+        manual_search,
+    )
     from autopar.planner import plan_auto
 
     bar, step = _progress(f"comparing layouts for {args.model}")
@@ -189,10 +198,13 @@ def cmd_train(args: argparse.Namespace, out: Console) -> Any:
     if args.nproc < 1 or args.steps < 1:
         raise AutoparError(f"--nproc and --steps must be positive, got {args.nproc} and {args.steps}")
     with Console(stderr=True).status(f"training {args.model} on {args.nproc} rank(s)"):
-        result = launch(args.model, args.nproc, args.plan, args.steps, args.batch, args.cluster)
+        result = launch(args.model, args.nproc, args.plan, args.steps, args.batch, args.cluster, args.compression,
+                        args.delay)
     if args.json:
         return result
-    table = Table(title=f"{args.model}, plan {result['plan']}, {args.nproc} rank(s), global batch {result['batch']}")
+    extra = (f", {result['compression']}" if result["compression"] else "") + (
+        f", averaging delayed {result['delay']} steps" if result["delay"] else "")
+    table = Table(title=f"{args.model}, plan {result['plan']}{extra}, {args.nproc} rank(s), global batch {result['batch']}")
     table.add_column("step", justify="right")
     table.add_column("loss", justify="right")
     for i, loss in enumerate(result["losses"]):
@@ -287,6 +299,9 @@ def _parser() -> argparse.ArgumentParser:
     planning(p)
     p.add_argument("--stages", type=int, help="exactly this many pipeline stages (default: searched)")
     p.add_argument("--manual", metavar="DP,TP,PP[,MB]", help="evaluate a hand-written Megatron-style layout")
+    p.add_argument("--compression", metavar="SPEC|auto",
+                   help="price the data axis's gradient averaging through a compressor (e.g. dgc:0.999, "
+                        "powersgd:4), or 'auto': weigh none, fp16, powersgd:4 and dgc:0.999 and keep the fastest")
     p.add_argument("--out", help="write the plan JSON here")
     p = command("show", cmd_show, "show a plan file: stages, meshes, shardings, prediction")
     p.add_argument("plan", help="plan JSON written by `autopar plan --out`")
@@ -296,6 +311,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("model", help="zoo name, or FILE.py:FUNCTION returning (model, inputs, loss_fn, make_batch)")
     p.add_argument("--nproc", type=int, required=True, help="processes (ranks) on this machine")
     p.add_argument("--plan", help="plan JSON, or a layout DP,TP,PP[,MB] (default: searched)")
+    p.add_argument("--compression", metavar="SPEC|auto", help="compress the data axis's gradients (e.g. dgc:0.999, "
+                   "powersgd:2, topk:0.01; 'auto': the planner weighs a few)")
+    p.add_argument("--delay", type=int, default=0, help="delayed gradient averaging: apply averages D steps late")
     p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     p.add_argument("--batch", type=int, help="global batch (default: the model's suite default)")
     p.add_argument("--cluster", help="cluster the search plans for (default cpu-local)")

@@ -21,8 +21,9 @@ import hashlib
 import logging
 import math
 import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import numpy as np
 from torch import fx
@@ -30,8 +31,23 @@ from torch import fx
 from autopar import letters as L
 from autopar.graph import OpGraph, OpNode
 from autopar.ilp import InfeasibleError, Problem, solve
-from autopar.placement import P, R, edge_time, redistribution, redistribution_time, shard, shard_dim
-from cost_models import ClusterSpec, Link, axis_link, collective_time, compute_time, model_state_memory
+from autopar.placement import (
+    P,
+    R,
+    edge_time,
+    redistribution,
+    redistribution_time,
+    shard,
+    shard_dim,
+)
+from cost_models import (
+    ClusterSpec,
+    Link,
+    axis_link,
+    collective_time,
+    compute_time,
+    model_state_memory,
+)
 
 log = logging.getLogger(__name__)
 
@@ -56,13 +72,18 @@ class Mesh:
 class Rule:
     """A layout convention as a constraint: which letters an anchor may split (None: replicated)."""
 
-    letters: Callable[[L.Signature, OpNode, set[str]], set[str | None]]  # (signature, op, its batch letters)
+    # (signature, op, its batch letters) -> the letters allowed; None: any
+    letters: Callable[[L.Signature, OpNode, set[str]], set[str | None]] | None
     zero: bool = True  # whether ZeRO-3 may be chosen on the data axis
     # ZeRO-2 along the tensor axis: a weight replicated on it, whose gradient it all-reduces (the
     # axis is data-parallel for that weight, as in DeepSpeed-MoE), keeps 1/tp of its gradient
     # and optimizer state; the all-reduce becomes reduce-scatter + all-gather, the same bytes.
     # The unconstrained search (no rule) always does this: it saves memory at no cost in time
     shard_states: bool = False
+
+
+# the free search with gradients replicated on the data axis, which compressors need
+REPLICATED_GRADIENTS = Rule(letters=None, zero=False, shard_states=True)
 
 
 @dataclass(frozen=True)
@@ -275,7 +296,7 @@ class _Stage:
                 if c in sizes and sizes[c] % n == 0 and sizes[c] >= n:
                     if any(c in o for o in sig.outputs) or sig.linear:
                         letters.append(c)
-        if rule is not None:
+        if rule is not None and rule.letters is not None:
             allowed = rule.letters(sig, self.graph.node(anchor), self._batch_letters(anchor))
             letters = [c for c in letters if c in allowed] or [None]
         has_params = anchor in self.owning_groups
@@ -744,6 +765,7 @@ def logical_meshes(submesh: tuple[int, int]) -> list[tuple[int, int]]:
 
 def best_sharding(graph: OpGraph, cluster: ClusterSpec, submesh: tuple[int, int], memory_limit: float | None = None,
                   time_limit_s: float = 30.0, progress: Callable[[tuple[int, int]], None] | None = None,
+                  rule: Rule | None = None,
                   ) -> tuple[StageSharding, list[StageSharding], dict[tuple[int, int], str]]:
     """Solve every logical mesh of the submesh; keep the fastest that fits (ties: more data parallelism).
 
@@ -753,7 +775,7 @@ def best_sharding(graph: OpGraph, cluster: ClusterSpec, submesh: tuple[int, int]
         if progress:
             progress(logical)
         try:
-            results.append(shard_stage(graph, cluster, submesh, logical, memory_limit, time_limit_s))
+            results.append(shard_stage(graph, cluster, submesh, logical, memory_limit, time_limit_s, rule))
         except InfeasibleError as exc:
             errors.append(exc)
             rejected[logical] = str(exc)

@@ -85,7 +85,7 @@ def manual_search(search: Search) -> Search:
     """The same graph and cluster with Megatron's sharding rule; layers are the model's modules."""
     atoms = search.graph.layer_list
     layers = [Layer(a.name, (i, i + 1), a.nodes, a.flops_fwd + a.flops_bwd) for i, a in enumerate(atoms)]
-    costs = StageCosts(search.graph, search.cluster, MEGATRON, search.costs.time_limit_s)
+    costs = StageCosts(search.graph, search.cluster, MEGATRON, search.costs.time_limit_s, search.costs.compression)
     return Search(search.workload, search.cluster, search.mesh, search.graph, layers, costs,
                   search.memory_limit, search.schedule)
 

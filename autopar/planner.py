@@ -2,23 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import numpy as np
 
 from autopar.capture import capture
 from autopar.errors import AutoparError
 from autopar.graph import OpGraph
-from autopar.inter_op import INF, microbatch_counts, stage_dp, submesh_shapes
 from autopar.ilp import InfeasibleError
-from autopar.intra_op import Rule, best_sharding, logical_meshes
+from autopar.inter_op import INF, microbatch_counts, stage_dp, submesh_shapes
+from autopar.intra_op import REPLICATED_GRADIENTS, Rule, best_sharding, logical_meshes
 from autopar.layering import Layer, cluster_layers
 from autopar.models import Workload
 from autopar.plan import Estimate, Plan, StagePlan
 from autopar.stage_costs import StageCosts, StageOption
 from autopar.units import human_bytes
 from cost_models import ClusterSpec
+from cost_models.compression import AUTO, parse
 from cost_models.memory import in_flight_microbatches
 from cost_models.simulator import StageTimes, simulate
 
@@ -50,12 +52,23 @@ class Search:
     @staticmethod
     def start(workload: Workload, cluster: ClusterSpec, mesh: tuple[int, int], *, memory_limit: float | None = None,
               schedule: str = "1f1b", rule: Rule | None = None, time_limit_s: float = 30.0,
-              graph: OpGraph | None = None) -> Search:
+              graph: OpGraph | None = None, compression: str | None = None) -> Search:
+        """`compression`: price the data axis's gradient averaging through this compressor (and keep
+        gradients replicated there, which compressors need: no ZeRO-3)."""
+        spec = parse(compression) if compression else None
+        if spec is not None:
+            rule = dataclasses.replace(rule, zero=False) if rule is not None else REPLICATED_GRADIENTS
         cluster = cluster.with_mesh(*mesh)
         graph = graph or capture(workload.model, workload.example_inputs)
         limit = cluster.device.memory_bytes * (1 - RESERVE) if memory_limit is None else memory_limit
         return Search(workload, cluster, mesh, graph, cluster_layers(graph),
-                      StageCosts(graph, cluster, rule, time_limit_s), limit, schedule)
+                      StageCosts(graph, cluster, rule, time_limit_s, spec), limit, schedule)
+
+    def compressed(self, compression: str | None) -> Search:
+        """The same search with the data axis priced through `compression` (None: dense)."""
+        return Search.start(self.workload, self.cluster, self.mesh, memory_limit=self.memory_limit,
+                            schedule=self.schedule, rule=self.costs.rule if self.costs.rule is not REPLICATED_GRADIENTS
+                            else None, time_limit_s=self.costs.time_limit_s, graph=self.graph, compression=compression)
 
     def atoms(self, i: int, j: int) -> tuple[int, int]:
         return self.layers[i].atoms[0], self.layers[j - 1].atoms[1]
@@ -150,21 +163,48 @@ def plan_auto(search: Search, *, stages: int | None = None, num_microbatches: in
     return best
 
 
+def plan_compressed(search: Search, compression: str | None, make: Callable[[Search], Plan],
+                    progress: Callable[[str], None] | None = None) -> Plan:
+    """`make(search)` with the data axis priced through `compression`; "auto" weighs none and each
+    of `cost_models.compression.AUTO` and keeps the fastest predicted plan (the choice is recorded
+    in `plan.search["compression"]`)."""
+    candidates = list(AUTO) if compression == "auto" else [compression]
+    plans = {}
+    for text in candidates:
+        if progress and len(candidates) > 1:
+            progress(f"compression {text or 'none'}")
+        plans[text] = make(search.compressed(text) if text else search)
+    best = min(plans.values(), key=lambda p: (not p.estimate.fits, p.estimate.step_time_s))
+    if len(plans) > 1:
+        best.search["compression"] = {text or "none": p.estimate.step_time_s for text, p in plans.items()}
+    return best
+
+
 def plan_single_stage(search: Search) -> Plan:
     """Every device in one stage, one microbatch: the whole graph's ILP on each logical mesh."""
+    costs, g = search.costs, search.graph
+    share = g.flops_fwd / (g.flops_fwd + g.flops_bwd) if g.flops_fwd + g.flops_bwd else 0.5
     try:
-        best, _, _ = best_sharding(search.graph, search.cluster, search.mesh, search.memory_limit,
-                                   search.costs.time_limit_s)
+        best, results, _ = best_sharding(search.graph, search.cluster, search.mesh, search.memory_limit,
+                                         costs.time_limit_s, rule=costs.rule)
     except InfeasibleError as exc:
         raise InfeasibleError(f"{search.workload.name} (batch {search.workload.batch}) {exc}", exc.least_memory) from None
-    g, c = search.graph, best.cost
-    share = g.flops_fwd / (g.flops_fwd + g.flops_bwd) if g.flops_fwd + g.flops_bwd else 0.5
+
+    def compressed(r) -> float:  # what a compressor adds to (or saves from) the data axis, after backward
+        if costs.compression is None or r.logical_mesh[0] == 1:
+            return 0.0
+        backward = r.cost["compute_s"] * (1 - share) + (r.cost["comm_s"] + r.cost["reshard_s"]) / 2
+        return backward + costs.compressed_per_byte(search.mesh, r.logical_mesh) * r.cost["trainable_bytes"]
+
+    if costs.compression is not None:
+        best = min(results, key=lambda r: (float(f"{r.time + compressed(r):.6g}"), -r.logical_mesh[0]))
+    c = best.cost
     comm = c["comm_s"] + c["reshard_s"]
     stage = StagePlan(
         layers=(0, len(search.layers)), submesh=search.mesh, logical_mesh=best.logical_mesh, params=best.params,
         ops=best.ops, needs=best.needs, cost={"forward_s": c["compute_s"] * share + comm / 2,
                             "backward_s": c["compute_s"] * (1 - share) + comm / 2, "send_s": 0.0,
-                            "grad_sync_s": c["grad_sync_s"], "state_bytes": best.memory["model_states"],
+                            "grad_sync_s": c["grad_sync_s"] + compressed(best), "state_bytes": best.memory["model_states"],
                             "activation_bytes_per_microbatch": best.memory["activations"]})
     c = stage.cost
     sim = simulate([StageTimes(c["forward_s"], c["backward_s"], 0.0, c["grad_sync_s"], c["state_bytes"],
@@ -227,5 +267,6 @@ def _plan(search: Search, stages: list[StagePlan], sim, m: int, name: str, info:
         cluster=search.cluster.name, mesh=search.mesh,
         layers=[{"name": layer.name, "nodes": list(layer.nodes)} for layer in search.layers],
         stages=stages, num_microbatches=m, schedule=search.schedule,
-        dp_gradient={"zero_stage": 3 if zero else 0, "compression": None, "delay": 0},
+        dp_gradient={"zero_stage": 3 if zero else 0,
+                     "compression": search.costs.compression.text if search.costs.compression else None, "delay": 0},
         estimate=estimate, search={"method": name, **info}, name=name)

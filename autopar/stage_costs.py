@@ -14,15 +14,25 @@ step. Recomputation keeps only each stage's input per microbatch and pays the fo
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from autopar.graph import OpGraph
 from autopar.ilp import InfeasibleError
+from autopar.intra_op import (
+    BUCKET_BYTES,
+    Rule,
+    StageSharding,
+    buckets,
+    layer_hash,
+    logical_meshes,
+    shard_stage,
+)
 from autopar.layering import cut_bytes
-from autopar.intra_op import BUCKET_BYTES, Rule, StageSharding, buckets, layer_hash, logical_meshes, shard_stage
-from cost_models import ClusterSpec, Link, p2p_time
+from cost_models import ClusterSpec, Link, axis_link, p2p_time
+from cost_models.compression import Spec, dense_time, sync_time
 
 
 @dataclass(frozen=True)
@@ -56,6 +66,7 @@ class StageCosts:
     cluster: ClusterSpec
     rule: Rule | None = None
     time_limit_s: float = 30.0
+    compression: Spec | None = None  # prices the data axis's gradient averaging through it
     solves: int = 0
     hits: int = 0
     _cache: dict = field(default_factory=dict)
@@ -69,6 +80,23 @@ class StageCosts:
         self.cut = cut_bytes(self.graph, self.atoms)  # bytes crossing the boundary after atom k
         self._batch = next(n for n in self.graph if n.op == "input").outputs[0].shape[0]
         self.flops = [(a.flops_fwd, a.flops_bwd) for a in self.atoms]
+        self._per_byte: dict = {}
+
+    def compressed_per_byte(self, submesh: tuple[int, int], lm: tuple[int, int]) -> float:
+        """Seconds a compressor adds (or, negative, saves) per trainable byte of a stage's data-axis
+        gradient averaging on this mesh: the model's parameter shapes set the ratio. The runtime
+        compresses after the last backward (its rounds depend on the data), so the callers also
+        start the synchronisation there rather than overlapping it with that backward."""
+        if self.compression is None or lm[0] == 1:
+            return 0.0
+        key = (submesh, lm)
+        if key not in self._per_byte:
+            shapes = [tuple(self.graph.params[f].shape) for f in sorted(self.graph.trainable)]
+            link = axis_link(self.cluster, lm, 0, submesh)
+            extra = (sync_time(self.compression, shapes, lm[0], link, self.cluster.device)
+                     - dense_time(shapes, lm[0], link))
+            self._per_byte[key] = extra / max(1, 4 * sum(math.prod(s) for s in shapes))
+        return self._per_byte[key]
 
     def atom(self, k: int, submesh: tuple[int, int], logical: tuple[int, int], lean: bool) -> StageSharding | None:
         key = (self.hashes[k], submesh, logical, lean)
@@ -145,6 +173,8 @@ class StageCosts:
             n_buckets = np.where(trainable > 0, np.maximum(1, np.ceil(trainable / BUCKET_BYTES)), 0)
             sync = sync + np.where(trainable > 0, weighted / np.where(trainable > 0, trainable, 1) * n_buckets, 0)
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m
+        if self.compression is not None and lm[0] > 1:  # compressed after backward, not during it
+            sync = bwd + sync + self.compressed_per_byte(submesh, lm) * trainable
         transient = np.zeros_like(acts)
         if rc:
             bwd = bwd + fwd
@@ -187,6 +217,8 @@ class StageCosts:
         if trainable:  # one bucket latency per 25 MB of the stage's weights (byte-weighted over its atoms)
             sync += weighted_latency / trainable * buckets(trainable)
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m
+        if self.compression is not None and lm[0] > 1:  # compressed after backward, not during it
+            sync = bwd + sync + self.compressed_per_byte(submesh, lm) * trainable
         transient = 0.0
         if rc:  # keep only the stage input per microbatch; recompute the forward before backward
             bwd += fwd

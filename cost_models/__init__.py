@@ -4,7 +4,13 @@ of sizes and a `ClusterSpec`."""
 from cost_models.cluster import ClusterSpec, DeviceSpec, Link
 from cost_models.comm import Collective, axis_link, collective_time, p2p_link, p2p_time
 from cost_models.compute import compute_time
-from cost_models.memory import MemoryBreakdown, fits, in_flight_microbatches, model_state_memory, training_memory
+from cost_models.memory import (
+    MemoryBreakdown,
+    fits,
+    in_flight_microbatches,
+    model_state_memory,
+    training_memory,
+)
 from cost_models.presets import PRESETS, calibration_file, get_cluster
 
 __all__ = [

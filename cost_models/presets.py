@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from autopar.errors import ClusterSpecError
-from cost_models.cluster import GB, GiB, ClusterSpec, DeviceSpec, Link
+from cost_models.cluster import GB, ClusterSpec, DeviceSpec, GiB, Link
 
 V100 = DeviceSpec(
     name="V100-SXM2-16GB",

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.errors import AutoparError
+from cost_models.compression import Spec, parse
 from runtime.compressors import (
     QSGD,
     DGCSelect,
@@ -30,10 +30,6 @@ from runtime.compressors import (
     Threshold,
     TopK,
 )
-
-METHODS = ("fp16", "topk", "randk", "dgc", "powersgd", "onebit", "threshold", "terngrad", "qsgd", "signsgd")
-EXAMPLES = "fp16, topk:0.01, randk:0.01, dgc:0.999, powersgd:2, onebit, threshold:0.01, terngrad, qsgd:16, signsgd"
-
 
 # ---- memory ---------------------------------------------------------------------------------------
 
@@ -89,48 +85,8 @@ class DGCMemory:
             self.u[key] = torch.where(sent != 0, 0, self.u[key])
 
 
-# ---- the spec -------------------------------------------------------------------------------------
-
-
-@dataclass
-class Spec:
-    method: str
-    arg: float | None
-    options: dict[str, float]
-    text: str
-
-
-def parse(text: str) -> Spec:
-    """`name[:value][,key=value...]`, e.g. "dgc:0.999,warmup=100", "topk:0.01,ef=0"."""
-    head, *rest = text.split(",")
-    name, _, arg = head.partition(":")
-    if name not in METHODS:
-        raise AutoparError(f"unknown compression {text!r}: use one of {EXAMPLES}")
-    try:
-        value = float(arg) if arg else None
-        options = {k: float(v) for k, v in (o.split("=", 1) for o in rest)}
-    except ValueError:
-        raise AutoparError(f"compression {text!r}: values must be numbers, as in dgc:0.999,warmup=100") from None
-    return Spec(name, value, options, text)
-
-
-def validate(text: str) -> None:
-    """Raise the clear error a bad spec deserves, before any process group exists."""
-    _compressor(parse(text), nccl=False)
-
-
 def _compressor(spec: Spec, nccl: bool) -> Any:
     a, o = spec.arg, spec.options
-    if spec.method in ("topk", "randk") and not (a and 0 < a <= 1):
-        raise AutoparError(f"compression {spec.text!r}: give the fraction kept, e.g. {spec.method}:0.01")
-    if spec.method == "dgc" and not (a is not None and 0 <= a < 1):
-        raise AutoparError(f"compression {spec.text!r}: give the final sparsity in [0, 1), e.g. dgc:0.999")
-    if spec.method == "qsgd" and a is not None and not 1 <= a <= 127:
-        raise AutoparError(f"compression {spec.text!r}: levels must be 1 to 127 (they travel in int8)")
-    if spec.method == "powersgd" and a is not None and (a < 1 or a != int(a)):
-        raise AutoparError(f"compression {spec.text!r}: the rank must be a positive integer, e.g. powersgd:2")
-    if spec.method == "threshold" and not (a and a > 0):
-        raise AutoparError(f"compression {spec.text!r}: give the threshold τ, e.g. threshold:0.01")
     return {
         "fp16": lambda: Half(torch.bfloat16 if nccl else torch.float16),
         "topk": lambda: TopK(a),

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar import AutoparError
-from runtime.compression import DGCMemory, ErrorFeedback, parse, validate
+from cost_models.compression import parse, wire
+from runtime.compression import DGCMemory, ErrorFeedback
 from runtime.compressors import QSGD, DGCSelect, OneBit, TernGrad, Threshold, TopK, pack, unpack
 from tests.distributed import run_ranks
 from tests.test_parallelize import _assert_same_training, _single
@@ -96,7 +97,7 @@ def test_dgc_momentum_correction_accumulates_velocity_and_masks_what_was_sent():
 ])
 def test_bad_compression_specs_are_one_clear_message(spec, message):
     with pytest.raises(AutoparError, match=message.replace("(", r"\(").replace("[", r"\[").replace(")", r"\)")):
-        validate(spec)
+        parse(spec)
 
 
 def test_specs_parse():
@@ -155,6 +156,8 @@ def test_bytes_on_the_wire_match_the_formulas(tmp_path, world):
         "qsgd:16": n + 4,  # int8 per element, one fp32 norm
         "signsgd": n // 8,
     }
+    for text, nbytes in expected.items():  # the planner prices what the runtime sends
+        assert wire(parse(text), (rows, cols), world)[1] == nbytes
     ranks = run_ranks(_wire, world, tmp_path)
     for got in ranks:
         assert {k: got[k] for k in expected} == expected

@@ -1,0 +1,118 @@
+"""What gradient compression costs on the data axis: the spec users write ("dgc:0.999"), the bytes
+each method hands to collectives for a gradient of a given shape (the runtime's counters are
+tested against these), and the time of a compressed synchronisation including the compressor's
+own work.
+
+The compressor's work is priced as passes over the fp32 gradient at memory bandwidth (plus
+PowerSGD's two thin matmuls); gather-based methods also decode every rank's part. Threshold
+quantisation sends as many values as exceed τ, which the data decides: it cannot be priced ahead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autopar.errors import AutoparError
+from cost_models.cluster import DeviceSpec, Link
+from cost_models.comm import all_gather_time, all_reduce_time
+
+METHODS = ("fp16", "topk", "randk", "dgc", "powersgd", "onebit", "threshold", "terngrad", "qsgd", "signsgd")
+EXAMPLES = "fp16, topk:0.01, randk:0.01, dgc:0.999, powersgd:2, onebit, threshold:0.01, terngrad, qsgd:16, signsgd"
+# the methods `--compression auto` weighs: those published without loss of accuracy at these settings
+AUTO = (None, "fp16", "powersgd:4", "dgc:0.999")
+# passes over the gradient the compressor makes (encode, error feedback), before decoding
+_PASSES = {"fp16": 2, "randk": 2, "powersgd": 3, "topk": 4, "dgc": 4, "onebit": 4, "terngrad": 3, "qsgd": 3,
+           "signsgd": 2}
+
+
+@dataclass
+class Spec:
+    method: str
+    arg: float | None
+    options: dict[str, float]
+    text: str
+
+
+def parse(text: str) -> Spec:
+    """`name[:value][,key=value...]`, e.g. "dgc:0.999,warmup=100", "topk:0.01,ef=0"."""
+    head, *rest = text.split(",")
+    name, _, arg = head.partition(":")
+    if name not in METHODS:
+        raise AutoparError(f"unknown compression {text!r}: use one of {EXAMPLES}")
+    try:
+        value = float(arg) if arg else None
+        options = {k: float(v) for k, v in (o.split("=", 1) for o in rest)}
+    except ValueError:
+        raise AutoparError(f"compression {text!r}: values must be numbers, as in dgc:0.999,warmup=100") from None
+    a = value
+    if name in ("topk", "randk") and not (a and 0 < a <= 1):
+        raise AutoparError(f"compression {text!r}: give the fraction kept, e.g. {name}:0.01")
+    if name == "dgc" and not (a is not None and 0 <= a < 1):
+        raise AutoparError(f"compression {text!r}: give the final sparsity in [0, 1), e.g. dgc:0.999")
+    if name == "qsgd" and a is not None and not 1 <= a <= 127:
+        raise AutoparError(f"compression {text!r}: levels must be 1 to 127 (they travel in int8)")
+    if name == "powersgd" and a is not None and (a < 1 or a != int(a)):
+        raise AutoparError(f"compression {text!r}: the rank must be a positive integer, e.g. powersgd:2")
+    if name == "threshold" and not (a and a > 0):
+        raise AutoparError(f"compression {text!r}: give the threshold τ, e.g. threshold:0.01")
+    return Spec(name, value, options, text)
+
+
+def wire(spec: Spec, shape: tuple[int, ...], ranks: int) -> tuple[str, int]:
+    """(collective, bytes this rank hands to it per step) for one fp32 gradient of `shape`, as
+    `runtime.compression` sends it: the sparse methods fall back to a dense all-reduce when
+    gathering would move more."""
+    n = math.prod(shape)
+    a = spec.arg
+    if spec.method == "fp16":
+        return "all_reduce", 2 * n
+    if spec.method == "randk":
+        return "all_reduce", 4 * math.ceil(a * n)
+    if spec.method == "powersgd":
+        if len(shape) < 2:
+            return "all_reduce", 4 * n
+        rows, cols = shape[0], n // shape[0]
+        return "all_reduce", 4 * min(int(a or 2), rows, cols) * (rows + cols)
+    if spec.method in ("topk", "dgc"):
+        kept = math.ceil((a if spec.method == "topk" else 1 - a) * n)
+        header = 16 if spec.method == "dgc" else 0  # its sizes travel first: two int64
+        if ranks * 8 * kept >= 2 * 4 * n:
+            return "all_reduce", 4 * n + header
+        return "all_gather", 8 * kept + header
+    if spec.method == "onebit":
+        cols = n // shape[0] if len(shape) > 1 else 1
+        return "all_gather", math.ceil(n / 8) + 8 * cols
+    if spec.method == "terngrad":
+        return "all_gather", math.ceil(n / 4) + 4
+    if spec.method == "qsgd":
+        return "all_gather", n + 4
+    if spec.method == "signsgd":
+        return "all_gather", math.ceil(n / 8)
+    raise AutoparError(f"compression {spec.text!r} sends what the data decides: it cannot be priced ahead; "
+                       f"plan with one of {', '.join(t for t in AUTO if t)}")
+
+
+def sync_time(spec: Spec, shapes: list[tuple[int, ...]], ranks: int, link: Link, device: DeviceSpec) -> float:
+    """Seconds to average gradients of these shapes over `ranks` through the compressor
+    (bandwidth and the compressor's work; per-message latency is priced per bucket elsewhere)."""
+    total = 0.0
+    for shape in shapes:
+        n = math.prod(shape)
+        kind, nbytes = wire(spec, shape, ranks)
+        if kind == "all_reduce":
+            total += all_reduce_time(nbytes, ranks, _bandwidth(link))
+        else:
+            total += all_gather_time(ranks * nbytes, ranks, _bandwidth(link)) + ranks * 4 * n / device.memory_bandwidth
+        total += _PASSES[spec.method] * 4 * n / device.memory_bandwidth
+        if spec.method == "powersgd" and len(shape) > 1:
+            total += 4 * n * int(spec.arg or 2) / (device.flops_for("float32") * device.efficiency)
+    return total
+
+
+def dense_time(shapes: list[tuple[int, ...]], ranks: int, link: Link) -> float:
+    return all_reduce_time(4 * sum(math.prod(s) for s in shapes), ranks, _bandwidth(link))
+
+
+def _bandwidth(link: Link) -> Link:
+    return Link(bandwidth=link.bandwidth, latency=0.0)
