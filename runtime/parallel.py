@@ -9,6 +9,7 @@ exported graph with the plan's placements (`runtime.sharded_graph`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.capture import _export
+from runtime.comm_count import CollectiveBytes
 from runtime.grad_sync import GradSync
 from runtime.sharded_graph import ShardedGraph
 
@@ -133,6 +135,28 @@ class ParallelModel:
         micro_target = [_split(local_target, m, i) for i in range(m)]
         total = torch.zeros((), dtype=torch.float64)
         self.optimizer.zero_grad(set_to_none=True)
+        counter = CollectiveBytes() if self.graph is not None else contextlib.nullcontext()
+        with counter:  # the tensor axis's collectives, issued by DTensor
+            self._microbatches(micro_in, micro_target, total)
+        if self.graph is not None:
+            self._bytes["tp"] = [counter.nbytes, counter.nbytes]
+        if self.sync is not None:
+            self.sync.finish()
+            stats = self.sync.reset_stats()
+            self._bytes["dp"] = [stats.bytes_raw, stats.bytes_sent]
+            self._issued = [{"axis": "dp", "kind": kind, "bytes": nbytes} for kind, nbytes in stats.collectives]
+        elif zero3(self.plan) and self.dp > 1:  # FSDP2: reduce-scatter of each gradient, all-gather of each parameter, per microbatch
+            nbytes = sum(p.to_local().numel() * p.to_local().element_size() * self.dp for p in self.trained.parameters())
+            self._bytes["dp"] = [nbytes * (2 * m + 1), nbytes * (2 * m + 1)]
+        self.optimizer.step()
+        if self.sync is not None:
+            self.sync.after_step()
+        dist.all_reduce(total)
+        return float(total) / self.dp
+
+    def _microbatches(self, micro_in: list, micro_target: list, total: torch.Tensor) -> None:
+        """Forward and backward of every microbatch (the synchroniser launches with the last)."""
+        m = len(micro_in)
         for i in range(m):
             last = i == m - 1
             if self.sync is not None:
@@ -151,19 +175,6 @@ class ParallelModel:
                 reported = loss / self.tp
             loss.backward()
             total += reported.detach().double().cpu()
-        if self.sync is not None:
-            self.sync.finish()
-            stats = self.sync.reset_stats()
-            self._bytes["dp"] = [stats.bytes_raw, stats.bytes_sent]
-            self._issued = [{"axis": "dp", "kind": kind, "bytes": nbytes} for kind, nbytes in stats.collectives]
-        elif zero3(self.plan) and self.dp > 1:  # FSDP2: reduce-scatter of each gradient, all-gather of each parameter, per microbatch
-            nbytes = sum(p.to_local().numel() * p.to_local().element_size() * self.dp for p in self.trained.parameters())
-            self._bytes["dp"] = [nbytes * (2 * m + 1), nbytes * (2 * m + 1)]
-        self.optimizer.step()
-        if self.sync is not None:
-            self.sync.after_step()
-        dist.all_reduce(total)
-        return float(total) / self.dp
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters, as single-process training would hold them."""

@@ -15,6 +15,7 @@ gradients, as Megatron-LM does.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable
 from typing import Any
@@ -26,6 +27,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor, Replicate
 
 from autopar.capture import _export
+from runtime.comm_count import CollectiveBytes
 from runtime.cross_mesh import batch_dims
 from runtime.fan_out import FanOutSchedule
 from runtime.grad_sync import GradSync, local
@@ -145,9 +147,11 @@ class PipelineModel:
         loss_m = lambda out, target: loss_fn(out, target) / self.m
         inputs = like(part.inputs, self.stage_index > 0, g.bridged_before)
         outputs = like(part.outputs, True, g.bridged_after)
+        peers = (1, 1)  # ranks this one sends activations to, and input gradients to
         if g.pp_group is None:  # stages of different sizes: a rank may send to several
             stage = FanOutSchedule(self.module, self.stage_index, g.sizes, self.m, loss_m, plan.schedule, inputs, outputs)
             self.schedule = stage
+            peers = (len(stage.peers.act_to), len(stage.peers.grad_to))
         else:
             stage = SyncingStage(self.module, self.stage_index, self.pp, device, input_args=inputs,
                                  output_args=outputs, group=self.pp_group)
@@ -164,7 +168,10 @@ class PipelineModel:
         self._offsets = g.offsets
         self.optimizer = optimizer(list(self.module.parameters()))
         check_optimizer(self.optimizer, plan)
-        self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [0, 0]}
+        nbytes = [sum(t.numel() * t.element_size() for t in ts if t.is_floating_point() or not grad)
+                  for ts, grad in ((outputs, False), (inputs, True))]
+        pp = self.m * ((self.stage_index < self.pp - 1) * peers[0] * nbytes[0] + (self.stage_index > 0) * peers[1] * nbytes[1])
+        self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [pp, pp]}  # pp: activations out, their gradients back
         self.overlapped = 0  # gradient buckets of the last step launched during backward
 
     def _tied_groups(self, g: _Groups) -> list[tuple[nn.Parameter, dist.ProcessGroup, int | None]]:
@@ -203,12 +210,16 @@ class PipelineModel:
         first, last = self.stage_index == 0, self.stage_index == self.pp - 1
         if first and last:
             raise UnsupportedPlan("a one-stage plan runs without the pipeline")
-        if first:
-            self.schedule.step(*args)
-        elif last:
-            self.schedule.step(target=local_target, losses=losses)
-        else:
-            self.schedule.step()
+        counter = CollectiveBytes() if self.tp > 1 else contextlib.nullcontext()
+        with counter:  # the tensor axis's collectives, issued by DTensor
+            if first:
+                self.schedule.step(*args)
+            elif last:
+                self.schedule.step(target=local_target, losses=losses)
+            else:
+                self.schedule.step()
+        if self.tp > 1:
+            self._bytes["tp"] = [counter.nbytes, counter.nbytes]
         if self.sync:  # before the tied sum: finish() writes the averages back
             self.sync.finish()
             stats = self.sync.reset_stats()

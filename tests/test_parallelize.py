@@ -114,7 +114,7 @@ def _pipelined(rank, world, name, layout):
                              plan=layout)
     losses = [pm.step(inputs, target) for inputs, target in batches]
     overlapped = getattr(pm, "overlapped", None)
-    return losses, pm.full_state_dict(), (overlapped, pm.sync is not None and len(pm.sync.buckets))
+    return losses, pm.full_state_dict(), (overlapped, pm.sync is not None and len(pm.sync.buckets), pm.comm_stats())
 
 
 @pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny", "hf-gpt2"])  # moe-tiny: below (1 MoE block)
@@ -122,10 +122,12 @@ def _pipelined(rank, world, name, layout):
 def test_pipeline_training_equals_single_process(tmp_path, name, layout):
     losses, params = _single(name)
     world = 2 if layout == "1,1,2,4" else 4
-    for got_losses, got_params, (overlapped, buckets) in run_ranks(_pipelined, world, tmp_path, name, layout):
+    for got_losses, got_params, (overlapped, buckets, stats) in run_ranks(_pipelined, world, tmp_path, name, layout):
         if layout.startswith("2,"):  # every gradient bucket launched while the last backward ran
             assert overlapped == buckets >= 1
         _assert_same_training(got_losses, got_params, losses, params)
+        # the pipeline axis carries activations and their gradients; the tensor axis only under TP×PP
+        assert stats["pp"]["bytes_raw"] > 0 and (stats["tp"]["bytes_raw"] > 0) == (layout == "1,2,2,2")
 
 
 def _two_stages(rank, world, name):
@@ -273,8 +275,9 @@ def test_a_data_parallel_step_issues_what_the_plan_predicts(tmp_path, name):
 def test_tensor_parallel_training_equals_single_process(tmp_path, name, layout):
     losses, params = _single(name)
     world = 2 if layout.startswith("1,") else 4
-    for got_losses, got_params, _ in run_ranks(_pipelined, world, tmp_path, name, layout):
+    for got_losses, got_params, (_, _, stats) in run_ranks(_pipelined, world, tmp_path, name, layout):
         _assert_same_training(got_losses, got_params, losses, params)
+        assert stats["tp"]["bytes_raw"] > 0
 
 
 _FUNCOL = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
@@ -292,7 +295,7 @@ def _tp_collectives(rank, world, name):
         pm.step(*batches[0])
     counts = {str(op): n for op, n in mode.get_comm_counts().items()}
     issued = {_FUNCOL[k.split(".")[-1]]: n for k, n in counts.items() if k.startswith("c10d_functional.")}
-    return issued, sorted(pm.graph.unplanned)
+    return issued, sorted(pm.graph.unplanned), pm.comm_stats()
 
 
 @pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny", "hf-gpt2"])
@@ -307,6 +310,10 @@ def test_a_tensor_parallel_step_issues_what_the_plan_predicts(tmp_path, name):
     predicted = shard_stage(autopar.capture(w.model, w.example_inputs), get_cluster("cpu-local").with_mesh(1, 2),
                             (1, 2), (1, 2), rule=MEGATRON).collectives
     expected = Counter(c["kind"] for c in predicted if c["axis"] == "tp")
-    for issued, unplanned in run_ranks(_tp_collectives, 2, tmp_path, name):
+    for issued, unplanned, stats in run_ranks(_tp_collectives, 2, tmp_path, name):
         assert unplanned == []  # every op's output landed where the plan put it
         assert issued == dict(expected)  # no hidden gathers, no missing reductions
+        # the bytes handed to them are the planned ones (an all-gather is handed its shard; the plan counts the whole)
+        assert stats["tp"]["bytes_raw"] == sum(c["bytes"] / (2 if c["kind"] == "all_gather" else 1)
+                                               for c in predicted if c["axis"] == "tp")
+        assert stats["dp"]["bytes_raw"] == stats["pp"]["bytes_raw"] == 0
