@@ -221,3 +221,30 @@ def test_train_on_two_ranks_follows_the_one_rank_losses(capsys):
     assert tp["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert main(["train", "gpt-tiny", "--nproc", "2", "--plan", "1,4,1", "--steps", "1"]) == 2
     assert "dp × tp × pp = 4, the mesh has 2 devices" in capsys.readouterr().err
+
+
+def test_plan_compression_auto_compresses_only_over_slow_links(capsys, tmp_path):
+    """On NVLink/InfiniBand (a100-dgx) dense averaging hides under backward: no compressor. With the
+    same hosts joined by 1 Gb/s, the data axis crosses hosts through a compressor."""
+    from cost_models import get_cluster
+
+    slow = get_cluster("a100-dgx").to_dict()
+    slow.update(name="a100-1gbe", description="A100 hosts joined by 1 Gb/s Ethernet")
+    slow["inter_host"]["bandwidth"] = 125e6
+    path = tmp_path / "a100-1gbe.json"
+    path.write_text(json.dumps(slow))
+    fast_plan = run_json(capsys, "plan", "gpt-small", "--cluster", "a100-dgx", "--mesh", "2x1", "--compression", "auto")
+    slow_plan = run_json(capsys, "plan", "gpt-small", "--cluster", str(path), "--mesh", "2x1", "--compression", "auto")
+    assert fast_plan["dp_gradient"]["compression"] is None
+    assert slow_plan["dp_gradient"]["compression"] is not None
+    assert slow_plan["stages"][0]["logical_mesh"][0] == 2  # the data axis crosses the slow link
+    weighed = slow_plan["search"]["compression"]
+    assert set(weighed) == {"none", "fp16", "powersgd:4", "dgc:0.999"}
+    assert weighed[slow_plan["dp_gradient"]["compression"]] < weighed["none"] / 1.5
+
+
+def test_train_with_a_compressor_reports_compressed_bytes(capsys):
+    result = run_json(capsys, "train", "mlp-tiny", "--nproc", "2", "--plan", "2,1,1", "--steps", "2",
+                      "--compression", "powersgd:2")
+    assert result["compression"] == "powersgd:2"
+    assert 0 < result["comm"]["dp"]["bytes_sent"] < result["comm"]["dp"]["bytes_raw"] / 4
