@@ -5,7 +5,8 @@ own work.
 
 The compressor's work is priced as passes over the fp32 gradient at memory bandwidth (plus
 PowerSGD's two thin matmuls); gather-based methods also decode every rank's part. Threshold
-quantisation sends as many values as exceed τ, which the data decides: it cannot be priced ahead.
+quantisation sends as many values as exceed τ, which the data decides: it is priced as a dense
+all-reduce (its worst case short of the fallback).
 """
 
 from __future__ import annotations
@@ -89,13 +90,14 @@ def wire(spec: Spec, shape: tuple[int, ...], ranks: int) -> tuple[str, int]:
         return "all_gather", n + 4
     if spec.method == "signsgd":
         return "all_gather", math.ceil(n / 8)
-    raise AutoparError(f"compression {spec.text!r} sends what the data decides: it cannot be priced ahead; "
-                       f"plan with one of {', '.join(t for t in AUTO if t)}")
+    raise ValueError(f"compression {spec.text!r} sends what the data decides: no formula gives its bytes")
 
 
 def sync_time(spec: Spec, shapes: list[tuple[int, ...]], ranks: int, link: Link, device: DeviceSpec) -> float:
     """Seconds to average gradients of these shapes over `ranks` through the compressor
     (bandwidth and the compressor's work; per-message latency is priced per bucket elsewhere)."""
+    if spec.method == "threshold":
+        return dense_time(shapes, ranks, link)
     total = 0.0
     for shape in shapes:
         n = math.prod(shape)
