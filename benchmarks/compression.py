@@ -58,6 +58,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -96,9 +97,11 @@ def load_data(seed: int = 0) -> Digits:
     return Digits(f(scaler.transform(x_tr)), torch.tensor(y_tr), f(scaler.transform(x_te)), torch.tensor(y_te))
 
 
-def mlp(hidden: int, seed: int) -> nn.Module:
-    """64 → hidden → hidden → 10, the same weights on every rank (seeded)."""
-    torch.manual_seed(seed)
+def mlp(hidden: int, seed: int | None) -> nn.Module:
+    """64 → hidden → hidden → 10, the same weights on every rank (seeded; None: leave the global
+    generator alone, for a model whose weights are loaded right after)."""
+    if seed is not None:
+        torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, hidden), nn.ReLU(), nn.Linear(hidden, 10))
 
 
@@ -113,7 +116,7 @@ def epoch_batches(data: Digits, batch: int, epoch: int, seed: int) -> list[tuple
     return [(data.x_train[i], data.y_train[i]) for i in order[: n * batch].view(n, batch)]
 
 
-def batch_stream(data: Digits, batch: int, seed: int):
+def batch_stream(data: Digits, batch: int, seed: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
     """Global batches epoch after epoch, endlessly."""
     epoch = 0
     while True:
@@ -124,7 +127,7 @@ def batch_stream(data: Digits, batch: int, seed: int):
 @torch.no_grad()
 def test_accuracy(pm: Any, hidden: int, data: Digits) -> float:
     """Percent of test images right, with the parameters the run holds (`full_state_dict`)."""
-    model = mlp(hidden, 0)
+    model = mlp(hidden, None)  # re-seeding here would replay the compressors' random draws
     model.load_state_dict(pm.full_state_dict())
     return 100.0 * float((model(data.x_test).argmax(1) == data.y_test).float().mean())
 
@@ -172,15 +175,18 @@ def _free_port() -> int:
 
 
 def _spawn(fn: Any, world: int, args: argparse.Namespace, env: dict[str, str] | None = None) -> Any:
-    """fn(rank, world, port, out, args) on `world` local gloo ranks; what rank 0 saved to `out`."""
+    """fn(rank, world, args) on `world` local gloo ranks, with `env` set for them; what rank 0 returned."""
     out = os.path.join(tempfile.mkdtemp(), "result.pt")
     saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
+    os.environ.update(env or {})  # spawned ranks inherit the environment
     try:
         mp.spawn(_entry, args=(fn, world, _free_port(), out, args), nprocs=world)
     finally:
         for k, v in saved.items():
-            os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
+            if v is None:
+                os.environ.pop(k)
+            else:
+                os.environ[k] = v
     return torch.load(out, weights_only=False)
 
 

@@ -1,12 +1,14 @@
 """autopar.parallelize on 2 gloo ranks: losses and parameters equal single-process training."""
 
+import itertools
+
 import pytest
 import torch
 from torch import nn
 
 import autopar
 from autopar import AutoparError
-from tests.distributed import run_ranks
+from tests.distributed import run_ranks, shared_ranks
 
 STEPS, BATCH = 3, 8
 
@@ -89,22 +91,29 @@ def _parallel(rank, world, name, layout, zero3):
     return losses, pm.full_state_dict(), pm.comm_stats()
 
 
-@pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny", "moe-tiny", "hf-gpt2"])
+MODELS = ["mlp-tiny", "gpt-tiny", "moe-tiny", "hf-gpt2"]
+DP = [(name, "2,1,1,2", zero3) for zero3 in (False, True) for name in MODELS]
+
+
+@pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("zero3", [False, True], ids=["dp", "zero3"])
 def test_data_parallel_training_equals_single_process(tmp_path, name, zero3):
     losses, params = _single(name)
-    for got_losses, got_params, stats in run_ranks(_parallel, 2, tmp_path, name, "2,1,1,2", zero3):
+    for got_losses, got_params, stats in shared_ranks(_parallel, 2, DP, (name, "2,1,1,2", zero3), tmp_path):
         _assert_same_training(got_losses, got_params, losses, params)
         grad_bytes = sum(p.numel() * 4 for p in params.values())
         if not zero3:  # every gradient handed to the data axis once per step, nothing on the others
             assert stats["dp"]["bytes_raw"] == grad_bytes and stats["tp"]["bytes_raw"] == stats["pp"]["bytes_raw"] == 0
 
 
-@pytest.mark.parametrize("name, layout", [(n, lay) for n in ("mlp-tiny", "gpt-tiny", "hf-gpt2") for lay in ("2,2,1,2", "2,1,2,2")]
-                         + [("moe-tiny", "2,2,1,2")])  # moe-tiny: one MoE block, no even pipeline split
-def test_zero3_with_a_tensor_or_pipeline_axis_equals_single_process(tmp_path, name, layout):
+ZERO3 = [(n, lay, True) for n in ("mlp-tiny", "gpt-tiny", "hf-gpt2") for lay in ("2,2,1,2", "2,1,2,2")] \
+    + [("moe-tiny", "2,2,1,2", True)]  # moe-tiny: one MoE block, no even pipeline split
+
+
+@pytest.mark.parametrize("name, layout, zero3", ZERO3)
+def test_zero3_with_a_tensor_or_pipeline_axis_equals_single_process(tmp_path, name, layout, zero3):
     losses, params = _single(name)
-    for got_losses, got_params, _ in run_ranks(_parallel, 4, tmp_path, name, layout, True):
+    for got_losses, got_params, _ in shared_ranks(_parallel, 4, ZERO3, (name, layout, zero3), tmp_path):
         _assert_same_training(got_losses, got_params, losses, params)
 
 
@@ -117,12 +126,24 @@ def _pipelined(rank, world, name, layout):
     return losses, pm.full_state_dict(), (overlapped, pm.sync is not None and len(pm.sync.buckets), pm.comm_stats())
 
 
-@pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny", "hf-gpt2"])  # moe-tiny: below (1 MoE block)
+# pipelines (moe-tiny: below, its one MoE block has no even split) and the tensor axis, by world size
+PIPELINED = {2: [(n, "1,1,2,4") for n in ("mlp-tiny", "gpt-tiny", "hf-gpt2")] + [(n, "1,2,1") for n in MODELS],
+             4: [(n, lay) for n in ("mlp-tiny", "gpt-tiny", "hf-gpt2") for lay in ("2,1,2,2", "1,2,2,2")]
+             + [(n, "2,2,1,2") for n in MODELS]}
+
+
+def _world(layout):
+    dp, tp, *rest = (int(x) for x in layout.split(","))
+    return dp * tp * (rest[0] if rest else 1)
+
+
+@pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny", "hf-gpt2"])
 @pytest.mark.parametrize("layout", ["1,1,2,4", "2,1,2,2", "1,2,2,2"], ids=["pp", "dp-pp", "tp-pp"])
 def test_pipeline_training_equals_single_process(tmp_path, name, layout):
     losses, params = _single(name)
-    world = 2 if layout == "1,1,2,4" else 4
-    for got_losses, got_params, (overlapped, buckets, stats) in run_ranks(_pipelined, world, tmp_path, name, layout):
+    world = _world(layout)
+    runs = shared_ranks(_pipelined, world, PIPELINED[world], (name, layout), tmp_path)
+    for got_losses, got_params, (overlapped, buckets, stats) in runs:
         if layout.startswith("2,"):  # every gradient bucket launched while the last backward ran
             assert overlapped == buckets >= 1
         _assert_same_training(got_losses, got_params, losses, params)
@@ -161,7 +182,7 @@ def _staged(w, world, meshes, schedule, m):
     n, k = len(search.layers), len(meshes)
     bounds = [i * (n // k) for i in range(k)] + [n]
     chosen = [((i, j), (1, dp * tp), search.option(i, j, (1, dp * tp), m, ((dp, tp), False, False)))
-              for (i, j), (dp, tp) in zip(zip(bounds, bounds[1:]), meshes)]
+              for (i, j), (dp, tp) in zip(itertools.pairwise(bounds), meshes)]
     return dataclasses.replace(assemble(search, chosen, m, "staged"), mesh=(1, world), schedule=schedule)
 
 
@@ -174,7 +195,7 @@ def _run_staged(rank, world, name, meshes, schedule):
     return [pm.step(inputs, target) for inputs, target in batches], pm.full_state_dict()
 
 
-@pytest.mark.parametrize("name, meshes, schedule", [
+STAGED = [
     # neighbouring stages split their devices differently: values cross whole
     ("mlp-tiny", ((2, 1), (1, 2)), "1f1b"), ("mlp-tiny", ((1, 2), (2, 1)), "1f1b"),
     ("gpt-tiny", ((2, 1), (1, 2)), "1f1b"), ("gpt-tiny", ((1, 2), (2, 1)), "gpipe"),
@@ -184,12 +205,16 @@ def _run_staged(rank, world, name, meshes, schedule):
     # (and the searched gpt-tiny plan on 3 ranks, below: 2 + 1)
     ("gpt-tiny", ((1, 1), (1, 2)), "1f1b"), ("hf-gpt2", ((2, 1), (1, 1)), "gpipe"),
     ("gpt-tiny", ((1, 2), (1, 1), (1, 1)), "1f1b"),  # 2 + 1 + 1, the tied embedding on stages of 2 and 1
-], ids=["mlp-dp-then-tp", "mlp-tp-then-dp", "gpt-dp-then-tp", "gpt-tp-then-dp-gpipe", "moe-dp-pp", "moe-tp-pp",
+]
+
+
+@pytest.mark.parametrize("name, meshes, schedule", STAGED, ids=["mlp-dp-then-tp", "mlp-tp-then-dp", "gpt-dp-then-tp", "gpt-tp-then-dp-gpipe", "moe-dp-pp", "moe-tp-pp",
         "gpt-1+2", "hf-2+1-gpipe", "gpt-2+1+1"])
 def test_stages_of_different_meshes_and_sizes_equal_single_process(tmp_path, name, meshes, schedule):
     losses, params = _single(name)
     world = sum(dp * tp for dp, tp in meshes)
-    for got_losses, got_params in run_ranks(_run_staged, world, tmp_path, name, meshes, schedule):
+    family = [c for c in STAGED if sum(dp * tp for dp, tp in c[1]) == world]
+    for got_losses, got_params in shared_ranks(_run_staged, world, family, (name, meshes, schedule), tmp_path):
         _assert_same_training(got_losses, got_params, losses, params)
 
 
@@ -199,14 +224,18 @@ def _searched(rank, world, name):
     return [pm.step(inputs, target) for inputs, target in batches], pm.plan.name, [s.logical_mesh for s in pm.plan.stages]
 
 
-@pytest.mark.parametrize("name, world, meshes", [
+SEARCHED = [
     ("mlp-tiny", 2, [(1, 2)]), ("mlp-tiny", 4, [(1, 4)]), ("gpt-tiny", 4, [(4, 1)]), ("moe-tiny", 4, [(4, 1)]),
     ("hf-gpt2", 4, [(2, 2)]),
     ("gpt-tiny", 3, [(2, 1), (1, 1)]),  # stages of 2 and 1 devices
-])
+]
+
+
+@pytest.mark.parametrize("name, world, meshes", SEARCHED)
 def test_the_searched_plan_trains_like_one_process(tmp_path, name, world, meshes):
     losses, _ = _single(name)
-    for got, plan_name, logical in run_ranks(_searched, world, tmp_path, name):
+    family = [(n,) for n, w, _ in SEARCHED if w == world]
+    for got, plan_name, logical in shared_ranks(_searched, world, family, (name,), tmp_path):
         assert plan_name == "auto" and logical == meshes  # e.g. mlp-tiny's tensor axis over every rank
         assert got == pytest.approx(losses, rel=1e-5)
 
@@ -235,13 +264,16 @@ def _bad(rank, world, case):
     return "no error"
 
 
+BAD = [("mesh",), ("batch",), ("other-model",)]
+
+
 @pytest.mark.parametrize("case, message", [
     ("mesh", "mesh 1x4 has 4 devices, the job has 2 ranks"),
     ("batch", "step got a batch of 6 samples, the plan was made for 8"),
     ("other-model", "this plan was made for another model"),
 ])
 def test_bad_plans_are_one_clear_message(tmp_path, case, message):
-    for text in run_ranks(_bad, 2, tmp_path, case):
+    for text in shared_ranks(_bad, 2, BAD, (case,), tmp_path):
         assert message in text
 
 
@@ -265,17 +297,18 @@ def test_a_data_parallel_step_issues_what_the_plan_predicts(tmp_path, name):
     assert {c["phase"] for c in predicted} == {"gradient"}  # nothing in forward or backward: no hidden gathers
     assert {(c["kind"], c["axis"]) for c in predicted} == {("all_reduce", "dp")}
     predicted_bytes = sum(c["bytes"] for c in predicted)
-    for issued, nbytes in run_ranks(_collectives, 2, tmp_path, name):
+    for issued, nbytes in shared_ranks(_collectives, 2, [("mlp-tiny",), ("gpt-tiny",)], (name,), tmp_path):
         assert {(c["kind"], c["axis"]) for c in issued} == {("all_reduce", "dp")}
         assert sum(c["bytes"] for c in issued) == nbytes == predicted_bytes
 
 
-@pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny", "moe-tiny", "hf-gpt2"])
+@pytest.mark.parametrize("name", MODELS)
 @pytest.mark.parametrize("layout", ["1,2,1", "2,2,1,2"], ids=["tp", "dp-tp"])
 def test_tensor_parallel_training_equals_single_process(tmp_path, name, layout):
     losses, params = _single(name)
-    world = 2 if layout.startswith("1,") else 4
-    for got_losses, got_params, (_, _, stats) in run_ranks(_pipelined, world, tmp_path, name, layout):
+    world = _world(layout)
+    for got_losses, got_params, (_, _, stats) in shared_ranks(_pipelined, world, PIPELINED[world], (name, layout),
+                                                              tmp_path):
         _assert_same_training(got_losses, got_params, losses, params)
         assert stats["tp"]["bytes_raw"] > 0
 
@@ -310,7 +343,8 @@ def test_a_tensor_parallel_step_issues_what_the_plan_predicts(tmp_path, name):
     predicted = shard_stage(autopar.capture(w.model, w.example_inputs), get_cluster("cpu-local").with_mesh(1, 2),
                             (1, 2), (1, 2), rule=MEGATRON).collectives
     expected = Counter(c["kind"] for c in predicted if c["axis"] == "tp")
-    for issued, unplanned, stats in run_ranks(_tp_collectives, 2, tmp_path, name):
+    cases = [("mlp-tiny",), ("gpt-tiny",), ("hf-gpt2",)]
+    for issued, unplanned, stats in shared_ranks(_tp_collectives, 2, cases, (name,), tmp_path):
         assert unplanned == []  # every op's output landed where the plan put it
         assert issued == dict(expected)  # no hidden gathers, no missing reductions
         # the bytes handed to them are the planned ones (an all-gather is handed its shard; the plan counts the whole)
