@@ -87,7 +87,7 @@ def wire(spec: Spec, shape: tuple[int, ...], ranks: int) -> tuple[str, int]:
     if spec.method == "terngrad":
         return "all_gather", math.ceil(n / 4) + 4
     if spec.method == "qsgd":
-        return "all_gather", n + 4
+        return "all_gather", n + 4 * math.ceil(n / 512)  # int8 levels, an fp32 norm per 512
     if spec.method == "signsgd":
         return "all_gather", math.ceil(n / 8)
     raise ValueError(f"compression {spec.text!r} sends what the data decides: no formula gives its bytes")

@@ -125,8 +125,10 @@ class Compressed:
 
     @property
     def per_tensor(self) -> bool:
-        """Shape-aware methods see each gradient; the others a bucket's gradients end to end."""
-        return isinstance(self.compressor, (PowerSGD, OneBit))
+        """Methods that scale by a layer's statistics see each gradient (PowerSGD's and 1-bit's
+        shapes, TernGrad's maximum, QSGD's buckets start at each layer); the others a bucket's
+        gradients end to end."""
+        return isinstance(self.compressor, (PowerSGD, OneBit, TernGrad, QSGD))
 
     def average(self, grads: list[torch.Tensor], keys: list[str]) -> list[torch.Tensor]:
         if not self.per_tensor:
@@ -150,7 +152,8 @@ class Compressed:
                 dist.all_reduce(total, group=self.group)
             else:
                 own = c.decompress(parts, x)
-                total = torch.stack([c.decompress(p, x) for p in gathered]).sum(0)
+                total = (c.decompress_sum(gathered, x) if hasattr(c, "decompress_sum")
+                         else torch.stack([c.decompress(p, x) for p in gathered]).sum(0))
                 if getattr(c, "vote", False):
                     return torch.sign(total)
         self.memory.update(key, x, own)

@@ -129,8 +129,22 @@ def _dense(parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
         0, index.long(), values).view_as(like)
 
 
+class _Sparse:
+    """Values and indices: every rank's parts decode into one sum with a single scatter-add."""
+
+    def decompress(self, parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+        return _dense(self.values_and_indices(parts, like), like)
+
+    def decompress_sum(self, every: list[list[torch.Tensor]], like: torch.Tensor) -> torch.Tensor:
+        pairs = [self.values_and_indices(p, like) for p in every]
+        return _dense([torch.cat([v for v, _ in pairs]), torch.cat([i for _, i in pairs])], like)
+
+    def values_and_indices(self, parts: list[torch.Tensor], like: torch.Tensor) -> list[torch.Tensor]:
+        return parts
+
+
 @dataclass
-class TopK:
+class TopK(_Sparse):
     """Top-k by magnitude (Aji & Heafield 2017), values and int32 indices."""
 
     ratio: float
@@ -145,15 +159,12 @@ class TopK:
         flat = x.reshape(-1)
         return _sparse(flat, flat.abs().topk(self.k(flat.numel()), sorted=False).indices)
 
-    def decompress(self, parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-        return _dense(parts, like)
-
 
 DGC_WARMUP = (0.75, 0.9375, 0.984375, 0.996)
 
 
 @dataclass
-class DGCSelect:
+class DGCSelect(_Sparse):
     """Deep Gradient Compression's selection (Lin et al. 2018): the threshold is the top-k
     magnitude of a random sample (1 %, at least 1000 elements), so selection costs a pass, not a
     sort; more than 1.3 k survivors are cut to k exactly. Sparsity warms up exponentially
@@ -186,12 +197,9 @@ class DGCSelect:
             index = index[flat[index].abs().topk(k, sorted=False).indices]
         return _sparse(flat, index)
 
-    def decompress(self, parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-        return _dense(parts, like)
-
 
 @dataclass
-class Threshold:
+class Threshold(_Sparse):
     """Threshold quantisation (Strom 2015): elements with |x| ≥ τ travel as ±τ (int32 index and a
     packed sign bit); error feedback keeps the rest."""
 
@@ -206,10 +214,9 @@ class Threshold:
         index = (flat.abs() >= self.tau).nonzero().reshape(-1)
         return [index.to(torch.int32), pack(flat[index] > 0, 1)]
 
-    def decompress(self, parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
+    def values_and_indices(self, parts: list[torch.Tensor], like: torch.Tensor) -> list[torch.Tensor]:
         index, signs = parts
-        values = (unpack(signs, 1, index.numel()).to(like.dtype) * 2 - 1) * self.tau
-        return _dense([values, index], like)
+        return [(unpack(signs, 1, index.numel()).to(like.dtype) * 2 - 1) * self.tau, index]
 
 
 @dataclass
@@ -238,8 +245,8 @@ class OneBit:
 
 @dataclass
 class TernGrad:
-    """TernGrad (Wen et al. 2017): s·sign(x)·Bernoulli(|x|/s) with s = max|x|, unbiased; the
-    ternary values travel in 2 bits."""
+    """TernGrad (Wen et al. 2017): s·sign(x)·Bernoulli(|x|/s) with s = max|x| of each layer's
+    gradient (the paper's per-layer scaling), unbiased; the ternary values travel in 2 bits."""
 
     allreduce = False
     error_feedback = False
@@ -259,22 +266,28 @@ class TernGrad:
 @dataclass
 class QSGD:
     """QSGD (Alistarh et al. 2017) with s levels: ‖x‖·sign(x)·ℓ/s, ℓ rounded up or down at random
-    so it is unbiased; sign and level travel in one int8 (s ≤ 127), the norm as fp32."""
+    so it is unbiased. Norms are taken over buckets of `bucket` elements, as the paper's
+    experiments do (one norm over a whole layer makes the variance grow with its size); sign and
+    level travel in one int8 (s ≤ 127), each bucket's norm as fp32."""
 
     levels: int = 16
+    bucket: int = 512
     allreduce = False
     error_feedback = False
 
     def compress(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
         flat = x.reshape(-1)
-        norm = flat.norm()
-        scaled = flat.abs() / norm.clamp_min(torch.finfo(flat.dtype).tiny) * self.levels
-        level = scaled.floor() + (torch.rand_like(flat) < scaled - scaled.floor())
-        return [(torch.sign(flat) * level).to(torch.int8), norm.reshape(1)]
+        chunks = torch.nn.functional.pad(flat, (0, -flat.numel() % self.bucket)).view(-1, self.bucket)
+        norms = chunks.norm(dim=1)
+        scaled = chunks.abs() / norms.clamp_min(torch.finfo(flat.dtype).tiny)[:, None] * self.levels
+        level = scaled.floor() + (torch.rand_like(scaled) < scaled - scaled.floor())
+        return [(torch.sign(chunks) * level).reshape(-1)[: flat.numel()].to(torch.int8), norms]
 
     def decompress(self, parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
-        level, norm = parts
-        return (level.to(like.dtype) * norm / self.levels).view_as(like)
+        level, norms = parts
+        n = like.numel()
+        padded = torch.nn.functional.pad(level.to(like.dtype), (0, -n % self.bucket)).view(-1, self.bucket)
+        return (padded * norms[:, None] / self.levels).reshape(-1)[:n].view_as(like)
 
 
 @dataclass
