@@ -64,7 +64,7 @@ def parallelize(
     chosen: list[Any] = [None]
     if rank == 0:
         try:
-            chosen = [_resolve(plan, model, args, batch, graph, cluster, (hosts, per_host), compression)]
+            chosen = [_resolve(plan, model, args, batch, graph, cluster, (hosts, per_host), compression, delay)]
         except AutoparError as exc:  # every rank reports it, none waits for a plan that never comes
             chosen = [exc]
     dist.broadcast_object_list(chosen, src=0)
@@ -92,11 +92,12 @@ def parallelize(
         raise AutoparError(str(exc)) from None
 
 
-def _resolve(plan, model, args, batch, graph, cluster, mesh, compression) -> Plan:
+def _resolve(plan, model, args, batch, graph, cluster, mesh, compression, delay) -> Plan:
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, Path) or (isinstance(plan, str) and plan.endswith(".json")):
         return Plan.load(plan)
+    from autopar.intra_op import REPLICATED_GRADIENTS
     from autopar.planner import Search
     from cost_models import get_cluster
 
@@ -105,7 +106,8 @@ def _resolve(plan, model, args, batch, graph, cluster, mesh, compression) -> Pla
         log.warning("planning %d ranks on %d cores: the prediction assumes a core per rank", mesh[1], spec.devices_per_host)
         spec = dataclasses.replace(spec, devices_per_host=mesh[1])
     workload = Workload(type(model).__name__, model, args, batch)
-    search = Search.start(workload, spec, mesh, graph=graph)
+    # delayed averaging, like compression, needs gradients replicated on the data axis (no ZeRO-3)
+    search = Search.start(workload, spec, mesh, graph=graph, rule=REPLICATED_GRADIENTS if delay else None)
     from autopar.manual import Layout, manual_plan, manual_search
     from autopar.planner import plan_auto, plan_compressed
 

@@ -204,6 +204,16 @@ def _parse(data: Any, source: str) -> Plan:
     gradient = need(data, "dp_gradient", dict)
     if gradient.get("zero_stage", 0) not in (0, 1, 2, 3):
         raise PlanError(f"{source}: dp_gradient.zero_stage must be 0, 1, 2 or 3, got {gradient.get('zero_stage')!r}")
+    if gradient.get("compression") is not None:
+        from cost_models.compression import parse
+
+        try:
+            parse(str(gradient["compression"]))
+        except AutoparError as exc:
+            raise PlanError(f"{source}: dp_gradient.compression: {exc}") from None
+    delay = gradient.get("delay", 0)
+    if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
+        raise PlanError(f"{source}: dp_gradient.delay must be a number of steps ≥ 0, got {delay!r}")
     schedule = need(data, "schedule", str)
     if schedule not in SCHEDULES:
         raise PlanError(f"{source}: schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")

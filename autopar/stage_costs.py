@@ -173,13 +173,13 @@ class StageCosts:
             n_buckets = np.where(trainable > 0, np.maximum(1, np.ceil(trainable / BUCKET_BYTES)), 0)
             sync = sync + np.where(trainable > 0, weighted / np.where(trainable > 0, trainable, 1) * n_buckets, 0)
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m
-        if self.compression is not None and lm[0] > 1:  # compressed after backward, not during it
-            sync = bwd + sync + self.compressed_per_byte(submesh, lm) * trainable
         transient = np.zeros_like(acts)
         if rc:
             bwd = bwd + fwd
             stage_input = np.array([self.cut[a - 1] if a > 0 else 0.0 for a in bounds]) / (lm[0] * m)
             transient, acts = acts, np.broadcast_to(stage_input[:, None], acts.shape).copy()
+        if self.compression is not None and lm[0] > 1:  # compressed after backward, not during it
+            sync = bwd + sync + self.compressed_per_byte(submesh, lm) * trainable
         cut_after = np.array([self.cut[b - 1] if 0 < b < len(self.atoms) else 0.0 for b in bounds])
         link = self._send_link(submesh)
         send = np.where(cut_after > 0, link.latency + cut_after / (lm[0] * lm[1] * m) / link.bandwidth, 0.0)[None, :] \
@@ -217,12 +217,12 @@ class StageCosts:
         if trainable:  # one bucket latency per 25 MB of the stage's weights (byte-weighted over its atoms)
             sync += weighted_latency / trainable * buckets(trainable)
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m
-        if self.compression is not None and lm[0] > 1:  # compressed after backward, not during it
-            sync = bwd + sync + self.compressed_per_byte(submesh, lm) * trainable
         transient = 0.0
         if rc:  # keep only the stage input per microbatch; recompute the forward before backward
             bwd += fwd
             transient, acts = acts, self.cut[atoms[0] - 1] / (lm[0] * m) if atoms[0] > 0 else 0.0
+        if self.compression is not None and lm[0] > 1:  # compressed after backward, not during it
+            sync = bwd + sync + self.compressed_per_byte(submesh, lm) * trainable
         last = atoms[1] - 1
         send = 0.0
         if last < len(self.atoms) - 1 and self.cut[last] > 0:  # each rank sends its slice (Megatron's scatter)

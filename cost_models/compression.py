@@ -93,23 +93,40 @@ def wire(spec: Spec, shape: tuple[int, ...], ranks: int) -> tuple[str, int]:
     raise ValueError(f"compression {spec.text!r} sends what the data decides: no formula gives its bytes")
 
 
+PER_TENSOR = ("powersgd", "onebit", "terngrad", "qsgd")  # the others compress a bucket end to end
+BUCKET_ELEMENTS = 25 * 2**20 // 4  # the synchroniser's 25 MiB buckets of fp32 gradients
+
+
+def messages(spec: Spec, kind: str, shape: tuple[int, ...]) -> int:
+    """Collectives the runtime issues for one unit (a gradient, or a bucket for flat methods)."""
+    sizes_first = 1 if spec.method == "dgc" else 0  # variable-length parts: their sizes travel first
+    if kind == "all_reduce":
+        return sizes_first + (2 if spec.method == "powersgd" and len(shape) > 1 else 1)
+    return sizes_first + (1 if spec.method == "signsgd" else 2)
+
+
 def sync_time(spec: Spec, shapes: list[tuple[int, ...]], ranks: int, link: Link, device: DeviceSpec) -> float:
-    """Seconds to average gradients of these shapes over `ranks` through the compressor
-    (bandwidth and the compressor's work; per-message latency is priced per bucket elsewhere)."""
+    """Seconds to average gradients of these shapes over `ranks` through the compressor: its
+    collectives (per gradient for the methods in PER_TENSOR, per 25 MiB bucket for the others)
+    and its own work."""
     if spec.method == "threshold":
         return dense_time(shapes, ranks, link)
-    total = 0.0
+    if spec.method not in PER_TENSOR:
+        total = sum(math.prod(s) for s in shapes)
+        shapes = [(min(BUCKET_ELEMENTS, total - i),) for i in range(0, total, BUCKET_ELEMENTS)]
+    time = 0.0
     for shape in shapes:
         n = math.prod(shape)
         kind, nbytes = wire(spec, shape, ranks)
+        alpha = messages(spec, kind, shape) * (ranks - 1) * link.latency
         if kind == "all_reduce":
-            total += all_reduce_time(nbytes, ranks, _bandwidth(link))
+            time += all_reduce_time(nbytes, ranks, _bandwidth(link)) + 2 * alpha
         else:
-            total += all_gather_time(ranks * nbytes, ranks, _bandwidth(link)) + ranks * 4 * n / device.memory_bandwidth
-        total += _PASSES[spec.method] * 4 * n / device.memory_bandwidth
+            time += all_gather_time(ranks * nbytes, ranks, _bandwidth(link)) + alpha + ranks * 4 * n / device.memory_bandwidth
+        time += _PASSES[spec.method] * 4 * n / device.memory_bandwidth
         if spec.method == "powersgd" and len(shape) > 1:
-            total += 4 * n * int(spec.arg or 2) / (device.flops_for("float32") * device.efficiency)
-    return total
+            time += 4 * n * int(spec.arg or 2) / (device.flops_for("float32") * device.efficiency)
+    return time
 
 
 def dense_time(shapes: list[tuple[int, ...]], ranks: int, link: Link) -> float:

@@ -60,7 +60,8 @@ class NoMemory:
 @dataclass
 class DGCMemory:
     """DGC's memory: momentum correction (accumulate the velocity u = m·u + g into v, and send
-    from v), local gradient clipping (each rank clips its gradient's norm at clip/√N), and
+    from v), local gradient clipping (each rank clips the norm of each gradient it compresses, a
+    bucket's or a layer's, at clip/√N), and
     momentum factor masking (u and v cleared where sent). At 0 % sparsity every coordinate is sent
     every step, nothing is stale, and the masking is off: the result is momentum SGD exactly."""
 
@@ -95,7 +96,7 @@ def _compressor(spec: Spec, nccl: bool) -> Any:
         "powersgd": lambda: PowerSGD(int(a or 2)),
         "onebit": OneBit,
         "threshold": lambda: Threshold(a),
-        "terngrad": TernGrad,
+        "terngrad": lambda: TernGrad(o.get("clip", 2.5) or None),
         "qsgd": lambda: QSGD(int(a or 16)),
         "signsgd": SignSGD,
     }[spec.method]()
@@ -119,6 +120,9 @@ class Compressed:
                                          self.n, masking=self.spec.arg > 0)
         else:
             self.memory = ErrorFeedback() if ef else NoMemory()
+        # the compressors' own draws (sampling, stochastic rounding): independent across ranks, so
+        # averaging reduces their noise, and apart from the model's random stream
+        self.generator = torch.Generator().manual_seed(int(self.spec.options.get("seed", 0)) * 65537 + dist.get_rank())
         self.step = 0
         self.bytes_sent = 0
         self.collectives: list[tuple[str, int]] = []
@@ -143,20 +147,20 @@ class Compressed:
         if c.allreduce:
             total, own = self._all_reduce_rounds(c.rounds(x, self.n, key, self.step))
         else:
-            parts = c.compress(x, self.step)
+            parts = c.compress(x, self.step, self.generator)
+            own = c.decompress(parts, x)
             gathered = self._all_gather(parts, dense_bytes=2 * x.numel() * x.element_size()
                                         if getattr(c, "sparse", False) else None)
-            if gathered is None:  # the gathered volume would exceed a dense all-reduce: send it dense
-                total, own = x.clone(), x
+            if gathered is None:  # gathering would move more than a dense all-reduce: the same selection, dense
+                total = own.clone()
                 self._collective("all_reduce", total)
                 dist.all_reduce(total, group=self.group)
             else:
-                own = c.decompress(parts, x)
                 total = (c.decompress_sum(gathered, x) if hasattr(c, "decompress_sum")
                          else torch.stack([c.decompress(p, x) for p in gathered]).sum(0))
-                if getattr(c, "vote", False):
-                    return torch.sign(total)
         self.memory.update(key, x, own)
+        if getattr(c, "vote", False):
+            return torch.sign(total)
         return total / self.n
 
     def _all_reduce_rounds(self, rounds: Any) -> tuple[torch.Tensor, torch.Tensor]:

@@ -155,7 +155,7 @@ class TopK(_Sparse):
     def k(self, numel: int) -> int:
         return max(1, math.ceil(numel * self.ratio))
 
-    def compress(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
+    def compress(self, x: torch.Tensor, step: int, gen: torch.Generator | None = None) -> list[torch.Tensor]:
         flat = x.reshape(-1)
         return _sparse(flat, flat.abs().topk(self.k(flat.numel()), sorted=False).indices)
 
@@ -184,13 +184,13 @@ class DGCSelect(_Sparse):
         return 1 - (DGC_WARMUP[stage] if stage < len(DGC_WARMUP) and DGC_WARMUP[stage] < self.sparsity
                     else self.sparsity)
 
-    def compress(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
+    def compress(self, x: torch.Tensor, step: int, gen: torch.Generator | None = None) -> list[torch.Tensor]:
         flat = x.reshape(-1)
         k = max(1, math.ceil(flat.numel() * self.density(step)))
         if k >= flat.numel():
             return _sparse(flat, torch.arange(flat.numel(), device=flat.device))
         size = min(flat.numel(), max(1000, math.ceil(flat.numel() * self.sample)))
-        sample = flat[torch.randint(flat.numel(), (size,), device=flat.device)].abs()
+        sample = flat[torch.randint(flat.numel(), (size,), generator=gen).to(flat.device)].abs()
         threshold = sample.topk(max(1, math.ceil(size * k / flat.numel())), sorted=False).values.min()
         index = (flat.abs() >= threshold).nonzero().reshape(-1)
         if index.numel() > 1.3 * k:
@@ -209,7 +209,7 @@ class Threshold(_Sparse):
     variable = True
     sparse = True
 
-    def compress(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
+    def compress(self, x: torch.Tensor, step: int, gen: torch.Generator | None = None) -> list[torch.Tensor]:
         flat = x.reshape(-1)
         index = (flat.abs() >= self.tau).nonzero().reshape(-1)
         return [index.to(torch.int32), pack(flat[index] > 0, 1)]
@@ -227,7 +227,7 @@ class OneBit:
     allreduce = False
     error_feedback = True
 
-    def compress(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
+    def compress(self, x: torch.Tensor, step: int, gen: torch.Generator | None = None) -> list[torch.Tensor]:
         m = x.reshape(x.shape[0], -1) if x.dim() > 1 else x.reshape(-1, 1)
         pos = m >= 0
         count = pos.sum(0)
@@ -246,15 +246,21 @@ class OneBit:
 @dataclass
 class TernGrad:
     """TernGrad (Wen et al. 2017): s·sign(x)·Bernoulli(|x|/s) with s = max|x| of each layer's
-    gradient (the paper's per-layer scaling), unbiased; the ternary values travel in 2 bits."""
+    gradient (the paper's per-layer scaling): unbiased for the gradient it is given. As in the
+    paper, that gradient is first clipped to `clip` standard deviations (None: not clipped),
+    which bounds s and so the variance; the ternary values travel in 2 bits."""
 
+    clip: float | None = 2.5
     allreduce = False
     error_feedback = False
 
-    def compress(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
+    def compress(self, x: torch.Tensor, step: int, gen: torch.Generator | None = None) -> list[torch.Tensor]:
         flat = x.reshape(-1)
+        if self.clip is not None and flat.numel() > 1:
+            bound = float(self.clip * flat.std())
+            flat = flat.clamp(-bound, bound)
         s = flat.abs().max()
-        keep = torch.rand_like(flat) < flat.abs() / s.clamp_min(torch.finfo(flat.dtype).tiny)
+        keep = torch.rand(flat.shape, generator=gen).to(flat.device) < flat.abs() / s.clamp_min(torch.finfo(flat.dtype).tiny)
         codes = torch.where(keep, torch.sign(flat), 0).to(torch.int32) + 1  # {-1, 0, 1} → {0, 1, 2}
         return [pack(codes, 2), s.reshape(1)]
 
@@ -275,12 +281,12 @@ class QSGD:
     allreduce = False
     error_feedback = False
 
-    def compress(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
+    def compress(self, x: torch.Tensor, step: int, gen: torch.Generator | None = None) -> list[torch.Tensor]:
         flat = x.reshape(-1)
         chunks = torch.nn.functional.pad(flat, (0, -flat.numel() % self.bucket)).view(-1, self.bucket)
         norms = chunks.norm(dim=1)
         scaled = chunks.abs() / norms.clamp_min(torch.finfo(flat.dtype).tiny)[:, None] * self.levels
-        level = scaled.floor() + (torch.rand_like(scaled) < scaled - scaled.floor())
+        level = scaled.floor() + (torch.rand(scaled.shape, generator=gen).to(scaled.device) < scaled - scaled.floor())
         return [(torch.sign(chunks) * level).reshape(-1)[: flat.numel()].to(torch.int8), norms]
 
     def decompress(self, parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:
@@ -300,7 +306,7 @@ class SignSGD:
     error_feedback = False
     vote = True
 
-    def compress(self, x: torch.Tensor, step: int) -> list[torch.Tensor]:
+    def compress(self, x: torch.Tensor, step: int, gen: torch.Generator | None = None) -> list[torch.Tensor]:
         return [pack(x.reshape(-1) >= 0, 1)]
 
     def decompress(self, parts: list[torch.Tensor], like: torch.Tensor) -> torch.Tensor:

@@ -4,9 +4,10 @@ later, so the all-reduce of a slow, high-latency link overlaps D steps of comput
 Step t applies `g_t − g_{t−D} + avg_{t−D}`: this rank's fresh gradient, corrected by the average
 that has just arrived for the gradient it stood in for D steps ago (during the first D steps, the
 local gradient alone). Summed over steps, every replica applies the same averages plus its own
-last D local gradients, so replicas differ by at most D steps of local gradient and never drift
-further. Every `resync` steps they average their parameters so rounding cannot accumulate either
-(optimizer states such as momentum are not averaged: they differ by the same bounded amount).
+last D local gradients: with plain SGD replicas differ by at most those D steps of local
+gradient; momentum stretches that over its horizon, and adaptive optimizers (Adam) scale it
+differently per replica, so the difference is bounded but not by this simple sum. Every `resync`
+steps the replicas average their parameters (optimizer states are not averaged).
 """
 
 from __future__ import annotations

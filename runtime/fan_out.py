@@ -94,6 +94,8 @@ class FanOutSchedule:
             inputs, outs = saved.pop(i)
             if self.sync is not None:
                 self.sync.sync = i == self.m - 1
+            if hasattr(self.module, "set_requires_gradient_sync"):  # FSDP2 (ZeRO-3): reduce with the last only
+                self.module.set_requires_gradient_sync(i == self.m - 1)
             if self.last:
                 grads: tuple = (None,)
             else:

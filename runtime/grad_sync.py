@@ -150,7 +150,11 @@ class GradSync:
             grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in bucket.params]
             self.stats.bytes_raw += sum(g.numel() * g.element_size() for g in grads)
             keys = [f"{b}.{i}" for i in range(len(grads))]
-            for p, avg in zip(bucket.params, self.compressed.average(grads, keys)):
+            launched, sent = time.perf_counter(), self.compressed.bytes_sent
+            averages = self.compressed.average(grads, keys)
+            if self.link is not None:
+                self.link.wait(launched, self.compressed.bytes_sent - sent)
+            for p, avg in zip(bucket.params, averages):
                 write_grad(p, avg)
         self.stats.bytes_sent += self.compressed.bytes_sent - before
         self.stats.collectives += self.compressed.collectives

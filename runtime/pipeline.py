@@ -5,9 +5,9 @@ The model is exported at the shape one rank runs (a microbatch of its data-paral
 cut at the plan's stage boundaries: the plan's layers name their nodes, so a stage may begin
 anywhere between layers, module boundary or not (`sharded_graph.cut`). Each rank builds only its
 own stage (`ShardedGraph`, with the plan's tensor-axis placements when tp > 1) and hands it to a
-`PipelineStage`; `Schedule1F1B` / `ScheduleGPipe` run the microbatches. Stages have equal
-sizes; each splits its devices by its own logical mesh (`_Groups`; boundaries between different
-ones are bridged by `runtime.cross_mesh`). After the schedule, gradients are averaged over the stage's data-parallel group
+`PipelineStage`; `Schedule1F1B` / `ScheduleGPipe` run the microbatches (stages of different
+device counts: `runtime.fan_out`, the same orders). Each stage splits its devices by its own
+logical mesh (`_Groups`; boundaries between different ones are bridged by `runtime.cross_mesh`). After the schedule, gradients are averaged over the stage's data-parallel group
 (`GradSync`, its buckets launched during the last microbatch's backward), and weights
 used by several stages (a GPT's tied embedding and output layer) get the sum of their copies'
 gradients, as Megatron-LM does.

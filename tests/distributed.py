@@ -24,15 +24,19 @@ _CACHE: dict[tuple, list[list[tuple[bool, Any]]]] = {}
 
 def _entry(rank: int, jobs: list[tuple[Callable, tuple]], world: int, store: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    results: list[tuple[bool, Any]] = []
+    for fn, args in jobs:
+        torch.manual_seed(0)
+        try:
+            results.append((True, fn(rank, world, *args)))
+        except Exception:  # noqa: BLE001 - reported by the case's own test
+            # the other ranks may still wait in this case's collectives: running the next case would
+            # pair theirs with ours, so this rank stops here (the spawn then ends the others)
+            results.append((False, traceback.format_exc()))
+            torch.save(results, os.path.join(out, f"{rank}.pt"))
+            os._exit(1)
+        torch.save(results, os.path.join(out, f"{rank}.pt"))  # kept if another rank's failure ends this one
     try:
-        results = []
-        for fn, args in jobs:
-            torch.manual_seed(0)
-            try:
-                results.append((True, fn(rank, world, *args)))
-            except Exception:  # noqa: BLE001 - reported by the case's own test
-                results.append((False, traceback.format_exc()))
-        torch.save(results, os.path.join(out, f"{rank}.pt"))
         dist.barrier()  # no rank tears down while another still reads from it (gloo aborts then)
     finally:
         dist.destroy_process_group()
@@ -45,9 +49,16 @@ def _spawn(jobs: list[tuple[Callable, tuple]], world: int, tmp: Path) -> list[li
     """Per job, per rank: (ok, result or traceback)."""
     out = tmp / "ranks"
     out.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_entry, args=(jobs, world, str(tmp / "store"), str(out)), nprocs=world, join=True)
-    per_rank = [torch.load(out / f"{r}.pt", weights_only=False) for r in range(world)]
-    return [[per_rank[r][j] for r in range(world)] for j in range(len(jobs))]
+    try:
+        mp.spawn(_entry, args=(jobs, world, str(tmp / "store"), str(out)), nprocs=world, join=True)
+    except mp.ProcessExitedException as exc:
+        if exc.signal_name:  # died without a Python error: say so for every case
+            return [[(False, f"rank {exc.error_index} died: {exc}")] * world for _ in jobs]
+        # else a case failed: its rank saved what it had, with the traceback
+    per_rank = [torch.load(out / f"{r}.pt", weights_only=False) if (out / f"{r}.pt").exists() else []
+                for r in range(world)]
+    missing = (False, "not run: an earlier case failed in these ranks")
+    return [[per_rank[r][j] if j < len(per_rank[r]) else missing for r in range(world)] for j in range(len(jobs))]
 
 
 def _unwrap(results: list[tuple[bool, Any]]) -> list[Any]:
