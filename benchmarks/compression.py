@@ -637,6 +637,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--link-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--link-config", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    try:
+        import sklearn  # noqa: F401
+    except ImportError:
+        ap.error("needs scikit-learn for the digits data set: pip install -e \".[bench]\"")
     if args.link_rank is not None:  # a rank of the link part, inside its namespace
         with open(args.link_config) as f:
             _link_rank(args.link_rank, json.load(f))
