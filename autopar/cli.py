@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import sys
@@ -134,10 +135,31 @@ def cmd_show(args: argparse.Namespace, out: Console) -> Any:
     from autopar.plan import Plan
 
     plan = Plan.load(args.plan)
+    if args.png:
+        _picture(plan, args.png)
     if args.json:
-        return plan.to_dict()
+        return {**plan.to_dict(), **({"png": args.png} if args.png else {})}
     _print_plan(plan, out)
+    if args.png:
+        out.print(f"schedule, device map and memory drawn to {args.png}")
     return None
+
+
+def _picture(plan, path: str) -> None:
+    from autopar.draw import save
+    from autopar.planner import RESERVE
+    from cost_models import get_cluster
+
+    try:
+        limit = get_cluster(plan.cluster).device.memory_bytes * (1 - RESERVE)
+    except AutoparError:  # a cluster file the plan names only by name: no limit line
+        limit = None
+    try:
+        save(plan, path, limit)
+    except ImportError:
+        raise AutoparError("drawing needs matplotlib: pip install -e \".[plot]\"") from None
+    except OSError as exc:
+        raise AutoparError(f"cannot write {path}: {exc}") from None
 
 
 def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
@@ -189,6 +211,65 @@ def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
                       human_time(r["step_time_s"]), f"{r['tflops_per_device']:.1f}",
                       human_bytes(r["peak_memory_bytes"]), "yes" if r["fits"] else "[red]no[/]")
     out.print(table)
+    return None
+
+
+def cmd_calibrate(args: argparse.Namespace, out: Console) -> Any:
+    from cost_models import calibration_file
+    from runtime.calibrate import calibrate, cluster_spec
+
+    if args.nproc < 2:
+        raise AutoparError(f"--nproc {args.nproc}: links are measured between ranks; use at least 2")
+    bar, step = _progress("calibrating")
+    with bar:
+        measured = calibrate(args.nproc, step)
+    spec = cluster_spec(measured, args.nproc)
+    path = args.out or str(calibration_file())
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    spec.save(path)
+    if args.json:
+        return {"cluster": spec.to_dict(), "path": path, "conv2d_flops": measured["device"]["conv2d_flops"],
+                "links": {str(n): {k: {"latency": v["latency"], "seconds_per_byte": v["seconds_per_byte"]}
+                                   for k, v in fits.items()} for n, fits in measured["links"].items()}}
+    dev = measured["device"]
+    out.print("matmul " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in dev["matmul_flops"].items())
+              + f"; conv2d {dev['conv2d_flops'] / 1e9:.1f} GFLOP/s; memory {dev['memory_bandwidth'] / 1e9:.1f} GB/s")
+    table = Table(title=f"collectives on {args.nproc} local ranks (fitted to the ring formulas)")
+    for col in ("ranks", "collective", "α (latency)", "bandwidth (1/β)"):
+        table.add_column(col, justify="right")
+    for n, fits in measured["links"].items():
+        for kind, fit in fits.items():
+            table.add_row(str(n), kind, human_time(fit["latency"]), f"{1 / fit['seconds_per_byte'] / 1e9:.2f} GB/s")
+    out.print(table)
+    out.print(f"written to {path}" + (" (cpu-local reads it)" if path == str(calibration_file()) else
+                                      f" (use it with --cluster {path})"))
+    return None
+
+
+def cmd_bench(args: argparse.Namespace, out: Console) -> Any:
+    from cost_models import get_cluster
+    from runtime.bench import bench
+
+    if args.nproc < 1 or args.steps < 1:
+        raise AutoparError(f"--nproc and --steps must be positive, got {args.nproc} and {args.steps}")
+    cluster = get_cluster(args.cluster)
+    if cluster.devices_per_host < args.nproc:  # local ranks sharing fewer cores: plan for what runs
+        cluster = dataclasses.replace(cluster, devices_per_host=args.nproc)
+    bar, step = _progress(f"benchmarking {args.model}")
+    with bar:
+        result = bench(args.model, args.nproc, cluster, args.batch, args.warmup, args.steps, step)
+    if args.json:
+        return result
+    table = Table(title=f"{args.model} on {args.nproc} local ranks: predicted ({cluster.name}) and measured")
+    for col in ("layout", "microbatches", "predicted", "measured", "measured / fastest"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    fastest = min(r["measured_step_time_s"] for r in result["layouts"])
+    for r in sorted(result["layouts"], key=lambda r: r["measured_step_time_s"]):
+        table.add_row(r["name"], str(r["num_microbatches"]), human_time(r["predicted_step_time_s"]),
+                      human_time(r["measured_step_time_s"]), f"{r['measured_step_time_s'] / fastest:.2f}")
+    out.print(table)
+    out.print(f"Spearman rank correlation {result['spearman']:.2f} over {len(result['layouts'])} layouts; "
+              f"the searched plan measures {result['auto_vs_fastest']:.2f}× the fastest")
     return None
 
 
@@ -305,8 +386,20 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write the plan JSON here")
     p = command("show", cmd_show, "show a plan file: stages, meshes, shardings, prediction")
     p.add_argument("plan", help="plan JSON written by `autopar plan --out`")
+    p.add_argument("--png", metavar="FILE", help="draw the pipeline schedule (Gantt), stage-to-device map and "
+                   "per-stage memory against the device limit")
     p = command("compare", cmd_compare, "the searched plan against every valid hand-written 3D layout")
     planning(p)
+    p = command("bench", cmd_bench, "run the searched plan and hand-written layouts for real; predicted vs measured")
+    p.add_argument("model", help="zoo name, or FILE.py:FUNCTION returning (model, inputs, loss_fn, make_batch)")
+    p.add_argument("--nproc", type=int, required=True, help="processes (ranks) on this machine")
+    p.add_argument("--cluster", default="cpu-local", help="cluster the predictions are for (default cpu-local)")
+    p.add_argument("--batch", type=int, help="global batch (default: the model's suite default)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per layout (default 2)")
+    p.add_argument("--steps", type=int, default=5, help="timed steps per layout, median taken (default 5)")
+    p = command("calibrate", cmd_calibrate, "measure this machine's ranks: matmul, memory, collectives (α, β)")
+    p.add_argument("--nproc", type=int, default=2, help="local ranks to measure (default 2)")
+    p.add_argument("--out", help="cluster JSON to write (default: the file cpu-local reads)")
     p = command("train", cmd_train, "train for real on synthetic data, launched through torchrun's launcher")
     p.add_argument("model", help="zoo name, or FILE.py:FUNCTION returning (model, inputs, loss_fn, make_batch)")
     p.add_argument("--nproc", type=int, required=True, help="processes (ranks) on this machine")

@@ -7,7 +7,8 @@ keeps its slice), which makes any rank of the sending stage a valid source: posi
 s + 1 takes its activations from position j mod n_s of stage s, and position i of stage s takes
 its gradients from position i mod n_{s+1} of stage s + 1. A rank may thus send to several ranks,
 and some send to none. This module runs the same orders as `ScheduleGPipe` / `Schedule1F1B`
-with those peers: blocking receives, asynchronous sends.
+with those peers (`schedule_order`, the orders the simulator replays): blocking receives,
+asynchronous sends.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from cost_models.simulator import schedule_order
 
 
 @dataclass(frozen=True)
@@ -43,21 +46,6 @@ def peers(sizes: list[int], rank: int) -> Peers:
                  grad_to=[r for k, r in enumerate(prev) if k % sizes[s] == j])
 
 
-def order(schedule: str, stage: int, stages: int, m: int) -> list[tuple[bool, int]]:
-    """(forward?, microbatch) in the order this stage runs them: GPipe, or 1F1B with pp − s − 1
-    warm-up forwards (Megatron-LM's)."""
-    if schedule == "gpipe":
-        return [(True, i) for i in range(m)] + [(False, i) for i in range(m)]
-    warm = min(m, stages - stage - 1)
-    out, f = [(True, i) for i in range(warm)], warm
-    for b in range(m):
-        if f < m:
-            out.append((True, f))
-            f += 1
-        out.append((False, b))
-    return out
-
-
 class FanOutSchedule:
     """Runs `module` (this rank's stage) over `m` microbatches. `inputs`/`outputs`: zero tensors of
     the shapes this stage receives and sends (whole values on a boundary between sizes)."""
@@ -67,7 +55,7 @@ class FanOutSchedule:
         self.module, self.stage, self.m, self.loss_fn = module, stage, m, loss_fn
         self.first, self.last = stage == 0, stage == len(sizes) - 1
         self.peers = peers(sizes, dist.get_rank())
-        self.order = order(schedule, stage, len(sizes), m)
+        self.order = [(kind == "F", i) for kind, i in schedule_order(schedule, len(sizes), stage, m)]
         self.inputs, self.outputs = inputs, outputs
         self.sync: Any = None  # GradSync: its buckets launch during the last backward
 

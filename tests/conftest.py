@@ -1,7 +1,14 @@
+import os
+import tempfile
+
 import pytest
 import torch
 
 from autopar import capture, load_workload
+
+# the tests plan on the nominal cpu-local, whatever `autopar calibrate` measured on this machine
+# (spawned ranks inherit the variable)
+os.environ.setdefault("AUTOPAR_CLUSTER", os.path.join(tempfile.mkdtemp(prefix="autopar-tests-"), "uncalibrated.json"))
 
 
 @pytest.fixture(scope="session")

@@ -248,3 +248,36 @@ def test_train_with_a_compressor_reports_compressed_bytes(capsys):
                       "--compression", "powersgd:2")
     assert result["compression"] == "powersgd:2"
     assert 0 < result["comm"]["dp"]["bytes_sent"] < result["comm"]["dp"]["bytes_raw"] / 4
+
+
+def test_show_draws_the_schedule_devices_and_memory_of_a_4_stage_1f1b_plan(capsys, tmp_path):
+    from autopar.draw import COLOURS, draw
+    from autopar.plan import Plan
+
+    path, png = tmp_path / "plan.json", tmp_path / "plan.png"
+    assert main(["plan", "gpt-1.3b", "--cluster", "v100-p3", "--mesh", "1x4", "--batch", "32",
+                 "--manual", "1,1,4,8", "--out", str(path)]) == 0
+    capsys.readouterr()
+    shown = run_json(capsys, "show", str(path), "--png", str(png))
+    assert shown["png"] == str(png) and png.stat().st_size > 20_000
+    fig = draw(Plan.load(path), memory_limit=15e9)
+    gantt, devices, memory = fig.axes
+    bars = [p for p in gantt.patches if abs(p.get_height() - 0.6) < 1e-9]  # compute bars: one per (stage, microbatch, F/B)
+    assert len(bars) == 4 * 8 * 2
+    assert {tuple(round(c, 3) for c in p.get_facecolor()[:3]) for p in bars} == {
+        tuple(round(int(COLOURS[k][i:i + 2], 16) / 255, 3) for i in (1, 3, 5)) for k in ("F", "B")}
+    assert len(devices.patches) == 4 and len(memory.patches) == 8  # 4 devices; states + activations per stage
+    assert [t.get_text() for t in gantt.get_yticklabels()][0].startswith("stage 0")
+
+
+def test_calibrate_writes_a_cluster_the_planner_reads(capsys, tmp_path):
+    from cost_models import get_cluster
+
+    path = tmp_path / "cluster.json"
+    result = run_json(capsys, "calibrate", "--nproc", "2", "--out", str(path))
+    spec = get_cluster(str(path))
+    assert spec.devices_per_host == 2 and spec.device.peak_flops["float32"] > 1e8
+    assert spec.intra_host.latency > 0 and spec.intra_host.bandwidth > 1e6
+    assert set(result["links"]) == {"2"} and set(result["links"]["2"]) == {"all_reduce", "all_gather"}
+    plan = run_json(capsys, "plan", "mlp-tiny", "--cluster", str(path), "--mesh", "1x2")
+    assert plan["cluster"] == "cpu-local" and plan["estimate"]["step_time_s"] > 0

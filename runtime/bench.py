@@ -1,0 +1,114 @@
+"""`autopar bench`: run the searched plan and hand-written 3D layouts for real, next to what the
+cost model predicted for them, and say how well the prediction ranks them (Spearman).
+
+All layouts run in one start of the ranks (each gets a fresh model with the same weights), a few
+warm-up steps then timed ones; a step's time is the slowest rank's, and a layout's the median
+over its timed steps. Layouts differ in (dp, tp, pp) and microbatches; recomputation is left
+out (the runtime does not recompute, so its prediction would not describe what runs).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None) -> list[Any]:
+    """The searched plan first, then every valid hand-written layout × microbatch count."""
+    import dataclasses
+
+    from autopar.manual import Layout, check, manual_plan, manual_search
+    from autopar.models import load_workload
+    from autopar.planner import Search, plan_auto
+
+    w = load_workload(model, batch=batch, device="cpu", dtype=torch.float32)
+    search = Search.start(w, cluster, (1, nproc))
+    plans = [dataclasses.replace(plan_auto(search), name="auto")]
+    view = manual_search(search)
+    for tp in (t for t in range(1, nproc + 1) if nproc % t == 0):
+        for pp in (p for p in range(1, nproc // tp + 1) if (nproc // tp) % p == 0):
+            for m in (1, 2, 4, 8):
+                layout = Layout(nproc // (tp * pp), tp, pp, m, False)
+                if check(view, layout) is None:
+                    plans.append(manual_plan(view, layout))
+    return plans
+
+
+def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans: list[str], warmup: int,
+          steps: int, out: str) -> None:
+    import autopar
+    from autopar.plan import Plan
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    times: list[float] = []
+    for text in plans:
+        torch.manual_seed(0)
+        w = autopar.load_workload(model, batch=batch, device="cpu", dtype=torch.float32)
+        pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=Plan.from_json(text),
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
+        gen = torch.Generator().manual_seed(1)
+        measured = []
+        for i in range(warmup + steps):
+            inputs, target = w.make_batch(w.batch, gen)
+            dist.barrier()
+            start = time.perf_counter()
+            pm.step(inputs, target)
+            slowest = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            if i >= warmup:
+                measured.append(float(slowest))
+        times.append(statistics.median(measured))
+    if rank == 0:
+        torch.save(times, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Rank correlation (average ranks for ties)."""
+    def ranks(x: list[float]) -> np.ndarray:
+        x = np.asarray(x)
+        order = x.argsort()
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x))
+        for v in np.unique(x):
+            r[x == v] = r[x == v].mean()
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    return float(np.corrcoef(ra, rb)[0, 1]) if len(a) > 1 else 1.0
+
+
+def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup: int = 2, steps: int = 5,
+          progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    if progress:
+        progress("planning the searched and hand-written layouts")
+    plans = candidate_plans(model, nproc, cluster, batch)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    if progress:
+        progress(f"running {len(plans)} layouts on {nproc} ranks")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.pt")
+        mp.spawn(_rank, args=(nproc, port, model, batch, [p.to_json() for p in plans], warmup, steps, out),
+                 nprocs=nproc, join=True)
+        measured = torch.load(out, weights_only=False)
+    rows = [{"name": p.name, "num_microbatches": p.num_microbatches,
+             "predicted_step_time_s": p.estimate.step_time_s, "measured_step_time_s": t}
+            for p, t in zip(plans, measured)]
+    fastest = min(r["measured_step_time_s"] for r in rows)
+    return {"model": model, "nproc": nproc, "cluster": cluster.name, "layouts": rows,
+            "spearman": spearman([r["predicted_step_time_s"] for r in rows], [r["measured_step_time_s"] for r in rows]),
+            "auto_name": rows[0]["name"], "auto_vs_fastest": rows[0]["measured_step_time_s"] / fastest}
