@@ -141,7 +141,9 @@ class PipelineModel:
                            .requires_grad_(grad and example[n].is_floating_point()))
             return tuple(out)
 
-        kind = ScheduleGPipe if plan.schedule == "gpipe" else Schedule1F1B
+        # with fewer microbatches than stages, 1F1B's warm-up holds them all: the GPipe order (torch's
+        # Schedule1F1B refuses m < stages)
+        kind = ScheduleGPipe if plan.schedule == "gpipe" or self.m < self.pp else Schedule1F1B
         # the loss, not the gradients, carries the 1/m of the microbatch mean: the synchroniser reads
         # the gradients during the last backward, before the schedule could scale them
         loss_m = lambda out, target: loss_fn(out, target) / self.m
