@@ -18,7 +18,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks._cli import run_cli  # noqa: E402
+from benchmarks._cli import run_cli
 
 
 def main() -> None:
