@@ -233,7 +233,8 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> Any:
                                    for k, v in fits.items()} for n, fits in measured["links"].items()}}
     dev = measured["device"]
     out.print("matmul " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in dev["matmul_flops"].items())
-              + f"; conv2d {dev['conv2d_flops'] / 1e9:.1f} GFLOP/s; memory {dev['memory_bandwidth'] / 1e9:.1f} GB/s")
+              + "; conv2d " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in dev["conv2d_flops"].items())
+              + f"; memory {dev['memory_bandwidth'] / 1e9:.1f} GB/s")
     table = Table(title=f"collectives on {args.nproc} local ranks (fitted to the ring formulas)")
     for col in ("ranks", "collective", "α (latency)", "bandwidth (1/β)"):
         table.add_column(col, justify="right")

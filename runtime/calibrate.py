@@ -2,7 +2,7 @@
 
 A device here is what one rank runs on (a CPU core with one thread under gloo, a GPU under NCCL).
 Measured: matmul throughput per dtype (the best of a few sizes: what large matmuls reach, so the
-spec's efficiency is 1), a convolution's throughput (reported), memory bandwidth (a large copy),
+spec's efficiency is 1), a convolution's throughput per dtype (reported), memory bandwidth (a large copy),
 and for every group size 2 … N the time of all-reduce and all-gather across message sizes, with
 α (latency) and β (seconds per byte) fitted by least squares to the ring formulas of
 `cost_models.comm`. The link of the spec is the fit of the largest group (its ranks share the host
@@ -48,9 +48,14 @@ def measure_device(device: torch.device) -> dict[str, Any]:
             t = _timed(lambda a=a, b=b: (a @ b, sync()), repeats=3)
             best = max(best, 2 * n**3 / t)
         flops[str(dtype).removeprefix("torch.")] = best
-    x, w = torch.randn(8, 64, 32, 32, device=device), torch.randn(64, 64, 3, 3, device=device)
-    t = _timed(lambda: (torch.nn.functional.conv2d(x, w, padding=1), sync()), repeats=3)
-    conv = 2 * 8 * 64 * 32 * 32 * 64 * 9 / t
+    conv: dict[str, float] = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x, w = (torch.randn(*shape, device=device).to(dtype) for shape in ((8, 64, 32, 32), (64, 64, 3, 3)))
+        try:
+            t = _timed(lambda x=x, w=w: (torch.nn.functional.conv2d(x, w, padding=1), sync()), repeats=3)
+        except RuntimeError:  # no kernel for this dtype on this device
+            continue
+        conv[str(dtype).removeprefix("torch.")] = 2 * 8 * 64 * 32 * 32 * 64 * 9 / t
     big = torch.empty(16 * 2**20, device=device)  # 64 MiB
     t = _timed(lambda: (big.clone(), sync()), repeats=3)
     return {"matmul_flops": flops, "conv2d_flops": conv, "memory_bandwidth": 2 * big.numel() * 4 / t}

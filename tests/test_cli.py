@@ -281,3 +281,11 @@ def test_calibrate_writes_a_cluster_the_planner_reads(capsys, tmp_path):
     assert set(result["links"]) == {"2"} and set(result["links"]["2"]) == {"all_reduce", "all_gather"}
     plan = run_json(capsys, "plan", "mlp-tiny", "--cluster", str(path), "--mesh", "1x2")
     assert plan["cluster"] == "cpu-local" and plan["estimate"]["step_time_s"] > 0
+
+
+def test_bench_runs_every_layout_and_ranks_the_predictions(capsys):
+    result = run_json(capsys, "bench", "mlp-tiny", "--nproc", "2", "--warmup", "0", "--steps", "1")
+    names = [r["name"] for r in result["layouts"]]
+    assert result["auto_name"] == names[0] == "auto" and len(names) >= 8  # with 1,1,2,1: fewer microbatches than stages
+    assert all(r["predicted_step_time_s"] > 0 and r["measured_step_time_s"] > 0 for r in result["layouts"])
+    assert -1 <= result["spearman"] <= 1 and result["auto_vs_fastest"] >= 1
