@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-import socket
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -124,7 +123,7 @@ def _init_process_group(backend: str) -> None:
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from runtime import free_port
+
+    port = free_port()
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)

@@ -53,7 +53,6 @@ import logging
 import math
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -71,6 +70,8 @@ from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from runtime.backend import free_port
 
 # ---- data, model, training loop -------------------------------------------------------------------
 
@@ -169,19 +170,13 @@ def _quiet() -> None:
     logging.getLogger("autopar").setLevel(logging.ERROR)  # "planning N ranks on M cores", once per run
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(fn: Any, world: int, args: argparse.Namespace, env: dict[str, str] | None = None) -> Any:
     """fn(rank, world, args) on `world` local gloo ranks, with `env` set for them; what rank 0 returned."""
     out = os.path.join(tempfile.mkdtemp(), "result.pt")
     saved = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})  # spawned ranks inherit the environment
     try:
-        mp.spawn(_entry, args=(fn, world, _free_port(), out, args), nprocs=world)
+        mp.spawn(_entry, args=(fn, world, free_port(), out, args), nprocs=world)
     finally:
         for k, v in saved.items():
             if v is None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -29,6 +28,8 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from runtime.backend import free_port
 
 
 def _optimizer(params):
@@ -87,10 +88,10 @@ def _rank(rank, world, port, out, args):
         else:
             if kind == "ddp":
                 model = torch.nn.parallel.DistributedDataParallel(w.model)
-                part = lambda t: t.tensor_split(world)[rank]  # noqa: E731
+                part = lambda t: t.tensor_split(world)[rank]
             else:
                 model = _hand_tp(w.model, world)
-                part = lambda t: t  # noqa: E731
+                part = lambda t: t
             opt = _optimizer(list(model.parameters()))
 
             def step(inputs, target, model=model, opt=opt, part=part, loss_fn=w.loss_fn):
@@ -125,9 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     args.kinds = ["ddp", "autopar-dp", "hand-tp", "autopar-tp"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     out = os.path.join(tempfile.mkdtemp(), "times.pt")
     print(f"{args.model} on {args.nproc} gloo ranks, {args.steps} timed steps each", file=sys.stderr)
     mp.spawn(_rank, args=(args.nproc, port, out, args), nprocs=args.nproc)

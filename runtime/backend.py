@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import torch
 import torch.distributed as dist
 
@@ -17,3 +19,10 @@ def local_device(local_rank: int) -> torch.device:
     if default_backend() == "nccl":
         return torch.device("cuda", local_rank % torch.cuda.device_count())
     return torch.device("cpu")
+
+
+def free_port() -> int:
+    """A TCP port on loopback nothing listens on now, for a job of local ranks to meet at."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

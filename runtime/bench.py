@@ -10,7 +10,6 @@ out (the runtime does not recompute, so its prediction would not describe what r
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -21,6 +20,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from runtime.backend import free_port
 
 
 def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None) -> list[Any]:
@@ -95,9 +96,7 @@ def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup
     if progress:
         progress("planning the searched and hand-written layouts")
     plans = candidate_plans(model, nproc, cluster, batch)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     if progress:
         progress(f"running {len(plans)} layouts on {nproc} ranks")
     with tempfile.TemporaryDirectory() as tmp:

@@ -12,7 +12,6 @@ the way a plan's would).
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -23,6 +22,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from runtime.backend import free_port
 
 SIZES = [2**k for k in range(10, 24, 2)]  # bytes per collective: 1 KiB … 4 MiB
 
@@ -103,9 +104,7 @@ def calibrate(nproc: int, progress: Callable[[str], None] | None = None) -> dict
     from runtime import default_backend
 
     backend = default_backend()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "calibration.pt")
         if progress:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import resource
-import socket
 import statistics
 import time
 import uuid
 from typing import Any
 
 import torch
+
+from runtime.backend import free_port
 
 
 def worker(model: str, plan: str | None, steps: int, batch: int | None, cluster: str | None,
@@ -57,9 +58,7 @@ def launch(model: str, nproc: int, plan: str | None, steps: int, batch: int | No
 
     from autopar.errors import AutoparError
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
                           rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
                           monitor_interval=0.1, start_method="spawn")

@@ -227,6 +227,8 @@ def test_every_method_trains_on_gloo_and_keeps_replicas_identical(tmp_path, worl
                 for key in a:
                     if not (method.startswith("delay") and step < 3):  # DGA: equal once re-synchronised
                         assert torch.equal(a[key], b[key]), (method, step, key)
+            if method.startswith("delay"):  # before that, each applied its own last local gradients
+                assert any(not torch.equal(first[1][0][k], other[method][1][0][k]) for k in first[1][0])
         raw, sent = first[2]["bytes_raw"], first[2]["bytes_sent"]
         if method == "none":
             continue
