@@ -203,3 +203,15 @@ class Compressed:
 
     def finish_step(self) -> None:
         self.step += 1
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a resumed run needs to continue this rank's exact trajectory: the step (warm-up
+        schedules), the generator, the memory's residuals or momenta, the compressor's warm start."""
+        return {"step": self.step, "generator": self.generator.get_state(), "memory": dict(vars(self.memory)),
+                "compressor": dict(vars(self.compressor))}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = state["step"]
+        self.generator.set_state(state["generator"])
+        vars(self.memory).update(state["memory"])
+        vars(self.compressor).update(state["compressor"])

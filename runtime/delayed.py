@@ -25,6 +25,8 @@ from runtime.grad_sync import EmulatedLink, SyncStats, local, write_grad
 class DelayedSync:
     """Same protocol as `GradSync` (`sync`, `finish()`, `reset_stats()`, `after_step()`)."""
 
+    replicas_differ = True  # between resyncs each replica applies its own recent gradients
+
     def __init__(self, params: list[torch.nn.Parameter], group: dist.ProcessGroup | None, delay: int,
                  resync: int = 100, link: EmulatedLink | None = None) -> None:
         if delay < 1:
@@ -52,7 +54,8 @@ class DelayedSync:
         applied = now
         if len(self.pending) > self.delay:
             work, total, then, launched = self.pending.popleft()
-            work.wait()
+            if work is not None:  # None: restored from a checkpoint, already complete
+                work.wait()
             if self.link is not None:
                 self.link.wait(launched, nbytes)
             applied = now - then + total / self.world
@@ -67,6 +70,17 @@ class DelayedSync:
             for p in self.params:
                 dist.all_reduce(local(p.data), group=self.group)
                 local(p.data).div_(self.world)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The averages still in flight (waited for) and this rank's gradients they replace."""
+        for work, *_ in self.pending:
+            if work is not None:
+                work.wait()
+        return {"steps": self.steps, "pending": [(total, then) for _, total, then, _ in self.pending]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.steps = state["steps"]
+        self.pending = deque((None, total, then, 0.0) for total, then in state["pending"])
 
     def reset_stats(self) -> SyncStats:
         stats, self.stats = self.stats, SyncStats()

@@ -164,6 +164,14 @@ class GradSync:
     def after_step(self) -> None:
         """After the optimizer's step (delayed averaging re-synchronises replicas there)."""
 
+    def state_dict(self) -> dict[str, Any] | None:
+        """Per-rank state a resumed run needs (a compressor's memories); dense averaging has none."""
+        return self.compressed.state_dict() if self.compressed is not None else None
+
+    def load_state_dict(self, state: dict[str, Any] | None) -> None:
+        if self.compressed is not None and state is not None:
+            self.compressed.load_state_dict(state)
+
     def reset_stats(self) -> SyncStats:
         stats, self.stats = self.stats, SyncStats()
         return stats

@@ -120,6 +120,7 @@ class PipelineModel:
         if g.bridged_before or g.bridged_after:  # a second export (before sharding) tells batch dimensions
             twice = _export(model, tuple(torch.cat([x, x]) if isinstance(x, torch.Tensor) else x for x in micro), {})
         self.module = ShardedGraph(model, plan.stages[self.stage_index], g.tp_mesh, ep, part)
+        self.trained = self.module  # what the optimizer steps (and checkpoints save), by model names
         values = {n.name: n.meta.get("val") for n in ep.graph.nodes}
         example = {**values, **dict(zip(user, micro))}
         dims: dict[str, int | None] = {}
@@ -185,6 +186,9 @@ class PipelineModel:
         per_rank: list[dict[str, str]] = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, placed)
         holders = [per_rank[g.offsets[s]] for s in range(self.pp)]
+        # weights a lower stage holds too: checkpoints save them from that stage alone
+        self.copies = {n.replace("__", ".") for n in holders[self.stage_index]
+                       if any(n in holders[s] for s in range(self.stage_index))}
         out = []
         for name in sorted({n for h in holders for n in h}):
             stages = [s for s in range(self.pp) if name in holders[s]]

@@ -1,0 +1,149 @@
+"""Checkpoints that any plan can load: `torch.distributed.checkpoint` (DCP) by model names.
+
+Parameters and optimizer states are saved under the model's own parameter names with their
+DTensor layouts, so DCP reshards them on load: a run saved under 4-way tensor parallelism
+resumes under 2×2 data × pipeline. A weight several pipeline stages hold (a tied embedding) is
+saved once, from the first stage holding it, and loaded into every copy.
+
+Atomic: every rank writes into `step-N.partial/`, and once all have, rank 0 renames it to
+`step-N` (a rename is atomic on a POSIX file system). A job killed mid-save leaves the previous
+checkpoint the latest complete one; `latest()` never returns a partial one. Multi-host jobs need
+a directory every host sees (as DCP's file system writer does).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+_STEP = re.compile(r"step-(\d+)")
+_FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+def latest(directory: str | Path) -> Path | None:
+    """The complete checkpoint with the highest step in `directory`, or None."""
+    root = Path(directory)
+    if not root.is_dir():
+        return None
+    done = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.fullmatch(p.name)) and p.is_dir()]
+    return max(done)[1] if done else None
+
+
+def step_of(path: str | Path) -> int:
+    m = _STEP.fullmatch(Path(path).name)
+    if m is None:
+        raise ValueError(f"{path} is not a checkpoint directory (step-N)")
+    return int(m.group(1))
+
+
+def _names(pm: Any) -> dict[str, str]:
+    """Name of each trained parameter in its module -> its name in the user's model."""
+    return {n: n.replace("__", ".") for n, _ in pm.trained.named_parameters()}
+
+
+def _state(pm: Any, saving: bool) -> tuple[dict[str, Any], dict[str, str]]:
+    """What DCP saves or loads into: parameters and flattened optimizer state by model names, and
+    each optimizer entry's key as torch's state-dict helpers name it. Saving leaves out the copies
+    of weights a lower stage holds too (`pm.copies`)."""
+    names = _names(pm)
+    skip = getattr(pm, "copies", set()) if saving else set()
+    state: dict[str, Any] = {f"model.{names[n]}": p.detach() for n, p in pm.trained.named_parameters()
+                             if names[n] not in skip}
+    torch_keys = {}
+    for key, value in get_optimizer_state_dict(pm.trained, pm.optimizer, options=_FLAT).items():
+        kind, name, field = key.split(".", 2)  # "state.<param>.exp_avg", "param_groups.<param>.lr"
+        if names.get(name, name) not in skip:
+            ours = f"optim.{kind}.{names.get(name, name)}.{field}"
+            state[ours], torch_keys[ours] = value, key
+    return state, torch_keys
+
+
+def save(pm: Any, directory: str | Path, step: int, trainer: dict[str, Any] | None = None, keep: int = 2) -> Path:
+    """Write a checkpoint of `pm` after `step` steps; every rank calls this. `trainer` (the data
+    generator's state, the losses so far: anything torch.save takes) is kept beside it, and each
+    rank's random state and synchroniser state (error feedback, delayed gradients) too.
+    Keeps the `keep` newest checkpoints."""
+    root = Path(directory)
+    final, partial = root / f"step-{step}", root / f"step-{step}.partial"
+    rank = dist.get_rank()
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(partial, ignore_errors=True)
+    dist.barrier()
+    dcp.save(_state(pm, saving=True)[0], checkpoint_id=str(partial))
+    sync = getattr(pm, "sync", None)
+    local = {"rng": torch.get_rng_state(), "world": dist.get_world_size(), "plan": pm.plan.to_json(),
+             "sync": sync.state_dict() if sync is not None else None}
+    if getattr(sync, "replicas_differ", False):  # delayed averaging: each replica's own weights and moments
+        local["replica"] = {"params": [p.detach().clone() for p in pm.trained.parameters()],
+                            "optimizer": pm.optimizer.state_dict()}
+    _atomic_save(local, partial / f"rank{rank}.pt")
+    if rank == 0:
+        _atomic_save({"step": step, **(trainer or {})}, partial / "trainer.pt")
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(final, ignore_errors=True)  # a step redone after a resume from an older one
+        os.rename(partial, final)
+        _fsync_dir(root)
+        done = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.fullmatch(p.name)))
+        for _, old in done[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    dist.barrier()
+    return final
+
+
+def load(pm: Any, path: str | Path) -> dict[str, Any]:
+    """Load a checkpoint into `pm` (whatever plan it was saved under) and return the trainer state
+    saved with it ("step" included). Random and synchroniser states come back only when the job
+    runs the same plan on as many ranks; otherwise they start afresh, as a new layout's would."""
+    path = Path(path)
+    if not (path / ".metadata").is_file():
+        from autopar.errors import AutoparError
+
+        raise AutoparError(f"{path} is not a complete autopar checkpoint (no .metadata): "
+                           "pass a step-N directory that `autopar train --checkpoint-dir` wrote")
+    state, torch_keys = _state(pm, saving=False)
+    dcp.load(state, checkpoint_id=str(path))
+    set_optimizer_state_dict(pm.trained, pm.optimizer, {torch_keys[k]: state[k] for k in torch_keys}, options=_FLAT)
+    mine = path / f"rank{dist.get_rank()}.pt"
+    if mine.is_file():
+        local = torch.load(mine, weights_only=False)
+        if local["world"] == dist.get_world_size() and local["plan"] == pm.plan.to_json():
+            torch.set_rng_state(local["rng"])
+            if local["sync"] is not None and getattr(pm, "sync", None) is not None:
+                pm.sync.load_state_dict(local["sync"])
+            if "replica" in local:
+                with torch.no_grad():
+                    for p, saved in zip(pm.trained.parameters(), local["replica"]["params"]):
+                        p.copy_(saved)
+                pm.optimizer.load_state_dict(local["replica"]["optimizer"])
+    return torch.load(path / "trainer.pt", weights_only=False)
+
+
+def _atomic_save(obj: Any, path: Path) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "wb") as f:
+        torch.save(obj, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

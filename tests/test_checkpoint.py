@@ -1,0 +1,115 @@
+"""Checkpoints on 4 gloo ranks: a resumed run continues the exact trajectory, and a checkpoint
+saved under one plan loads under another with identical parameters."""
+
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import autopar
+from runtime import checkpoint
+from tests.distributed import shared_ranks
+from tests.test_parallelize import _layout, _workload
+
+WORLD = 4
+
+
+def _adam(params):
+    return torch.optim.AdamW(params, lr=1e-2)
+
+
+def _directory() -> str:
+    """One new directory every rank of the job writes to."""
+    name = [tempfile.mkdtemp(prefix="autopar-ckpt-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(name, src=0)
+    return name[0]
+
+
+def _plan(w, layout: str):
+    """A layout "DP,TP,PP[,MB]"; "zero3:" before it shards every parameter over the data axis."""
+    if not layout.startswith("zero3:"):
+        return layout
+    plan = _layout(w, WORLD, layout.removeprefix("zero3:"))
+    for stage in plan.stages:
+        stage.params = {f: ["S(0)", p[1]] for f, p in stage.params.items()}
+    return plan
+
+
+def _parallelize(name, layout, seed=0, **kw):
+    w, batches = _workload(name)
+    if seed:  # other initial weights: only the checkpoint can make the runs agree
+        torch.manual_seed(seed)
+        for p in w.model.parameters():
+            torch.nn.init.normal_(p, std=0.5)
+    pm = autopar.parallelize(w.model, (1, WORLD), w.example_inputs, loss_fn=w.loss_fn, optimizer=_adam,
+                             plan=_plan(w, layout), **kw)
+    return pm, batches
+
+
+def _moved(rank, world, name, saved, loaded):
+    """Two steps under `saved`, a checkpoint; a fresh model under `loaded` loads it."""
+    directory = _directory()
+    pm, batches = _parallelize(name, saved)
+    for inputs, target in batches[:2]:
+        pm.step(inputs, target)
+    path = checkpoint.save(pm, directory, 2, {"note": "moved"})
+    before = pm.full_state_dict()
+    next_loss = pm.step(*batches[2])  # what the saved layout does next
+    other, _ = _parallelize(name, loaded, seed=7)
+    trainer = checkpoint.load(other, path)
+    after = other.full_state_dict()
+    return before, after, trainer, next_loss, other.step(*batches[2])
+
+
+MOVES = [("gpt-tiny", "1,4,1", "2,1,2,2"), ("gpt-tiny", "2,1,2,2", "1,4,1"),
+         ("mlp-tiny", "zero3:4,1,1", "2,2,1"), ("gpt-tiny", "2,2,1", "1,2,2,2")]
+
+
+@pytest.mark.parametrize("name, saved, loaded", MOVES)
+def test_a_checkpoint_saved_under_one_plan_loads_under_another(tmp_path, name, saved, loaded):
+    for before, after, trainer, next_loss, loss in shared_ranks(_moved, WORLD, MOVES, (name, saved, loaded), tmp_path):
+        assert trainer == {"step": 2, "note": "moved"}
+        assert after.keys() == before.keys()
+        for key, value in before.items():
+            assert torch.equal(after[key], value), key  # bit for bit
+        # the optimizer's moments moved too: the next step agrees up to summation order
+        assert loss == pytest.approx(next_loss, rel=1e-4)
+
+
+def _resumed(rank, world, name, layout, compression, delay):
+    """Four steps straight, against two steps, a checkpoint, a new job's model loading it, two more."""
+    kw = {"compression": compression, "delay": delay}
+    pm, batches = _parallelize(name, layout, **kw)
+    straight = [pm.step(*b) for b in batches + batches[:1]]
+    directory = _directory()
+    first, _ = _parallelize(name, layout, **kw)
+    losses = [first.step(*b) for b in batches[:2]]
+    checkpoint.save(first, directory, 2)
+    checkpoint.save(first, directory, 2)  # saving a step again replaces it
+    second, _ = _parallelize(name, layout, seed=3, **kw)
+    trainer = checkpoint.load(second, checkpoint.latest(directory))
+    losses += [second.step(*b) for b in batches[2:] + batches[:1]]
+    return straight, losses, trainer["step"], pm.full_state_dict(), second.full_state_dict()
+
+
+RESUMED = [("gpt-tiny", "2,1,2,2", None, 0), ("mlp-tiny", "2,2,1", "topk:0.05", 0),
+           ("mlp-tiny", "4,1,1", "powersgd:2", 0), ("mlp-tiny", "4,1,1", None, 2)]
+
+
+@pytest.mark.parametrize("name, layout, compression, delay", RESUMED)
+def test_a_resumed_run_continues_the_exact_trajectory(tmp_path, name, layout, compression, delay):
+    results = shared_ranks(_resumed, WORLD, RESUMED, (name, layout, compression, delay), tmp_path)
+    for straight, losses, step, params, resumed_params in results:
+        assert step == 2
+        assert losses == straight  # exactly: same data, same optimizer and compressor states
+        for key, value in params.items():
+            assert torch.equal(resumed_params[key], value), key
+
+
+def test_latest_skips_partial_checkpoints(tmp_path):
+    (tmp_path / "step-3").mkdir()
+    (tmp_path / "step-12.partial").mkdir()  # a job killed while writing it
+    (tmp_path / "step-10").mkdir()
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-10"
+    assert checkpoint.latest(tmp_path / "absent") is None
