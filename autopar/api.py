@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import os
 from collections.abc import Callable
@@ -32,6 +33,7 @@ def parallelize(
     cluster: str | None = None,
     compression: str | None = None,
     delay: int = 0,
+    timeout: float | None = None,
 ):
     """The model under a plan, ready to `step(inputs, target)` on the global batch.
 
@@ -40,6 +42,8 @@ def parallelize(
     `compression` ("dgc:0.999", "powersgd:2", ... see `runtime.compression`; "auto": the planner
     weighs a few) and `delay` (delayed gradient averaging, in steps) replace the plan's
     `dp_gradient` choices; a searched or hand-written layout is planned with them priced in.
+    `timeout` (seconds): a collective waiting longer fails, and `step` raises `PeerLost` — a rank
+    died or hangs (applies when this call starts the process group; torch's default otherwise).
     """
     from runtime import default_backend, local_device
     from runtime.parallel import ParallelModel, UnsupportedPlan, zero3
@@ -50,7 +54,9 @@ def parallelize(
         parse(compression)  # a misspelt method fails here, on every rank, before any process group
     if delay < 0:
         raise AutoparError(f"delay must be a number of steps ≥ 0, got {delay}")
-    _init_process_group(default_backend())
+    if timeout is not None and not timeout > 0:
+        raise AutoparError(f"timeout must be a positive number of seconds, got {timeout}")
+    _init_process_group(default_backend(), timeout)
     world, rank = dist.get_world_size(), dist.get_rank()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun's ranks per host
     hosts, per_host = mesh if mesh is not None else (max(1, world // per_node), min(per_node, world))
@@ -116,14 +122,15 @@ def _resolve(plan, model, args, batch, graph, cluster, mesh, compression, delay)
     return plan_compressed(search, compression, plan_auto)
 
 
-def _init_process_group(backend: str) -> None:
+def _init_process_group(backend: str, timeout: float | None) -> None:
     """Join the torchrun job, or become a job of one when launched as a plain script."""
     if dist.is_initialized():
         return
+    kw = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend)
+        dist.init_process_group(backend, **kw)
         return
     from runtime import free_port
 
     port = free_port()
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, **kw)

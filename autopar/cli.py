@@ -275,13 +275,13 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> Any:
 
 
 def cmd_train(args: argparse.Namespace, out: Console) -> Any:
-    from runtime.train import launch
+    from runtime.train import TrainJob, launch
 
-    if args.nproc < 1 or args.steps < 1:
-        raise AutoparError(f"--nproc and --steps must be positive, got {args.nproc} and {args.steps}")
+    job = TrainJob(args.model, args.nproc, args.steps, args.plan, args.batch, args.cluster, args.compression,
+                   args.delay, args.checkpoint_dir, args.checkpoint_every, args.resume, args.timeout)
+    job.check()
     with Console(stderr=True).status(f"training {args.model} on {args.nproc} rank(s)"):
-        result = launch(args.model, args.nproc, args.plan, args.steps, args.batch, args.cluster, args.compression,
-                        args.delay)
+        result = launch(job, quiet=not args.debug)
     if args.json:
         return result
     extra = (f", {result['compression']}" if result["compression"] else "") + (
@@ -290,10 +290,11 @@ def cmd_train(args: argparse.Namespace, out: Console) -> Any:
     table.add_column("step", justify="right")
     table.add_column("loss", justify="right")
     for i, loss in enumerate(result["losses"]):
-        table.add_row(str(i), f"{loss:.4f}")
+        table.add_row(str(i) + (" (checkpoint)" if i < result["start_step"] else ""), f"{loss:.4f}")
     out.print(table)
-    out.print(f"{human_time(result['step_time_s'])} per step (median), {result['samples_per_s']:.1f} samples/s, "
-              f"peak memory per rank {', '.join(human_bytes(b) for b in result['peak_memory_bytes'])}")
+    if result["step_time_s"] is not None:
+        out.print(f"{human_time(result['step_time_s'])} per step (median), {result['samples_per_s']:.1f} samples/s, "
+                  f"peak memory per rank {', '.join(human_bytes(b) for b in result['peak_memory_bytes'])}")
     return None
 
 
@@ -411,6 +412,14 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=5, help="training steps (default 5)")
     p.add_argument("--batch", type=int, help="global batch (default: the model's suite default)")
     p.add_argument("--cluster", help="cluster the search plans for (default cpu-local)")
+    p.add_argument("--checkpoint-dir", metavar="DIR", help="write checkpoints here (step-N directories, "
+                   "torch.distributed.checkpoint; any plan can load them)")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
+                   help="checkpoint every N steps (default 0: after the last step only)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the latest checkpoint in --checkpoint-dir (under this run's plan) to --steps")
+    p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
+                   help="a collective waiting longer fails the job: a rank died or hangs (default 300)")
     return parser
 
 

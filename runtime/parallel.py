@@ -19,6 +19,7 @@ from torch import nn
 
 from autopar.capture import _export
 from runtime.comm_count import CollectiveBytes
+from runtime.failures import guarded
 from runtime.grad_sync import GradSync
 from runtime.sharded_graph import ShardedGraph
 
@@ -126,6 +127,7 @@ class ParallelModel:
         self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [0, 0]}
         self._issued: list[dict[str, Any]] = []
 
+    @guarded
     def step(self, inputs: Any, target: torch.Tensor) -> float:
         """One training step on the global batch; returns the global mean loss (same on every rank)."""
         check_batch(inputs, self.plan)

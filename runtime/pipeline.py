@@ -28,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from autopar.capture import _export
 from runtime.comm_count import CollectiveBytes
+from runtime.failures import guarded
 from runtime.cross_mesh import batch_dims
 from runtime.fan_out import FanOutSchedule
 from runtime.grad_sync import GradSync, local
@@ -206,6 +207,7 @@ class PipelineModel:
                     out.append((self.module.get_parameter(name), group, share))
         return out
 
+    @guarded
     def step(self, inputs: Any, target: torch.Tensor) -> float:
         check_batch(inputs, self.plan)
         local_in = self._local(inputs)  # used by the first stage

@@ -1,80 +1,166 @@
-"""`autopar train`: real training steps on synthetic data, launched through torchrun's launcher."""
+"""`autopar train`: real training steps on synthetic data, launched through torchrun's launcher,
+with checkpoints to resume from and a report of the rank that died when one does."""
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import resource
 import statistics
+import sys
+import tempfile
 import time
 import uuid
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from runtime import failures
 from runtime.backend import free_port
 
 
-def worker(model: str, plan: str | None, steps: int, batch: int | None, cluster: str | None,
-           compression: str | None = None, delay: int = 0) -> dict[str, Any]:
-    """One rank: build the zoo model on this rank's device, parallelize it, train `steps` steps.
+@dataclasses.dataclass(frozen=True)
+class TrainJob:
+    model: str
+    nproc: int
+    steps: int
+    plan: str | None = None
+    batch: int | None = None
+    cluster: str | None = None
+    compression: str | None = None
+    delay: int = 0
+    checkpoint_dir: str | None = None
+    checkpoint_every: int = 0  # 0: only after the last step
+    resume: bool = False
+    timeout_s: float = 300.0
 
-    Errors the user can fix come back as {"error": message} so the launcher reports them as such."""
+    def check(self) -> None:
+        from autopar.errors import AutoparError
+
+        if self.nproc < 1 or self.steps < 1:
+            raise AutoparError(f"--nproc and --steps must be positive, got {self.nproc} and {self.steps}")
+        if self.checkpoint_every < 0:
+            raise AutoparError(f"--checkpoint-every must be ≥ 0 steps, got {self.checkpoint_every}")
+        if (self.resume or self.checkpoint_every) and not self.checkpoint_dir:
+            raise AutoparError("--resume and --checkpoint-every need --checkpoint-dir DIR: where checkpoints go")
+        if not self.timeout_s > 0:
+            raise AutoparError(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
+
+
+def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
+    """One rank: build the zoo model on this rank's device, parallelize it, train to `job.steps`,
+    resuming from the latest checkpoint when asked. Errors the user can fix come back as
+    {"error": message} so the launcher reports them as such."""
     import torch.distributed as dist
 
     import autopar
     from autopar.errors import AutoparError
-    from runtime import local_device
+    from runtime import checkpoint, local_device
 
+    rank, step, phase = None, 0, "start"
     try:
         torch.manual_seed(0)  # every rank builds the same initial weights
-        w = autopar.load_workload(model, batch=batch, device="cpu", dtype=torch.float32)
+        w = autopar.load_workload(job.model, batch=job.batch, device="cpu", dtype=torch.float32)
         if w.make_batch is None or w.loss_fn is None:
-            raise AutoparError(f"{model} has no loss and synthetic batches: return (model, inputs, loss_fn, "
+            raise AutoparError(f"{job.model} has no loss and synthetic batches: return (model, inputs, loss_fn, "
                                "make_batch) from your model function")
-        pm = autopar.parallelize(w.model, None, w.example_inputs, loss_fn=w.loss_fn, plan=plan, cluster=cluster,
-                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), compression=compression,
-                                 delay=delay)
+        pm = autopar.parallelize(w.model, None, w.example_inputs, loss_fn=w.loss_fn, plan=job.plan,
+                                 cluster=job.cluster, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                                 compression=job.compression, delay=job.delay, timeout=job.timeout_s)
+        rank = dist.get_rank()
         gen = torch.Generator().manual_seed(1)  # the same global batches on every rank
-        losses, times = [], []
-        for _ in range(steps):
+        start, losses, resumed_from = 0, [], None
+        found = checkpoint.latest(job.checkpoint_dir) if job.resume else None
+        if found is not None:
+            step, phase = checkpoint.step_of(found), "resume"
+            failures.record(progress_dir, rank, step, phase)
+            saved = checkpoint.load(pm, found)
+            start, losses, resumed_from = saved["step"], saved["losses"], str(found)
+            gen.set_state(saved["data"])
+        times = []
+        for step in range(start, job.steps):
+            phase = "step"
+            failures.record(progress_dir, rank, step, phase)
             inputs, target = w.make_batch(w.batch, gen)
             dist.barrier()
-            start = time.perf_counter()
+            begin = time.perf_counter()
             losses.append(pm.step(inputs, target))
-            times.append(time.perf_counter() - start)
-        peak = (torch.cuda.max_memory_allocated() if local_device(dist.get_rank()).type == "cuda"
+            times.append(time.perf_counter() - begin)
+            done = step + 1
+            if job.checkpoint_dir and (done == job.steps or job.checkpoint_every and done % job.checkpoint_every == 0):
+                step, phase = done, "checkpoint"
+                failures.record(progress_dir, rank, step, phase)
+                checkpoint.save(pm, job.checkpoint_dir, done, {"losses": losses, "data": gen.get_state()})
+        failures.record(progress_dir, rank, job.steps, "done")
+        peak = (torch.cuda.max_memory_allocated() if local_device(rank).type == "cuda"
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        return {"losses": losses, "step_times_s": times, "batch": w.batch, "plan": pm.plan.name,
-                "compression": pm.plan.dp_gradient.get("compression"),
+        return {"losses": losses, "start_step": start, "resumed_from": resumed_from, "step_times_s": times,
+                "batch": w.batch, "plan": pm.plan.name, "compression": pm.plan.dp_gradient.get("compression"),
                 "peak_memory_bytes": peak, "comm": pm.comm_stats()}
     except AutoparError as exc:
-        return {"error": str(exc)}
+        if not isinstance(exc, failures.PeerLost):  # a peer's death is not the user's input
+            return {"error": str(exc)}
+        if rank is not None:
+            failures.record(progress_dir, rank, step, phase, error=str(exc))
+        raise
+    except Exception as exc:  # the launcher reports it with the rank and step
+        if rank is not None:
+            failures.record(progress_dir, rank, step, phase, error=f"{type(exc).__name__}: {exc}")
+        raise
 
 
-def launch(model: str, nproc: int, plan: str | None, steps: int, batch: int | None,
-           cluster: str | None, compression: str | None = None, delay: int = 0) -> dict[str, Any]:
-    """Run `worker` on `nproc` local ranks with torch.distributed.run's launcher; summarise."""
+def launch(job: TrainJob, quiet: bool = True) -> dict[str, Any]:
+    """Run `worker` on `job.nproc` local ranks with torch.distributed.run's launcher; summarise.
+    A rank that dies stops the job within the agent's monitor interval; the error names it and
+    the step it died at."""
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from autopar.errors import AutoparError
 
-    port = free_port()
-    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc, run_id=uuid.uuid4().hex,
-                          rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
-                          monitor_interval=0.1, start_method="spawn")
-    try:
-        results = elastic_launch(config, worker)(model, plan, steps, batch, cluster, compression, delay)
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        raise AutoparError(f"rank {rank} failed: {failure.message or failure.error_file}") from None
+    job.check()
+    with tempfile.TemporaryDirectory(prefix="autopar-progress-") as scratch:
+        progress_dir = str(Path(job.checkpoint_dir) / "progress") if job.checkpoint_dir else scratch
+        Path(progress_dir).mkdir(parents=True, exist_ok=True)
+        for stale in Path(progress_dir).glob("rank*.json"):
+            stale.unlink()
+        port = free_port()
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=job.nproc, run_id=uuid.uuid4().hex,
+                              rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
+                              monitor_interval=0.1, start_method="spawn")
+        loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+        levels = [log.level for log in loggers]
+        if quiet:  # the agent logs every failure with tracebacks; the error below says what happened
+            for log in loggers:
+                log.setLevel(logging.CRITICAL)
+        try:
+            results = elastic_launch(config, worker)(job, progress_dir)
+        except ChildFailedError as exc:
+            rank, failure = failures.dead_rank(exc.failures)
+            message = failures.describe(rank, failure, failures.progress(progress_dir, rank), job.steps)
+            if job.checkpoint_dir:
+                from runtime import checkpoint
+
+                found = checkpoint.latest(job.checkpoint_dir)
+                message += (f"; the latest checkpoint is {found}: run again with --resume" if found
+                            else "; no checkpoint was written yet")
+            raise AutoparError(message) from None
+        finally:
+            for log, level in zip(loggers, levels):
+                log.setLevel(level)
     ranks = [results[r] for r in sorted(results)]
     errors = {r["error"] for r in ranks if "error" in r}
     if errors:
         raise AutoparError(errors.pop())
     first = ranks[0]
+    if first["resumed_from"]:
+        print(f"resumed from {first['resumed_from']} at step {first['start_step']}", file=sys.stderr)
+    elif job.resume:
+        print(f"no checkpoint in {job.checkpoint_dir}: started at step 0", file=sys.stderr)
     per_step = [max(r["step_times_s"][i] for r in ranks) for i in range(len(first["step_times_s"]))]
-    step_time = statistics.median(per_step[1:] or per_step)  # the first step pays allocation and warm-up
-    return {"model": model, "nproc": nproc, "plan": first["plan"], "compression": first["compression"],
-            "delay": delay, "batch": first["batch"],
-            "losses": first["losses"], "step_time_s": step_time, "samples_per_s": first["batch"] / step_time,
+    step_time = statistics.median(per_step[1:] or per_step) if per_step else None  # None: nothing left to run
+    return {"model": job.model, "nproc": job.nproc, "plan": first["plan"], "compression": first["compression"],
+            "delay": job.delay, "batch": first["batch"], "start_step": first["start_step"],
+            "losses": first["losses"], "step_time_s": step_time, "samples_per_s": first["batch"] / step_time if step_time else None,
             "peak_memory_bytes": [r["peak_memory_bytes"] for r in ranks], "comm": first["comm"]}

@@ -1,0 +1,120 @@
+"""Dying and hanging ranks: the job stops within a bounded time and says which rank, at which step;
+checkpoints let `autopar train --resume` continue the same trajectory."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch.multiprocessing as mp
+
+DYING = textwrap.dedent('''
+    import os, signal, time
+    import torch.distributed as dist
+    import autopar
+
+    def make():
+        w = autopar.load_workload("mlp-tiny", batch=8, device="cpu")
+        calls = [0]
+        def make_batch(batch, gen):
+            if dist.get_rank() == 1 and calls[0] == int(os.environ["DIE_AT"]):
+                with open(os.environ["DIE_LOG"], "w") as f:
+                    f.write(str(time.time()))
+                if os.environ["DIE_HOW"] == "raise":
+                    raise ValueError("the data loader broke")
+                os.kill(os.getpid(), signal.SIGKILL)
+            calls[0] += 1
+            return w.make_batch(batch, gen)
+        return w.model, w.example_inputs, w.loss_fn, make_batch
+''')
+
+
+def _train(*argv, env=None):
+    return subprocess.run([sys.executable, "-m", "autopar", "train", *argv], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("how, said", [("kill", "rank 1 was killed by SIGKILL at step 2 of 5"),
+                                       ("raise", "rank 1 failed (ValueError: the data loader broke) at step 2 of 5")])
+def test_a_dying_rank_stops_the_job_and_is_named_with_its_step(tmp_path, how, said):
+    (tmp_path / "dying.py").write_text(DYING)
+    log = tmp_path / "died"
+    proc = _train(f"{tmp_path}/dying.py:make", "--nproc", "2", "--steps", "5", "--checkpoint-dir", str(tmp_path / "ck"),
+                  "--checkpoint-every", "1", env={"DIE_AT": "2", "DIE_LOG": str(log), "DIE_HOW": how})
+    stopped = time.time() - float(log.read_text())
+    assert proc.returncode == 2
+    assert f"error: {said}; the other ranks were stopped; the latest checkpoint is" in proc.stderr
+    assert "step-2: run again with --resume" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert stopped < 15  # the agent notices within 0.1 s; the rest is interpreter exit and teardown
+
+
+def _hung(rank, store, out):
+    """Rank 1 stops answering after one step; rank 0's next step must give up after the timeout."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=store)
+    import autopar
+    from runtime.failures import PeerLost
+
+    w = autopar.load_workload("mlp-tiny", batch=8, device="cpu")
+    pm = autopar.parallelize(w.model, None, w.example_inputs, loss_fn=w.loss_fn, plan="2,1,1", timeout=3,
+                             optimizer=lambda ps: __import__("torch").optim.SGD(ps, lr=0.1))
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    pm.step(*w.make_batch(8, gen))
+    if rank == 1:
+        time.sleep(12)  # hangs (then leaves without a word)
+        os._exit(0)
+    start = time.time()
+    try:
+        pm.step(*w.make_batch(8, gen))
+        result = {"error": None}
+    except PeerLost as exc:
+        result = {"error": str(exc)}
+    result["waited_s"] = time.time() - start
+    with open(out, "w") as f:
+        json.dump(result, f)
+    os._exit(0)
+
+
+def test_a_hanging_rank_makes_the_others_fail_after_the_timeout(tmp_path):
+    from runtime import free_port
+
+    out = tmp_path / "rank0.json"
+    mp.spawn(_hung, args=(str(free_port()), str(out)), nprocs=2, join=True)
+    result = json.loads(out.read_text())
+    assert result["error"] and result["error"].startswith(
+        "rank 0 gave up in a training step: another rank died or stopped responding")
+    assert 2.5 < result["waited_s"] < 8  # the 3 s timeout, not the 12 s hang
+
+
+def test_train_resumes_from_its_checkpoint_on_the_same_trajectory_and_under_another_plan(tmp_path):
+    ck = tmp_path / "ck"
+    common = ["mlp-tiny", "--nproc", "2", "--steps", "4", "--checkpoint-dir", str(ck), "--json"]
+    straight = _train(*common, "--checkpoint-every", "2", "--plan", "2,1,1")
+    assert straight.returncode == 0, straight.stderr
+    assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step-")) == ["step-2", "step-4"]
+    (ck / "step-4").rename(tmp_path / "away")  # as if the job had died during step 3
+    resumed = _train(*common, "--resume", "--plan", "2,1,1")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {ck / 'step-2'} at step 2" in resumed.stderr
+    first, again = json.loads(straight.stdout), json.loads(resumed.stdout)
+    assert again["start_step"] == 2 and again["losses"] == first["losses"]  # exactly
+    (ck / "step-4").rename(tmp_path / "away-2")
+    moved = _train(*common, "--resume", "--plan", "1,2,1")  # tensor parallel from the data-parallel checkpoint
+    assert moved.returncode == 0, moved.stderr
+    assert json.loads(moved.stdout)["losses"] == pytest.approx(first["losses"], rel=1e-5)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--resume"], "--resume and --checkpoint-every need --checkpoint-dir DIR"),
+    (["--timeout", "0"], "--timeout must be a positive number of seconds, got 0.0"),
+    (["--checkpoint-dir", "{tmp}/ck", "--checkpoint-every", "-1"], "--checkpoint-every must be ≥ 0 steps, got -1"),
+])
+def test_bad_train_options_are_one_message(tmp_path, argv, message):
+    proc = _train("mlp-tiny", "--nproc", "2", *[a.format(tmp=tmp_path) for a in argv])
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
