@@ -11,7 +11,11 @@ from __future__ import annotations
 
 import inspect
 import operator
+import contextlib
+import io
+import logging
 import os
+import sys
 import traceback
 from typing import Any
 
@@ -82,12 +86,23 @@ def capture(
 
 
 def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    # a failed export prints its partial graph to stderr and logs warnings about it: the error
+    # below says what failed and where; what a successful export says is passed on
+    shapes = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = shapes.level
+    shapes.setLevel(logging.ERROR)
+    said = io.StringIO()
     try:
-        return torch.export.export(_TensorOutput(model), args, kwargs, strict=False)
+        with contextlib.redirect_stderr(said):
+            exported = torch.export.export(_TensorOutput(model), args, kwargs, strict=False)
     except CaptureError:
         raise
     except Exception as exc:
         raise CaptureError(_explain(exc, model)) from exc
+    finally:
+        shapes.setLevel(level)
+    sys.stderr.write(said.getvalue())
+    return exported
 
 
 def _explain(exc: Exception, model: nn.Module) -> str:
@@ -96,7 +111,9 @@ def _explain(exc: Exception, model: nn.Module) -> str:
     where = _user_frame(exc)
     hint = ""
     if "data-dependent" in str(exc) or "GuardOnDataDependent" in type(exc).__name__:
-        first = f"control flow or a shape depends on the value of a tensor ({first})"
+        op = _culprit(exc)
+        first = (f"{op + ' needs the value of a tensor: ' if op else ''}control flow or a shape depends on "
+                 f"the value of a tensor ({first})")
         hint = "make it independent of tensor values (torch.where, masks, or torch.cond)"
     return (
         f"cannot capture {type(model).__name__} with torch.export: {first}"
@@ -105,13 +122,30 @@ def _explain(exc: Exception, model: nn.Module) -> str:
     )
 
 
+def _culprit(exc: BaseException) -> str:
+    """The tensor operation the user's line called that needed a value (`Tensor.__bool__` for an
+    `if` on a tensor, `Tensor.item`, `Tensor.nonzero`, ...): torch's dispatch frames hold it as `func`."""
+    user = _is_user_file
+    frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+    last = max((i for i, f in enumerate(frames) if user(f.f_code.co_filename)), default=None)
+    if last is None:
+        return ""
+    for frame in frames[last + 1:]:
+        func = frame.f_locals.get("func")
+        if callable(func) and getattr(func, "__name__", ""):
+            owner = getattr(func, "__objclass__", None) or getattr(func, "__self__", None)
+            prefix = "Tensor." if owner is torch.Tensor or "Tensor" in getattr(owner, "__name__", "") else ""
+            return f"{prefix}{func.__name__}"
+    return ""
+
+
+def _is_user_file(filename: str) -> bool:
+    return not filename.startswith((os.path.dirname(torch.__file__), os.path.dirname(__file__), "<")) \
+        and "site-packages" not in filename.split(os.sep)[-4:]
+
+
 def _user_frame(exc: BaseException) -> str:
-    torch_dir = os.path.dirname(torch.__file__)
-    here = os.path.dirname(__file__)
-    frames = [
-        f for f in traceback.extract_tb(exc.__traceback__)
-        if not f.filename.startswith((torch_dir, here, "<")) and "site-packages" not in f.filename.split(os.sep)[-4:]
-    ]
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_user_file(f.filename)]
     if not frames:
         return ""
     f = frames[-1]

@@ -1,0 +1,165 @@
+"""Chaos: kill a random rank at a random moment, resume, again and again; count hangs and lost steps.
+
+First an uninterrupted `autopar train` gives the reference loss trajectory. Then the same job runs
+with `--checkpoint-every` and `--resume` while this script, from outside, SIGKILLs a random rank
+(found through the ranks' progress files) once it reaches a random step — after a random delay, so
+kills land in forward, backward, the optimizer step or a checkpoint being written. Each killed
+job must exit on its own within `--hang-after` seconds (else it counts as a hang and is killed)
+and name the rank that died. The next job resumes from the latest checkpoint. After `--kills`
+kills the job runs to its end, and its losses (the checkpointed ones included) must equal the
+reference exactly.
+
+- lost steps: steps a complete checkpoint held when the job was killed, that the resumed job did
+  not start from (must be 0);
+- redone steps: steps run again after a resume (the work since the last checkpoint: at most
+  `--checkpoint-every`).
+
+    python benchmarks/chaos.py [--model gpt-tiny] [--plan 2,1,2,2] [--nproc 4] [--steps 30] [--kills 12] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from runtime import checkpoint, failures
+
+
+def _command(args, directory: Path | None, resume: bool) -> list[str]:
+    cmd = [sys.executable, "-m", "autopar", "train", args.model, "--nproc", str(args.nproc), "--steps",
+           str(args.steps), "--plan", args.plan, "--timeout", str(args.timeout), "--json"]
+    if directory is not None:
+        cmd += ["--checkpoint-dir", str(directory), "--checkpoint-every", str(args.checkpoint_every)]
+    return cmd + (["--resume"] if resume else [])
+
+
+def _descends(pid: int, ancestor: int) -> bool:
+    """Whether `pid` is a process of the job `ancestor` started (not a stale file's, reused pid)."""
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
+
+
+def _kill_one(proc: subprocess.Popen, progress: Path, rank: int, step: int, delay: float) -> dict | None:
+    """SIGKILL `rank` once it reaches `step` (plus `delay` seconds); None if the job ended first."""
+    while proc.poll() is None:
+        where = failures.progress(progress, rank)
+        if where and where["step"] >= step and where["phase"] in ("step", "checkpoint") and _descends(where["pid"], proc.pid):
+            time.sleep(delay)
+            where = failures.progress(progress, rank)
+            latest = checkpoint.latest(progress.parent)
+            try:
+                os.kill(where["pid"], signal.SIGKILL)
+            except ProcessLookupError:
+                return None
+            return {"rank": rank, "step": where["step"], "phase": where["phase"], "at": time.time(),
+                    "checkpointed": checkpoint.step_of(latest) if latest else 0}
+        time.sleep(0.005)
+    return None
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt-tiny")
+    parser.add_argument("--plan", default="2,1,2,2", help="layout DP,TP,PP[,MB] (default: DP×PP with a tied embedding)")
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--kills", type=int, default=12)
+    parser.add_argument("--checkpoint-every", type=int, default=1)
+    parser.add_argument("--timeout", type=float, default=60.0, help="the ranks' collective timeout (--timeout)")
+    parser.add_argument("--hang-after", type=float, default=60.0, help="a killed job still running after this is a hang")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    rng = random.Random(args.seed)
+    status = (lambda text: print(text, file=sys.stderr)) if args.json else print
+
+    started = time.time()
+    reference = subprocess.run(_command(args, None, False), capture_output=True, text=True)
+    if reference.returncode != 0:
+        raise SystemExit(f"the uninterrupted run failed:\n{reference.stderr}")
+    expected = json.loads(reference.stdout)["losses"]
+    status(f"uninterrupted: {len(expected)} steps in {time.time() - started:.1f} s")
+
+    directory = Path(tempfile.mkdtemp(prefix="autopar-chaos-"))
+    kills, hangs, lost, redone, unnamed, runs = [], 0, 0, 0, 0, 0
+    last_start = 0
+    final = None
+    try:
+        while final is None:
+            runs += 1
+            shutil.rmtree(directory / "progress", ignore_errors=True)  # no stale pids
+            proc = subprocess.Popen(_command(args, directory, True), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, start_new_session=True)
+            begun = checkpoint.latest(directory)
+            start = checkpoint.step_of(begun) if begun else 0
+            if kills:  # what the previous kill left: the resume must start at its latest checkpoint
+                lost += max(0, kills[-1]["checkpointed"] - start)
+                redone += max(0, kills[-1]["step"] - start)
+            kill = None
+            if len(kills) < args.kills:
+                kill = _kill_one(proc, directory / "progress", rng.randrange(args.nproc),
+                                 rng.randrange(start, args.steps), rng.uniform(0.0, 0.3))
+            try:
+                out, err = proc.communicate(timeout=args.hang_after)
+            except subprocess.TimeoutExpired:
+                hangs += 1
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+            if kill is None:
+                if proc.returncode != 0:
+                    raise SystemExit(f"run {runs} failed without a kill:\n{err}")
+                final = json.loads(out)
+                continue
+            kill["exit_s"] = time.time() - kill.pop("at")
+            kill["named"] = f"rank {kill['rank']} was killed by SIGKILL" in err
+            unnamed += not kill["named"]
+            kills.append(kill)
+            status(f"kill {len(kills)}: rank {kill['rank']} at step {kill['step']} ({kill['phase']}), "
+                   f"job exited {kill['exit_s']:.2f} s later, checkpoint step {kill['checkpointed']}")
+            last_start = start
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
+    result = {
+        "model": args.model, "plan": args.plan, "nproc": args.nproc, "steps": args.steps,
+        "checkpoint_every": args.checkpoint_every, "kills": len(kills), "runs": runs, "hangs": hangs,
+        "lost_steps": lost, "redone_steps": redone, "kills_not_named": unnamed,
+        "killed_in_checkpoint": sum(k["phase"] == "checkpoint" for k in kills),
+        "max_exit_s": max((k["exit_s"] for k in kills), default=0.0),
+        "trajectory_equal": final["losses"] == expected, "last_resume_step": last_start,
+        "wall_s": time.time() - started, "kill_log": kills,
+    }
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console()
+    console.print(f"chaos: {args.model}, plan {args.plan}, {args.nproc} ranks, {args.steps} steps, "
+                  f"checkpoint every {args.checkpoint_every}")
+    table = Table("measure", "value")
+    for key in ("kills", "runs", "hangs", "lost_steps", "redone_steps", "kills_not_named", "killed_in_checkpoint",
+                "max_exit_s", "trajectory_equal", "wall_s"):
+        table.add_row(key, f"{result[key]:.2f}" if isinstance(result[key], float) else str(result[key]))
+    console.print(table)
+
+
+if __name__ == "__main__":
+    main()
