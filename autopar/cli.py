@@ -84,6 +84,9 @@ def _search(args: argparse.Namespace):
     from autopar.planner import Search, parse_mesh
     from cost_models import get_cluster
 
+    for flag, value in (("--time-limit", args.time_limit), ("--memory-limit", args.memory_limit)):
+        if value is not None and not value > 0:
+            raise AutoparError(f"{flag} must be a positive number, got {value:g}")
     mesh = parse_mesh(args.mesh)
     cluster = get_cluster(args.cluster)
     workload = load_workload(args.model, batch=args.batch)
@@ -170,13 +173,14 @@ def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
         manual_plan,
         manual_search,
     )
-    from autopar.planner import plan_auto
+    from autopar.planner import plan_auto, warn_time_limited
 
     bar, step = _progress(f"comparing layouts for {args.model}")
     with bar:
         step("capturing")
         search = _search(args)
         auto = plan_auto(search, progress=step)
+        warn_time_limited(auto, search.costs.time_limit_s)
         manual_view = manual_search(search)
         manual = []
         for layout in layout_grid(manual_view, (True,) if args.recompute else (False, True)):

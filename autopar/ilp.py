@@ -13,10 +13,16 @@ For binary x the transport constraints force e_uvst = x_us·x_vt, so the objecti
 the LP relaxation is tighter than Alpa's `e ≥ x_u + x_v − 1`. DESIGN.md records why HiGHS and
 not CP-SAT: on a 50-node × 6-strategy instance CP-SAT had not proven optimality after 60 s, HiGHS
 was optimal in about 1 s.
+
+When the time limit stops HiGHS, OR-Tools (9.15) hands back no incumbent in most cases (status
+99, "unknown") and, when it does, reports the incumbent itself as the best bound. So `solve` builds
+its own feasible assignment (`heuristic`) and measures the gap against `lower_bound`. (Solution
+hints are not passed: OR-Tools' HiGHS wrapper crashes on them.)
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,7 +39,7 @@ class InfeasibleError(AutoparError):
 
 
 class SolverError(AutoparError):
-    """The solver stopped (time limit) before it found any assignment."""
+    """The solver failed, and no assignment could be built without it."""
 
 
 def problem_size(problem: Problem) -> str:
@@ -79,7 +85,8 @@ class Solution:
 
 
 def solve(problem: Problem, time_limit_s: float = 30.0) -> Solution:
-    """Solve with HiGHS through OR-Tools' linear solver."""
+    """Solve with HiGHS through OR-Tools' linear solver; at the time limit, the best of its
+    incumbent (if any) and `heuristic`, with the gap to the best lower bound known."""
     from ortools.linear_solver import pywraplp
 
     least = problem.least_memory()
@@ -89,8 +96,9 @@ def solve(problem: Problem, time_limit_s: float = 30.0) -> Solution:
             f"the limit is {problem.memory_limit / 2**30:.2f} GiB", least)
     solver = pywraplp.Solver.CreateSolver("HIGHS")
     solver.SuppressOutput()
-    solver.SetSolverSpecificParametersAsString("output_flag=false\nlog_to_console=false\n")
-    solver.SetTimeLimit(int(time_limit_s * 1000))
+    # the limit goes to HiGHS in seconds: OR-Tools' SetTimeLimit rounds to whole ms, and 0 ms means none.
+    # No absolute gap: HiGHS's default (1e-6) is as large as a stage's whole cost in seconds
+    solver.SetSolverSpecificParametersAsString(f"output_flag=false\nlog_to_console=false\nmip_abs_gap=0\ntime_limit={float(time_limit_s)!r}\n")
     x = [[solver.BoolVar(f"x{v}_{s}") for s in range(len(c))] for v, c in enumerate(problem.node_costs)]
     objective = solver.Objective()
     for v, costs in enumerate(problem.node_costs):
@@ -103,26 +111,98 @@ def solve(problem: Problem, time_limit_s: float = 30.0) -> Solution:
         solver.Add(sum(float(m) * var for mem, vars_ in zip(problem.node_memory, x)
                        for m, var in zip(mem, vars_) if m) <= problem.memory_limit, "memory")
     objective.SetMinimization()
+    start = time.perf_counter()
     status = solver.Solve()
-    if status == pywraplp.Solver.NOT_SOLVED or status == pywraplp.Solver.ABNORMAL:
+    limited = status == pywraplp.Solver.FEASIBLE or time.perf_counter() - start >= time_limit_s
+
+    def solution(choice: list[int], state: str, gap: float) -> Solution:
+        return Solution(choice=choice, objective=problem.objective(choice), status=state, gap=gap,
+                        solve_time_s=solver.wall_time() / 1000, num_variables=solver.NumVariables(),
+                        num_constraints=solver.NumConstraints())
+
+    def solver_choice() -> list[int]:
+        return [int(np.argmax([var.solution_value() for var in vars_])) for vars_ in x]
+
+    if status == pywraplp.Solver.OPTIMAL:
+        return solution(solver_choice(), "optimal", 0.0)
+    if not limited:
+        if status == pywraplp.Solver.INFEASIBLE:
+            raise InfeasibleError(
+                f"no sharding fits in {problem.memory_limit / 2**30:.2f} GiB per device (the leanest strategies "
+                f"need {least / 2**30:.2f} GiB, but not in one consistent assignment)", least)
+        raise SolverError(f"the ILP solver failed (status {status}) on {problem_size(problem)} "
+                          f"after {solver.wall_time() / 1000:.2f} s")
+    candidates = [heuristic(problem)]
+    if status == pywraplp.Solver.FEASIBLE:
+        candidates.append(solver_choice())
+    candidates = [c for c in candidates if c is not None and problem.memory(c) <= problem.memory_limit]
+    if not candidates:
         raise SolverError(f"the ILP solver found no assignment within {time_limit_s:g} s "
                           f"({problem_size(problem)}): raise the time limit (--time-limit)")
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-        raise InfeasibleError(
-            f"no sharding fits in {problem.memory_limit / 2**30:.2f} GiB per device "
-            f"(the leanest strategies need {least / 2**30:.2f} GiB, but not in one consistent assignment)", least)
-    choice = [int(np.argmax([var.solution_value() for var in vars_])) for vars_ in x]
+    choice = min(candidates, key=problem.objective)
     value = problem.objective(choice)
-    bound = objective.BestBound() if status == pywraplp.Solver.FEASIBLE else value
-    return Solution(
-        choice=choice,
-        objective=value,
-        status="optimal" if status == pywraplp.Solver.OPTIMAL else "feasible",
-        gap=0.0 if status == pywraplp.Solver.OPTIMAL else max(0.0, (value - bound) / max(abs(value), 1e-12)),
-        solve_time_s=solver.wall_time() / 1000,
-        num_variables=solver.NumVariables(),
-        num_constraints=solver.NumConstraints(),
-    )
+    bound = lower_bound(problem)
+    if status == pywraplp.Solver.FEASIBLE and objective.BestBound() < value:  # OR-Tools may report the incumbent
+        bound = max(bound, objective.BestBound())
+    gap = max(0.0, (value - bound) / max(abs(value), 1e-12))
+    return solution(choice, "optimal" if gap < 1e-9 else "feasible", 0.0 if gap < 1e-9 else gap)  # the bound proves it
+
+
+def lower_bound(problem: Problem) -> float:
+    """No assignment costs less (whatever the signs), though none may reach it: each node's cost
+    is split evenly over its edges, and every edge (and edgeless node) is taken at its cheapest."""
+    degree = np.zeros(len(problem.node_costs))
+    for u, v in problem.edges:
+        degree[[u, v]] += 1
+    total = sum(float(c.min()) for c, d in zip(problem.node_costs, degree) if not d)
+    for (u, v), m in problem.edges.items():
+        total += float((m + problem.node_costs[u][:, None] / degree[u] + problem.node_costs[v][None, :] / degree[v]).min())
+    return total
+
+
+def heuristic(problem: Problem, sweeps: int = 20) -> list[int] | None:
+    """A feasible assignment without the solver, for when it stops empty-handed: the fastest
+    strategy of each node, or where that breaks the memory limit the leanest, each improved one
+    node at a time (moves that lower the objective and stay within memory). None: nothing fits."""
+    fast = [int(np.argmin(c)) for c in problem.node_costs]
+    lean = [int(np.lexsort((c, m))[0]) for c, m in zip(problem.node_costs, problem.node_memory)]
+    starts = [c for c in (fast, lean) if problem.memory(c) <= problem.memory_limit]
+    return min((_descend(problem, c, sweeps) for c in starts), key=problem.objective, default=None)
+
+
+def _descend(problem: Problem, start: list[int], sweeps: int) -> list[int]:
+    """Local search: one node, then the two ends of one edge (consistent shardings often change
+    in pairs), take their best strategies given the rest; only moves that lower the objective
+    and stay within memory."""
+    neighbours: list[list[tuple[int, np.ndarray, bool]]] = [[] for _ in problem.node_costs]
+    for (u, v), m in problem.edges.items():
+        neighbours[u].append((v, m, True))
+        neighbours[v].append((u, m, False))
+    choice, used, mem, limit = list(start), problem.memory(start), problem.node_memory, problem.memory_limit
+
+    def local(v: int, skip: int = -1) -> np.ndarray:  # v's cost per strategy, the others fixed
+        return problem.node_costs[v] + sum((m[:, choice[w]] if first else m[choice[w], :])
+                                           for w, m, first in neighbours[v] if w != skip)
+
+    for _ in range(sweeps):
+        moved = False
+        for v in range(len(choice)):
+            cost = np.where(used - mem[v][choice[v]] + mem[v] <= limit, local(v), np.inf)
+            best = int(np.argmin(cost))
+            if cost[best] < cost[choice[v]]:
+                used += mem[v][best] - mem[v][choice[v]]
+                choice[v], moved = best, True
+        for (u, v), m in problem.edges.items():
+            cost = m + local(u, v)[:, None] + local(v, u)[None, :]
+            fits = used - mem[u][choice[u]] - mem[v][choice[v]] + mem[u][:, None] + mem[v][None, :] <= limit
+            cost = np.where(fits, cost, np.inf)
+            s, t = np.unravel_index(int(np.argmin(cost)), cost.shape)
+            if cost[s, t] < cost[choice[u], choice[v]]:
+                used += mem[u][s] + mem[v][t] - mem[u][choice[u]] - mem[v][choice[v]]
+                choice[u], choice[v], moved = int(s), int(t), True
+        if not moved:
+            break
+    return choice if problem.memory(choice) <= limit else list(start)
 
 
 def _add_edge(solver, objective, xu: list, xv: list, costs: np.ndarray, name: str) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -26,6 +27,8 @@ from cost_models.simulator import StageTimes, simulate
 
 RESERVE = 0.1  # of device memory kept for the allocator, workspaces and fragmentation
 DP_TOLERANCE = 0.01  # the stage DP's total is within 1 % of its optimum (stage_dp's t_max grid)
+
+log = logging.getLogger(__name__)
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
@@ -177,7 +180,20 @@ def plan_compressed(search: Search, compression: str | None, make: Callable[[Sea
     best = min(plans.values(), key=lambda p: (not p.estimate.fits, p.estimate.step_time_s))
     if len(plans) > 1:
         best.search["compression"] = {text or "none": p.estimate.step_time_s for text, p in plans.items()}
+    warn_time_limited(best, search.costs.time_limit_s)
     return best
+
+
+def warn_time_limited(plan: Plan, time_limit_s: float) -> None:
+    """One warning when a stage of the plan the user gets was sharded by a solve that stopped at its
+    time limit (candidates the search dropped say nothing): the plan is then only as good as the gap."""
+    limited = plan.search.get("time_limited")
+    if limited:
+        stages = ", ".join(f"stage {s['stage']} (layers {s['layers'][0]}–{s['layers'][1] - 1}, gap {s['gap']:.1%})"
+                           for s in limited)
+        log.warning("time limit hit: the sharding ILP stopped at its %g s limit in %s; the plan uses the best "
+                    "assignment found, and the optimum may cost up to the gap less: raise --time-limit",
+                    time_limit_s, stages)
 
 
 def plan_single_stage(search: Search) -> Plan:
@@ -209,8 +225,10 @@ def plan_single_stage(search: Search) -> Plan:
     c = stage.cost
     sim = simulate([StageTimes(c["forward_s"], c["backward_s"], 0.0, c["grad_sync_s"], c["state_bytes"],
                                c["activation_bytes_per_microbatch"])], 1, search.schedule)
+    limited = [] if best.solver["status"] == "optimal" else [
+        {"stage": 0, "layers": [0, len(search.layers)], "gap": best.solver["gap"]}]
     return _plan(search, [stage], sim, 1, "auto", {"ilp_solves": len(logical_meshes(search.mesh)), "cache_hits": 0,
-                                                   "microbatch_counts": 1})
+                                                   "microbatch_counts": 1, **_time_limited(limited)})
 
 
 def _nothing_fits(search: Search) -> AutoparError:
@@ -232,7 +250,7 @@ def _nothing_fits(search: Search) -> AutoparError:
 def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int], StageOption]], m: int,
              name: str) -> Plan:
     """Turn (layers, submesh, option) per stage into a Plan and simulate it."""
-    stages, times = [], []
+    stages, times, limited = [], [], []
     for idx, ((i, j), shape, opt) in enumerate(chosen):
         params: dict[str, list[str]] = {}
         ops: dict[str, list[str]] = {}
@@ -250,8 +268,17 @@ def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int]
                   "activation_bytes_per_microbatch": opt.activation_bytes}))
         times.append(StageTimes(opt.forward_s, opt.backward_s, opt.send_s, opt.grad_sync_s, opt.state_bytes,
                                 opt.activation_bytes, opt.transient_bytes))
+        gap = search.costs.gap(search.atoms(i, j), shape, opt.logical_mesh, opt.lean)
+        if gap is not None:
+            limited.append({"stage": idx, "layers": [i, j], "gap": gap})
     sim = simulate(times, m, search.schedule)
-    return _plan(search, stages, sim, m, name, {"method": name})
+    return _plan(search, stages, sim, m, name, {"method": name, **_time_limited(limited)})
+
+
+def _time_limited(stages: list[dict]) -> dict:
+    """`plan.search["time_limited"]`: the stages whose sharding solve stopped at the time limit,
+    with the worst gap of their atoms; absent when every solve was optimal (plans stay unchanged)."""
+    return {"time_limited": stages} if stages else {}
 
 
 def _plan(search: Search, stages: list[StagePlan], sim, m: int, name: str, info: dict) -> Plan:

@@ -125,6 +125,14 @@ class StageCosts:
         self._cache[key] = result
         return result
 
+    def gap(self, atoms: tuple[int, int], submesh: tuple[int, int], logical: tuple[int, int], lean: bool
+            ) -> float | None:
+        """The largest optimality gap among the solves of atoms [a, b) that stopped at the time limit
+        (None: all optimal), so a plan can say it. Reads the cache: solves nothing, counts no hit."""
+        results = [self._cache.get((self.hashes[k], submesh, logical, lean)) for k in range(*atoms)]
+        return max((r.solver["gap"] for r in results if r is not None and r.solver["status"] != "optimal"),
+                   default=None)
+
     def placements(self, k: int, submesh: tuple[int, int], logical: tuple[int, int], lean: bool
                    ) -> tuple[dict[str, list[str]], dict[str, list[str]], dict[str, list[str | None]]]:
         """(params, ops, needs) of atom k, translated from the identical atom it was solved on."""

@@ -101,6 +101,7 @@ def main() -> None:
     kills, hangs, lost, redone, unnamed, runs = [], 0, 0, 0, 0, 0
     last_start = 0
     final = None
+    targets = sorted(rng.randrange(args.steps) for _ in range(args.kills))  # kill steps, spread over the run
     try:
         while final is None:
             runs += 1
@@ -115,7 +116,7 @@ def main() -> None:
             kill = None
             if len(kills) < args.kills:
                 kill = _kill_one(proc, directory / "progress", rng.randrange(args.nproc),
-                                 rng.randrange(start, args.steps), rng.uniform(0.0, 0.3))
+                                 max(start, targets[len(kills)]), rng.uniform(0.0, 0.3))
             try:
                 out, err = proc.communicate(timeout=args.hang_after)
             except subprocess.TimeoutExpired:

@@ -82,6 +82,7 @@ UNCAPTURABLE = textwrap.dedent('''
          "2 blocks do not split evenly into 4 stages"),
         (["show", "{tmp}/cluster.json"], "is not valid JSON"),
         (["plan", "gpt-tiny", "--cluster", "nope", "--mesh", "1x4"], "unknown cluster 'nope': presets are"),
+        (["plan", "gpt-tiny", "--mesh", "1x2", "--time-limit", "0"], "--time-limit must be a positive number, got 0"),
         (["plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x4", "--manual", "4,1,1", "--batch", "6"],
          "data parallelism 4 does not divide the batch 6"),
         (["train", "gpt-tiny", "--nproc", "2", "--plan", "{tmp}/absent.json"], "plan file {tmp}/absent.json does not exist"),
