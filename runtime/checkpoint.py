@@ -115,6 +115,7 @@ def load(pm: Any, path: str | Path) -> dict[str, Any]:
         raise AutoparError(f"{path} is not a complete autopar checkpoint (no .metadata): "
                            "pass a step-N directory that `autopar train --checkpoint-dir` wrote")
     state, torch_keys = _state(pm, saving=False)
+    _check_fits(state, dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata, path)
     dcp.load(state, checkpoint_id=str(path))
     set_optimizer_state_dict(pm.trained, pm.optimizer, {torch_keys[k]: state[k] for k in torch_keys}, options=_FLAT)
     mine = path / f"rank{dist.get_rank()}.pt"
@@ -130,6 +131,23 @@ def load(pm: Any, path: str | Path) -> dict[str, Any]:
                         p.copy_(saved)
                 pm.optimizer.load_state_dict(local["replica"]["optimizer"])
     return torch.load(path / "trainer.pt", weights_only=False)
+
+
+def _check_fits(state: dict[str, Any], saved: dict[str, Any], path: Path) -> None:
+    """One clear message for a checkpoint of another model, instead of DCP's error from deep inside."""
+    from autopar.errors import AutoparError
+
+    params = [k for k in state if k.startswith("model.")]
+    missing = [k.removeprefix("model.") for k in params if k not in saved]
+    if missing:
+        raise AutoparError(f"{path} holds no {', '.join(missing[:3])}{' …' if len(missing) > 3 else ''} "
+                           f"({len(missing)} of this model's {len(params)} parameters): it was saved for another model")
+    wrong = [(k.removeprefix("model."), tuple(saved[k].size), tuple(state[k].shape)) for k in params
+             if hasattr(saved[k], "size") and tuple(saved[k].size) != tuple(state[k].shape)]
+    if wrong:
+        name, had, want = wrong[0]
+        raise AutoparError(f"{path} holds {name} of shape {list(had)}, this model's is {list(want)} "
+                           f"({len(wrong)} parameters differ): it was saved for another model or configuration")
 
 
 def _atomic_save(obj: Any, path: Path) -> None:

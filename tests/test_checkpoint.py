@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 import autopar
 from runtime import checkpoint
-from tests.distributed import shared_ranks
+from tests.distributed import run_ranks, shared_ranks
 from tests.test_parallelize import _layout, _workload
 
 WORLD = 4
@@ -105,6 +105,26 @@ def test_a_resumed_run_continues_the_exact_trajectory(tmp_path, name, layout, co
         assert losses == straight  # exactly: same data, same optimizer and compressor states
         for key, value in params.items():
             assert torch.equal(resumed_params[key], value), key
+
+
+def _other_model(rank, world, directory):
+    gpt, _ = _parallelize_on(1, "gpt-tiny")
+    checkpoint.save(gpt, directory, 1)
+    mlp, _ = _parallelize_on(1, "mlp-tiny")
+    with pytest.raises(autopar.AutoparError) as info:
+        checkpoint.load(mlp, checkpoint.latest(directory))
+    return str(info.value)
+
+
+def _parallelize_on(world, name):
+    w, batches = _workload(name)
+    return autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_adam,
+                               plan=f"{world},1,1"), batches
+
+
+def test_a_checkpoint_of_another_model_is_one_clear_message(tmp_path):
+    (message,) = run_ranks(_other_model, 1, tmp_path, str(tmp_path / "ck"))
+    assert " holds no " in message and message.endswith("parameters): it was saved for another model")
 
 
 def test_latest_skips_partial_checkpoints(tmp_path):
