@@ -9,11 +9,11 @@ work: planning never needs real weights.
 
 from __future__ import annotations
 
-import inspect
-import operator
 import contextlib
+import inspect
 import io
 import logging
+import operator
 import os
 import sys
 import traceback

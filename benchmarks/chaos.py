@@ -3,9 +3,11 @@
 First an uninterrupted `autopar train` gives the reference loss trajectory. Then the same job runs
 with `--checkpoint-every` and `--resume` while this script, from outside, SIGKILLs a random rank
 (found through the ranks' progress files) once it reaches a random step — after a random delay, so
-kills land in forward, backward, the optimizer step or a checkpoint being written. Each killed
-job must exit on its own within `--hang-after` seconds (else it counts as a hang and is killed)
-and name the rank that died. The next job resumes from the latest checkpoint. After `--kills`
+kills land in forward, backward, the optimizer step or a checkpoint being written. `--freezes` of
+the kills SIGSTOP the rank instead: a hang the launcher's agent cannot see, which the others'
+collective timeout (`--timeout`) must turn into an error. Each job must exit on its own within
+`--hang-after` seconds (plus, after a freeze, the timeout and the agent's 30 s grace before it
+SIGKILLs what ignores SIGTERM), else it counts as a hang and is killed; a killed rank must be named. The next job resumes from the latest checkpoint. After `--kills`
 kills the job runs to its end, and its losses (the checkpointed ones included) must equal the
 reference exactly.
 
@@ -56,8 +58,10 @@ def _descends(pid: int, ancestor: int) -> bool:
     return False
 
 
-def _kill_one(proc: subprocess.Popen, progress: Path, rank: int, step: int, delay: float) -> dict | None:
-    """SIGKILL `rank` once it reaches `step` (plus `delay` seconds); None if the job ended first."""
+def _kill_one(proc: subprocess.Popen, progress: Path, rank: int, step: int, delay: float,
+              sig: signal.Signals) -> dict | None:
+    """Send `sig` to `rank` once it reaches `step` (plus `delay` seconds): SIGKILL kills it, SIGSTOP
+    freezes it (a hang no agent sees). None if the job ended first."""
     while proc.poll() is None:
         where = failures.progress(progress, rank)
         if where and where["step"] >= step and where["phase"] in ("step", "checkpoint") and _descends(where["pid"], proc.pid):
@@ -65,10 +69,10 @@ def _kill_one(proc: subprocess.Popen, progress: Path, rank: int, step: int, dela
             where = failures.progress(progress, rank)
             latest = checkpoint.latest(progress.parent)
             try:
-                os.kill(where["pid"], signal.SIGKILL)
+                os.kill(where["pid"], sig)
             except ProcessLookupError:
                 return None
-            return {"rank": rank, "step": where["step"], "phase": where["phase"], "at": time.time(),
+            return {"signal": sig.name, "rank": rank, "step": where["step"], "phase": where["phase"], "at": time.time(),
                     "checkpointed": checkpoint.step_of(latest) if latest else 0}
         time.sleep(0.005)
     return None
@@ -81,9 +85,12 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--kills", type=int, default=12)
+    parser.add_argument("--freezes", type=int, default=2, help="of the kills, this many SIGSTOP a rank instead")
     parser.add_argument("--checkpoint-every", type=int, default=1)
-    parser.add_argument("--timeout", type=float, default=60.0, help="the ranks' collective timeout (--timeout)")
-    parser.add_argument("--hang-after", type=float, default=60.0, help="a killed job still running after this is a hang")
+    parser.add_argument("--timeout", type=float, default=10.0, help="the ranks' collective timeout (--timeout)")
+    parser.add_argument("--hang-after", type=float, default=60.0,
+                        help="a job still running this long after a kill, or after the timeout and the agent's "
+                             "30 s grace after a freeze, is a hang")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -91,7 +98,7 @@ def main() -> None:
     status = (lambda text: print(text, file=sys.stderr)) if args.json else print
 
     started = time.time()
-    reference = subprocess.run(_command(args, None, False), capture_output=True, text=True)
+    reference = subprocess.run(_command(args, None, False), capture_output=True, text=True, check=False)
     if reference.returncode != 0:
         raise SystemExit(f"the uninterrupted run failed:\n{reference.stderr}")
     expected = json.loads(reference.stdout)["losses"]
@@ -102,6 +109,7 @@ def main() -> None:
     last_start = 0
     final = None
     targets = sorted(rng.randrange(args.steps) for _ in range(args.kills))  # kill steps, spread over the run
+    frozen = set(rng.sample(range(args.kills), min(args.freezes, args.kills)))
     try:
         while final is None:
             runs += 1
@@ -115,10 +123,12 @@ def main() -> None:
                 redone += max(0, kills[-1]["step"] - start)
             kill = None
             if len(kills) < args.kills:
+                sig = signal.SIGSTOP if len(kills) in frozen else signal.SIGKILL
                 kill = _kill_one(proc, directory / "progress", rng.randrange(args.nproc),
-                                 max(start, targets[len(kills)]), rng.uniform(0.0, 0.3))
+                                 max(start, targets[len(kills)]), rng.uniform(0.0, 0.3), sig)
             try:
-                out, err = proc.communicate(timeout=args.hang_after)
+                grace = args.timeout + 30 if kill and kill["signal"] == "SIGSTOP" else 0
+                out, err = proc.communicate(timeout=args.hang_after + grace)
             except subprocess.TimeoutExpired:
                 hangs += 1
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -129,10 +139,12 @@ def main() -> None:
                 final = json.loads(out)
                 continue
             kill["exit_s"] = time.time() - kill.pop("at")
-            kill["named"] = f"rank {kill['rank']} was killed by SIGKILL" in err
+            # a frozen rank cannot be told from a slow one: the others say a peer stopped responding
+            kill["named"] = (f"rank {kill['rank']} was killed by SIGKILL" in err if kill["signal"] == "SIGKILL"
+                             else "another rank died or stopped responding" in err)
             unnamed += not kill["named"]
             kills.append(kill)
-            status(f"kill {len(kills)}: rank {kill['rank']} at step {kill['step']} ({kill['phase']}), "
+            status(f"{kill['signal']} {len(kills)}: rank {kill['rank']} at step {kill['step']} ({kill['phase']}), "
                    f"job exited {kill['exit_s']:.2f} s later, checkpoint step {kill['checkpointed']}")
             last_start = start
     finally:
@@ -142,7 +154,9 @@ def main() -> None:
         "checkpoint_every": args.checkpoint_every, "kills": len(kills), "runs": runs, "hangs": hangs,
         "lost_steps": lost, "redone_steps": redone, "kills_not_named": unnamed,
         "killed_in_checkpoint": sum(k["phase"] == "checkpoint" for k in kills),
-        "max_exit_s": max((k["exit_s"] for k in kills), default=0.0),
+        "freezes": sum(k["signal"] == "SIGSTOP" for k in kills),
+        "max_exit_s": max((k["exit_s"] for k in kills if k["signal"] == "SIGKILL"), default=0.0),
+        "max_exit_after_freeze_s": max((k["exit_s"] for k in kills if k["signal"] == "SIGSTOP"), default=0.0),
         "trajectory_equal": final["losses"] == expected, "last_resume_step": last_start,
         "wall_s": time.time() - started, "kill_log": kills,
     }
@@ -156,8 +170,8 @@ def main() -> None:
     console.print(f"chaos: {args.model}, plan {args.plan}, {args.nproc} ranks, {args.steps} steps, "
                   f"checkpoint every {args.checkpoint_every}")
     table = Table("measure", "value")
-    for key in ("kills", "runs", "hangs", "lost_steps", "redone_steps", "kills_not_named", "killed_in_checkpoint",
-                "max_exit_s", "trajectory_equal", "wall_s"):
+    for key in ("kills", "freezes", "runs", "hangs", "lost_steps", "redone_steps", "kills_not_named", "killed_in_checkpoint",
+                "max_exit_s", "max_exit_after_freeze_s", "trajectory_equal", "wall_s"):
         table.add_row(key, f"{result[key]:.2f}" if isinstance(result[key], float) else str(result[key]))
     console.print(table)
 

@@ -79,19 +79,20 @@ def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
             start, losses, resumed_from = saved["step"], saved["losses"], str(found)
             gen.set_state(saved["data"])
         times = []
-        for step in range(start, job.steps):
-            phase = "step"
-            failures.record(progress_dir, rank, step, phase)
-            inputs, target = w.make_batch(w.batch, gen)
-            dist.barrier()
-            begin = time.perf_counter()
-            losses.append(pm.step(inputs, target))
-            times.append(time.perf_counter() - begin)
-            done = step + 1
-            if job.checkpoint_dir and (done == job.steps or job.checkpoint_every and done % job.checkpoint_every == 0):
-                step, phase = done, "checkpoint"
+        with failures.collective_failures("training"):  # barriers and checkpoints too, not only steps
+            for step in range(start, job.steps):
+                phase = "step"
                 failures.record(progress_dir, rank, step, phase)
-                checkpoint.save(pm, job.checkpoint_dir, done, {"losses": losses, "data": gen.get_state()})
+                inputs, target = w.make_batch(w.batch, gen)
+                dist.barrier()
+                begin = time.perf_counter()
+                losses.append(pm.step(inputs, target))
+                times.append(time.perf_counter() - begin)
+                done = step + 1
+                if job.checkpoint_dir and (done == job.steps or job.checkpoint_every and done % job.checkpoint_every == 0):
+                    step, phase = done, "checkpoint"
+                    failures.record(progress_dir, rank, step, phase)
+                    checkpoint.save(pm, job.checkpoint_dir, done, {"losses": losses, "data": gen.get_state()})
         failures.record(progress_dir, rank, job.steps, "done")
         peak = (torch.cuda.max_memory_allocated() if local_device(rank).type == "cuda"
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)

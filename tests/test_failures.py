@@ -33,7 +33,7 @@ DYING = textwrap.dedent('''
 
 
 def _train(*argv, env=None):
-    return subprocess.run([sys.executable, "-m", "autopar", "train", *argv], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-m", "autopar", "train", *argv], capture_output=True, text=True, check=False,
                           timeout=300, env={**os.environ, **(env or {})})
 
 
