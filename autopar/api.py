@@ -42,8 +42,8 @@ def parallelize(
     `compression` ("dgc:0.999", "powersgd:2", ... see `runtime.compression`; "auto": the planner
     weighs a few) and `delay` (delayed gradient averaging, in steps) replace the plan's
     `dp_gradient` choices; a searched or hand-written layout is planned with them priced in.
-    `timeout` (seconds): a collective waiting longer fails, and `step` raises `PeerLost` — a rank
-    died or hangs (applies when this call starts the process group; torch's default otherwise).
+    `timeout` (seconds): a collective of any of the job's process groups waiting longer fails,
+    and `step` raises `PeerLost`: a rank died or hangs (default: torch's, 30 minutes on gloo).
     """
     from runtime import default_backend, local_device
     from runtime.parallel import ParallelModel, UnsupportedPlan, zero3
@@ -91,10 +91,16 @@ def parallelize(
         if len(resolved.stages) > 1:
             from runtime.pipeline import PipelineModel
 
-            return PipelineModel(model, resolved, loss_fn, optimizer, args, device=device)
-        return ParallelModel(model, resolved, loss_fn, optimizer, args, device=device)
+            pm = PipelineModel(model, resolved, loss_fn, optimizer, args, device=device)
+        else:
+            pm = ParallelModel(model, resolved, loss_fn, optimizer, args, device=device)
     except UnsupportedPlan as exc:
         raise AutoparError(str(exc)) from None
+    if timeout is not None:
+        from runtime.failures import set_timeouts
+
+        set_timeouts(timeout)  # the groups the model made, not only the job's
+    return pm
 
 
 def _resolve(plan, model, args, batch, graph, cluster, mesh, compression, delay) -> Plan:

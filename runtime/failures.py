@@ -3,8 +3,8 @@
 A rank that dies or hangs leaves the others waiting in a collective. Under torchrun's agent (what
 `autopar train` launches) the agent sees a dead process within `monitor_interval` and stops the
 others; where no agent sees it (another host, a rank that hangs) every collective gives up after
-the process group's timeout (`parallelize(timeout=...)`, `autopar train --timeout`), and the step
-raises `PeerLost` instead of the backend's transport error. Each rank records its progress in a
+the timeout (`parallelize(timeout=...)`, `autopar train --timeout`, set on every group the plan
+made: `set_timeouts`), and the step raises `PeerLost` instead of the backend's transport error. Each rank records its progress in a
 small file, so the launcher can name the step at which a rank died (and an outside observer, such
 as `benchmarks/chaos.py`, can find the ranks' processes).
 """
@@ -12,6 +12,7 @@ as `benchmarks/chaos.py`, can find the ranks' processes).
 from __future__ import annotations
 
 import contextlib
+import datetime
 import functools
 import json
 import os
@@ -45,6 +46,17 @@ def collective_failures(what: str) -> Iterator[None]:
         detail = str(exc).strip().splitlines()[0]
         raise PeerLost(f"rank {rank} gave up in {what}: another rank died or stopped responding "
                        f"({detail.split('] ', 1)[-1]})") from None
+
+
+def set_timeouts(timeout_s: float) -> None:
+    """Every process group this rank is in gives up after `timeout_s`: the groups DeviceMesh and the
+    pipeline make (data, tensor, stage pairs, tied weights) otherwise wait torch's 30-minute
+    default, whatever timeout the job was started with."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout, _world
+
+    for group in list(_world.pg_map):
+        with contextlib.suppress(ValueError):  # a group this rank is not in
+            _set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
 
 
 def guarded(step: Callable) -> Callable:

@@ -52,15 +52,15 @@ def test_a_dying_rank_stops_the_job_and_is_named_with_its_step(tmp_path, how, sa
     assert stopped < 15  # the agent notices within 0.1 s; the rest is interpreter exit and teardown
 
 
-def _hung(rank, store, out):
-    """Rank 1 stops answering after one step; rank 0's next step must give up after the timeout."""
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+def _hung(rank, store, out, plan, world):
+    """Rank 1 stops answering after one step; the others' next step must give up after the timeout."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=store)
     import autopar
     from runtime.failures import PeerLost
 
     w = autopar.load_workload("mlp-tiny", batch=8, device="cpu")
-    pm = autopar.parallelize(w.model, None, w.example_inputs, loss_fn=w.loss_fn, plan="2,1,1", timeout=3,
+    pm = autopar.parallelize(w.model, None, w.example_inputs, loss_fn=w.loss_fn, plan=plan, timeout=3,
                              optimizer=lambda ps: __import__("torch").optim.SGD(ps, lr=0.1))
     import torch
 
@@ -76,16 +76,19 @@ def _hung(rank, store, out):
     except PeerLost as exc:
         result = {"error": str(exc)}
     result["waited_s"] = time.time() - start
-    with open(out, "w") as f:
-        json.dump(result, f)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
     os._exit(0)
 
 
-def test_a_hanging_rank_makes_the_others_fail_after_the_timeout(tmp_path):
+# on 4 ranks the pipeline's data-parallel pairs are groups of their own (not the job's): they time out too
+@pytest.mark.parametrize("plan, world", [("2,1,1", 2), ("2,1,2,2", 4)], ids=["dp", "dp-pipeline"])
+def test_a_hanging_rank_makes_the_others_fail_after_the_timeout(tmp_path, plan, world):
     from runtime import free_port
 
     out = tmp_path / "rank0.json"
-    mp.spawn(_hung, args=(str(free_port()), str(out)), nprocs=2, join=True)
+    mp.spawn(_hung, args=(str(free_port()), str(out), plan, world), nprocs=world, join=True)
     result = json.loads(out.read_text())
     assert result["error"] and result["error"].startswith(
         "rank 0 gave up in a training step: another rank died or stopped responding")
