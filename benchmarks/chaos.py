@@ -6,7 +6,7 @@ with `--checkpoint-every` and `--resume` while this script, from outside, SIGKIL
 kills land in forward, backward, the optimizer step or a checkpoint being written. `--freezes` of
 the kills SIGSTOP the rank instead: a hang the launcher's agent cannot see, which the others'
 collective timeout (`--timeout`) must turn into an error. Each job must exit on its own within
-`--hang-after` seconds (plus, after a freeze, the timeout and the agent's 30 s grace before it
+`--hang-after` seconds (plus, after a freeze, the timeout and the launcher's grace before it
 SIGKILLs what ignores SIGTERM), else it counts as a hang and is killed; a killed rank must be named. The next job resumes from the latest checkpoint. After `--kills`
 kills the job runs to its end, and its losses (the checkpointed ones included) must equal the
 reference exactly.
@@ -36,6 +36,7 @@ from pathlib import Path
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from runtime import checkpoint, failures
+from runtime.train import SHUTDOWN_GRACE_S
 
 
 def _command(args, directory: Path | None, resume: bool) -> list[str]:
@@ -89,8 +90,8 @@ def main() -> None:
     parser.add_argument("--checkpoint-every", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=10.0, help="the ranks' collective timeout (--timeout)")
     parser.add_argument("--hang-after", type=float, default=60.0,
-                        help="a job still running this long after a kill, or after the timeout and the agent's "
-                             "30 s grace after a freeze, is a hang")
+                        help="a job still running this long after a kill (after a freeze: plus the timeout and "
+                             "the launcher's grace) is a hang")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -127,7 +128,7 @@ def main() -> None:
                 kill = _kill_one(proc, directory / "progress", rng.randrange(args.nproc),
                                  max(start, targets[len(kills)]), rng.uniform(0.0, 0.3), sig)
             try:
-                grace = args.timeout + 30 if kill and kill["signal"] == "SIGSTOP" else 0
+                grace = args.timeout + SHUTDOWN_GRACE_S if kill and kill["signal"] == "SIGSTOP" else 0
                 out, err = proc.communicate(timeout=args.hang_after + grace)
             except subprocess.TimeoutExpired:
                 hangs += 1

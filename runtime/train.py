@@ -19,6 +19,10 @@ import torch
 from runtime import failures
 from runtime.backend import free_port
 
+# after a rank fails, the agent SIGTERMs the others and SIGKILLs those still there this much later
+# (torch's default is 30 s): a frozen rank ignores SIGTERM, and checkpoints need no clean exit
+SHUTDOWN_GRACE_S = 3
+
 
 @dataclasses.dataclass(frozen=True)
 class TrainJob:
@@ -129,7 +133,7 @@ def launch(job: TrainJob, quiet: bool = True) -> dict[str, Any]:
         port = free_port()
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=job.nproc, run_id=uuid.uuid4().hex,
                               rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
-                              monitor_interval=0.1, start_method="spawn")
+                              monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_GRACE_S)
         loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
         levels = [log.level for log in loggers]
         if quiet:  # the agent logs every failure with tracebacks; the error below says what happened
