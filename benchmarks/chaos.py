@@ -47,25 +47,13 @@ def _command(args, directory: Path | None, resume: bool) -> list[str]:
     return cmd + (["--resume"] if resume else [])
 
 
-def _descends(pid: int, ancestor: int) -> bool:
-    """Whether `pid` is a process of the job `ancestor` started (not a stale file's, reused pid)."""
-    while pid > 1:
-        if pid == ancestor:
-            return True
-        try:
-            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            return False
-    return False
-
-
 def _kill_one(proc: subprocess.Popen, progress: Path, rank: int, step: int, delay: float,
               sig: signal.Signals) -> dict | None:
     """Send `sig` to `rank` once it reaches `step` (plus `delay` seconds): SIGKILL kills it, SIGSTOP
     freezes it (a hang no agent sees). None if the job ended first."""
     while proc.poll() is None:
         where = failures.progress(progress, rank)
-        if where and where["step"] >= step and where["phase"] in ("step", "checkpoint") and _descends(where["pid"], proc.pid):
+        if where and where["step"] >= step and where["phase"] in ("step", "checkpoint") and failures.descends(where["pid"], proc.pid):
             time.sleep(delay)
             where = failures.progress(progress, rank)
             latest = checkpoint.latest(progress.parent)

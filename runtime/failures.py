@@ -16,6 +16,8 @@ import datetime
 import functools
 import json
 import os
+import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -85,6 +87,45 @@ def progress(directory: str | Path, rank: int) -> dict[str, Any] | None:
         return json.loads((Path(directory) / f"rank{rank}.json").read_text())
     except (OSError, ValueError):
         return None
+
+
+def descends(pid: int, ancestor: int) -> bool:
+    """Whether process `pid` is `ancestor` or one of its descendants (not a stale file's reused pid)."""
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
+
+
+@contextlib.contextmanager
+def reaping(directory: str | Path, nproc: int, grace_s: float) -> Iterator[None]:
+    """While the body runs: once a rank records a failure, SIGKILL this process's ranks still alive
+    `grace_s` later. torch's launcher SIGTERMs them and waits 30 s before it SIGKILLs; a frozen
+    rank (stopped, or stuck in native code) never takes the SIGTERM."""
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.wait(0.1):
+            if any((p or {}).get("error") for p in (progress(directory, r) for r in range(nproc))):
+                if stop.wait(grace_s):
+                    return
+                for where in (progress(directory, r) for r in range(nproc)):
+                    if where and descends(where["pid"], os.getpid()):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(where["pid"], signal.SIGKILL)
+                return
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def dead_rank(failures: dict[int, Any]) -> tuple[int, Any]:

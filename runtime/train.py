@@ -19,8 +19,8 @@ import torch
 from runtime import failures
 from runtime.backend import free_port
 
-# after a rank fails, the agent SIGTERMs the others and SIGKILLs those still there this much later
-# (torch's default is 30 s): a frozen rank ignores SIGTERM, and checkpoints need no clean exit
+# after a rank fails, the others get SIGTERM, and SIGKILL this much later (torch's default is 30 s;
+# `failures.reaping`): a frozen rank ignores SIGTERM, and checkpoints need no clean exit
 SHUTDOWN_GRACE_S = 3
 
 
@@ -140,7 +140,8 @@ def launch(job: TrainJob, quiet: bool = True) -> dict[str, Any]:
             for log in loggers:
                 log.setLevel(logging.CRITICAL)
         try:
-            results = elastic_launch(config, worker)(job, progress_dir)
+            with failures.reaping(progress_dir, job.nproc, SHUTDOWN_GRACE_S):
+                results = elastic_launch(config, worker)(job, progress_dir)
         except ChildFailedError as exc:
             rank, failure = failures.dead_rank(exc.failures)
             message = failures.describe(rank, failure, failures.progress(progress_dir, rank), job.steps)

@@ -25,7 +25,7 @@ DYING = textwrap.dedent('''
                     f.write(str(time.time()))
                 if os.environ["DIE_HOW"] == "raise":
                     raise ValueError("the data loader broke")
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGSTOP if os.environ["DIE_HOW"] == "freeze" else signal.SIGKILL)
             calls[0] += 1
             return w.make_batch(batch, gen)
         return w.model, w.example_inputs, w.loss_fn, make_batch
@@ -37,19 +37,26 @@ def _train(*argv, env=None):
                           timeout=300, env={**os.environ, **(env or {})})
 
 
-@pytest.mark.parametrize("how, said", [("kill", "rank 1 was killed by SIGKILL at step 2 of 5"),
-                                       ("raise", "rank 1 failed (ValueError: the data loader broke) at step 2 of 5")])
-def test_a_dying_rank_stops_the_job_and_is_named_with_its_step(tmp_path, how, said):
+@pytest.mark.parametrize("how, said, within", [
+    ("kill", "rank 1 was killed by SIGKILL at step 2 of 5", 15),
+    ("raise", "rank 1 failed (ValueError: the data loader broke) at step 2 of 5", 15),
+    # frozen: no process died, so rank 0 reports its timeout (--timeout 5), and rank 1 is SIGKILLed
+    ("freeze", "rank 0 failed (rank 0 gave up in training: another rank died or stopped responding", 5 + 15),
+])
+def test_a_dying_rank_stops_the_job_and_is_named_with_its_step(tmp_path, how, said, within):
     (tmp_path / "dying.py").write_text(DYING)
     log = tmp_path / "died"
     proc = _train(f"{tmp_path}/dying.py:make", "--nproc", "2", "--steps", "5", "--checkpoint-dir", str(tmp_path / "ck"),
-                  "--checkpoint-every", "1", env={"DIE_AT": "2", "DIE_LOG": str(log), "DIE_HOW": how})
+                  "--checkpoint-every", "1", "--timeout", "5",
+                  env={"DIE_AT": "2", "DIE_LOG": str(log), "DIE_HOW": how})
     stopped = time.time() - float(log.read_text())
     assert proc.returncode == 2
-    assert f"error: {said}; the other ranks were stopped; the latest checkpoint is" in proc.stderr
+    assert f"error: {said}" in proc.stderr
+    assert "; the other ranks were stopped; the latest checkpoint is" in proc.stderr
     assert "step-2: run again with --resume" in proc.stderr
     assert "Traceback" not in proc.stderr
-    assert stopped < 15  # the agent notices within 0.1 s; the rest is interpreter exit and teardown
+    # the agent notices a death within 0.1 s, a freeze after the timeout; the rest is teardown
+    assert stopped < within
 
 
 def _hung(rank, store, out, plan, world):
