@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import datetime
 import logging
 import os
 from collections.abc import Callable
@@ -56,7 +55,7 @@ def parallelize(
         raise AutoparError(f"delay must be a number of steps ≥ 0, got {delay}")
     if timeout is not None and not timeout > 0:
         raise AutoparError(f"timeout must be a positive number of seconds, got {timeout}")
-    _init_process_group(default_backend(), timeout)
+    _init_process_group(default_backend())  # torch's timeout while rank 0 plans; `timeout` once built
     world, rank = dist.get_world_size(), dist.get_rank()
     per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun's ranks per host
     hosts, per_host = mesh if mesh is not None else (max(1, world // per_node), min(per_node, world))
@@ -99,7 +98,7 @@ def parallelize(
     if timeout is not None:
         from runtime.failures import set_timeouts
 
-        set_timeouts(timeout)  # the groups the model made, not only the job's
+        set_timeouts(timeout)  # every group, the model's too; not before: rank 0 may plan for minutes
     return pm
 
 
@@ -128,15 +127,14 @@ def _resolve(plan, model, args, batch, graph, cluster, mesh, compression, delay)
     return plan_compressed(search, compression, plan_auto)
 
 
-def _init_process_group(backend: str, timeout: float | None) -> None:
+def _init_process_group(backend: str) -> None:
     """Join the torchrun job, or become a job of one when launched as a plain script."""
     if dist.is_initialized():
         return
-    kw = {"timeout": datetime.timedelta(seconds=timeout)} if timeout else {}
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, **kw)
+        dist.init_process_group(backend)
         return
     from runtime import free_port
 
     port = free_port()
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1, **kw)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)

@@ -283,7 +283,6 @@ def cmd_train(args: argparse.Namespace, out: Console) -> Any:
 
     job = TrainJob(args.model, args.nproc, args.steps, args.plan, args.batch, args.cluster, args.compression,
                    args.delay, args.checkpoint_dir, args.checkpoint_every, args.resume, args.timeout)
-    job.check()
     with Console(stderr=True).status(f"training {args.model} on {args.nproc} rank(s)"):
         result = launch(job, quiet=not args.debug)
     if args.json:

@@ -12,7 +12,7 @@ kills the job runs to its end, and its losses (the checkpointed ones included) m
 reference exactly.
 
 - lost steps: steps a complete checkpoint held when the job was killed, that the resumed job did
-  not start from (must be 0);
+  not start from (from the "resumed from … at step N" it prints; must be 0);
 - redone steps: steps run again after a resume (the work since the last checkpoint: at most
   `--checkpoint-every`).
 
@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -48,14 +49,20 @@ def _command(args, directory: Path | None, resume: bool) -> list[str]:
 
 
 def _kill_one(proc: subprocess.Popen, progress: Path, rank: int, step: int, delay: float,
-              sig: signal.Signals) -> dict | None:
+              sig: signal.Signals, limit_s: float) -> dict | None:
     """Send `sig` to `rank` once it reaches `step` (plus `delay` seconds): SIGKILL kills it, SIGSTOP
-    freezes it (a hang no agent sees). None if the job ended first."""
+    freezes it (a hang no agent sees). None if the job ended first; {"stalled": True} if it got
+    nowhere near the step within `limit_s`."""
+    deadline = time.time() + limit_s
     while proc.poll() is None:
+        if time.time() > deadline:
+            return {"stalled": True}
         where = failures.progress(progress, rank)
-        if where and where["step"] >= step and where["phase"] in ("step", "checkpoint") and failures.descends(where["pid"], proc.pid):
+        if where and where["step"] >= step and where["phase"] in ("step", "checkpoint"):
             time.sleep(delay)
             where = failures.progress(progress, rank)
+            if where is None or not failures.descends(where["pid"], proc.pid):
+                continue
             latest = checkpoint.latest(progress.parent)
             try:
                 os.kill(where["pid"], sig)
@@ -80,6 +87,7 @@ def main() -> None:
     parser.add_argument("--hang-after", type=float, default=60.0,
                         help="a job still running this long after a kill (after a freeze: plus the timeout and "
                              "the launcher's grace) is a hang")
+    parser.add_argument("--run-limit", type=float, default=600.0, help="a job reaching no kill or end this long is a hang")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -103,34 +111,37 @@ def main() -> None:
         while final is None:
             runs += 1
             shutil.rmtree(directory / "progress", ignore_errors=True)  # no stale pids
-            proc = subprocess.Popen(_command(args, directory, True), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    text=True, start_new_session=True)
             begun = checkpoint.latest(directory)
             start = checkpoint.step_of(begun) if begun else 0
-            if kills:  # what the previous kill left: the resume must start at its latest checkpoint
-                lost += max(0, kills[-1]["checkpointed"] - start)
-                redone += max(0, kills[-1]["step"] - start)
+            proc = subprocess.Popen(_command(args, directory, True), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    text=True, start_new_session=True)
             kill = None
             if len(kills) < args.kills:
                 sig = signal.SIGSTOP if len(kills) in frozen else signal.SIGKILL
                 kill = _kill_one(proc, directory / "progress", rng.randrange(args.nproc),
-                                 max(start, targets[len(kills)]), rng.uniform(0.0, 0.3), sig)
+                                 max(start, targets[len(kills)]), rng.uniform(0.0, 0.3), sig, args.run_limit)
             try:
-                grace = args.timeout + SHUTDOWN_GRACE_S if kill and kill["signal"] == "SIGSTOP" else 0
-                out, err = proc.communicate(timeout=args.hang_after + grace)
+                grace = args.timeout + SHUTDOWN_GRACE_S if kill and kill.get("signal") == "SIGSTOP" else 0
+                out, err = proc.communicate(timeout=(args.hang_after + grace) if kill else args.run_limit)
             except subprocess.TimeoutExpired:
                 hangs += 1
                 os.killpg(proc.pid, signal.SIGKILL)
                 out, err = proc.communicate()
+            resumed = re.search(r"resumed from \S*step-\d+ at step (\d+)", err)
+            if kills:  # the resume must start at the latest checkpoint the previous kill left
+                at = int(resumed.group(1)) if resumed else start  # killed before it said so
+                lost += max(0, kills[-1]["checkpointed"] - at)
+                redone += max(0, kills[-1]["step"] - at)
+            if kill is not None and kill.get("stalled"):
+                continue  # counted as a hang above: the job got nowhere within --run-limit
             if kill is None:
                 if proc.returncode != 0:
                     raise SystemExit(f"run {runs} failed without a kill:\n{err}")
                 final = json.loads(out)
                 continue
             kill["exit_s"] = time.time() - kill.pop("at")
-            # a frozen rank cannot be told from a slow one: the others say a peer stopped responding
             kill["named"] = (f"rank {kill['rank']} was killed by SIGKILL" in err if kill["signal"] == "SIGKILL"
-                             else "another rank died or stopped responding" in err)
+                             else f"rank {kill['rank']} stopped responding" in err)
             unnamed += not kill["named"]
             kills.append(kill)
             status(f"{kill['signal']} {len(kills)}: rank {kill['rank']} at step {kill['step']} ({kill['phase']}), "

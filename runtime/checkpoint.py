@@ -6,13 +6,16 @@ resumes under 2×2 data × pipeline. A weight several pipeline stages hold (a ti
 saved once, from the first stage holding it, and loaded into every copy.
 
 Atomic: every rank writes into `step-N.partial/`, and once all have, rank 0 renames it to
-`step-N` (a rename is atomic on a POSIX file system). A job killed mid-save leaves the previous
-checkpoint the latest complete one; `latest()` never returns a partial one. Multi-host jobs need
+`step-N` (a rename is atomic on a POSIX file system); what is replaced or dropped is renamed to
+`*.trash` before it is deleted. A job killed at any point leaves complete checkpoints only under
+`step-N` names, and `latest()` takes only those with their metadata and trainer state. Multi-host jobs need
 a directory every host sees (as DCP's file system writer does).
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import re
 import shutil
@@ -28,17 +31,41 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+log = logging.getLogger(__name__)
 _STEP = re.compile(r"step-(\d+)")
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 def latest(directory: str | Path) -> Path | None:
-    """The complete checkpoint with the highest step in `directory`, or None."""
+    """The complete checkpoint with the highest step in `directory`, or None. Call it on one rank
+    and share the answer (`agreed_latest`): ranks reading a file system apart may disagree."""
+    done = _complete(directory)
+    return done[-1][1] if done else None
+
+
+def agreed_latest(directory: str | Path) -> Path | None:
+    """`latest` as rank 0 sees it, on every rank."""
+    found = [str(latest(directory) or "") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(found, src=0)
+    return Path(found[0]) if found[0] else None
+
+
+def _complete(directory: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of the checkpoints with their metadata and trainer state, by step."""
     root = Path(directory)
     if not root.is_dir():
-        return None
-    done = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.fullmatch(p.name)) and p.is_dir()]
-    return max(done)[1] if done else None
+        return []
+    return sorted((int(m.group(1)), p) for p in root.iterdir()
+                  if (m := _STEP.fullmatch(p.name)) and (p / ".metadata").is_file() and (p / "trainer.pt").is_file())
+
+
+def layout(plan: Any) -> str:
+    """What makes two plans run alike (stages, placements, microbatches, schedule, gradient
+    handling), without what only describes them (estimates, costs, how the search went)."""
+    stages = [{"layers": s.layers, "submesh": s.submesh, "logical_mesh": s.logical_mesh, "params": s.params,
+               "ops": s.ops, "recompute": s.recompute} for s in plan.stages]
+    return json.dumps({"stages": stages, "num_microbatches": plan.num_microbatches, "schedule": plan.schedule,
+                       "dp_gradient": plan.dp_gradient, "batch": plan.batch}, sort_keys=True, default=list)
 
 
 def step_of(path: str | Path) -> int:
@@ -72,42 +99,49 @@ def _state(pm: Any, saving: bool) -> tuple[dict[str, Any], dict[str, str]]:
 
 def save(pm: Any, directory: str | Path, step: int, trainer: dict[str, Any] | None = None, keep: int = 2) -> Path:
     """Write a checkpoint of `pm` after `step` steps; every rank calls this. `trainer` (the data
-    generator's state, the losses so far: anything torch.save takes) is kept beside it, and each
-    rank's random state and synchroniser state (error feedback, delayed gradients) too.
-    Keeps the `keep` newest checkpoints."""
+    generator's state, the losses so far, an LR scheduler's state: anything torch.save takes) is
+    kept beside it, and each rank's random state and synchroniser state (error feedback, delayed
+    gradients) too. Keeps the `keep` checkpoints of the highest steps."""
     root = Path(directory)
     final, partial = root / f"step-{step}", root / f"step-{step}.partial"
     rank = dist.get_rank()
     if rank == 0:
         root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(partial, ignore_errors=True)
+        for stale in [*root.glob("*.partial"), *root.glob("*.trash")]:  # left by a job killed mid-save
+            shutil.rmtree(stale, ignore_errors=True)
     dist.barrier()
     dcp.save(_state(pm, saving=True)[0], checkpoint_id=str(partial))
     sync = getattr(pm, "sync", None)
-    local = {"rng": torch.get_rng_state(), "world": dist.get_world_size(), "plan": pm.plan.to_json(),
-             "sync": sync.state_dict() if sync is not None else None}
+    local = {"rng": torch.get_rng_state(), "world": dist.get_world_size(), "layout": layout(pm.plan),
+             "sync": sync.state_dict() if sync is not None else None,
+             "cuda_rng": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
     if getattr(sync, "replicas_differ", False):  # delayed averaging: each replica's own weights and moments
         local["replica"] = {"params": [p.detach().clone() for p in pm.trained.parameters()],
                             "optimizer": pm.optimizer.state_dict()}
     _atomic_save(local, partial / f"rank{rank}.pt")
     if rank == 0:
-        _atomic_save({"step": step, **(trainer or {})}, partial / "trainer.pt")
+        _atomic_save({**(trainer or {}), "step": step}, partial / "trainer.pt")
     dist.barrier()
     if rank == 0:
-        shutil.rmtree(final, ignore_errors=True)  # a step redone after a resume from an older one
+        # a step saved again (redone after a resume): the old one goes aside first, so a kill at
+        # any point leaves a complete step-N or the previous checkpoints
+        if final.exists():
+            os.rename(final, root / f"step-{step}.trash")
         os.rename(partial, final)
         _fsync_dir(root)
-        done = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP.fullmatch(p.name)))
-        for _, old in done[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        for _, old in _complete(root)[:-keep]:
+            os.rename(old, old.with_name(old.name + ".trash"))  # out of `latest`'s sight at once
+        for trash in root.glob("*.trash"):
+            shutil.rmtree(trash, ignore_errors=True)
     dist.barrier()
     return final
 
 
 def load(pm: Any, path: str | Path) -> dict[str, Any]:
     """Load a checkpoint into `pm` (whatever plan it was saved under) and return the trainer state
-    saved with it ("step" included). Random and synchroniser states come back only when the job
-    runs the same plan on as many ranks; otherwise they start afresh, as a new layout's would."""
+    saved with it ("step" included, and "exact": whether this rank's own state came back too).
+    Random and synchroniser states come back only when the job runs the same layout on as many
+    ranks; otherwise they start afresh, as a new layout's would, with a warning."""
     path = Path(path)
     if not (path / ".metadata").is_file():
         from autopar.errors import AutoparError
@@ -119,18 +153,24 @@ def load(pm: Any, path: str | Path) -> dict[str, Any]:
     dcp.load(state, checkpoint_id=str(path))
     set_optimizer_state_dict(pm.trained, pm.optimizer, {torch_keys[k]: state[k] for k in torch_keys}, options=_FLAT)
     mine = path / f"rank{dist.get_rank()}.pt"
-    if mine.is_file():
-        local = torch.load(mine, weights_only=False)
-        if local["world"] == dist.get_world_size() and local["plan"] == pm.plan.to_json():
-            torch.set_rng_state(local["rng"])
-            if local["sync"] is not None and getattr(pm, "sync", None) is not None:
-                pm.sync.load_state_dict(local["sync"])
-            if "replica" in local:
-                with torch.no_grad():
-                    for p, saved in zip(pm.trained.parameters(), local["replica"]["params"]):
-                        p.copy_(saved)
-                pm.optimizer.load_state_dict(local["replica"]["optimizer"])
-    return torch.load(path / "trainer.pt", weights_only=False)
+    local = torch.load(mine, weights_only=False) if mine.is_file() else None
+    exact = local is not None and local["world"] == dist.get_world_size() and local["layout"] == layout(pm.plan)
+    if not exact:
+        log.warning("%s was saved under another layout or world size: parameters and optimizer state loaded, "
+                    "random and gradient-synchroniser state (compressor memories, delayed gradients) start afresh",
+                    path)
+    else:
+        torch.set_rng_state(local["rng"])
+        if local["cuda_rng"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(local["cuda_rng"])
+        if local["sync"] is not None and getattr(pm, "sync", None) is not None:
+            pm.sync.load_state_dict(local["sync"])
+        if "replica" in local:
+            with torch.no_grad():
+                for p, saved in zip(pm.trained.parameters(), local["replica"]["params"]):
+                    p.copy_(saved)
+            pm.optimizer.load_state_dict(local["replica"]["optimizer"])
+    return {**torch.load(path / "trainer.pt", weights_only=False), "exact": exact}
 
 
 def _check_fits(state: dict[str, Any], saved: dict[str, Any], path: Path) -> None:

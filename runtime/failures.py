@@ -4,7 +4,8 @@ A rank that dies or hangs leaves the others waiting in a collective. Under torch
 `autopar train` launches) the agent sees a dead process within `monitor_interval` and stops the
 others; where no agent sees it (another host, a rank that hangs) every collective gives up after
 the timeout (`parallelize(timeout=...)`, `autopar train --timeout`, set on every group the plan
-made: `set_timeouts`), and the step raises `PeerLost` instead of the backend's transport error. Each rank records its progress in a
+made: `set_timeouts`), and the step raises `PeerLost` instead of the backend's transport error;
+`reaping` then ends the ranks that are left and notes who was dead or frozen, for `blame`. Each rank records its progress in a
 small file, so the launcher can name the step at which a rank died (and an outside observer, such
 as `benchmarks/chaos.py`, can find the ranks' processes).
 """
@@ -15,6 +16,7 @@ import contextlib
 import datetime
 import functools
 import json
+import logging
 import os
 import signal
 import threading
@@ -28,8 +30,8 @@ import torch.distributed as dist
 from autopar.errors import AutoparError
 
 # what gloo and NCCL say when a peer is gone or silent
-_LOST = ("Timed out", "timed out", "Connection closed by peer", "Connection reset", "Broken pipe",
-         "NCCL communicator was aborted", "ProcessGroupNCCL")
+_LOST = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+         "NCCL communicator was aborted", "Watchdog caught collective operation timeout")
 
 
 class PeerLost(AutoparError):
@@ -39,23 +41,30 @@ class PeerLost(AutoparError):
 @contextlib.contextmanager
 def collective_failures(what: str) -> Iterator[None]:
     """Turn a transport error of a dead or silent peer into one clear `PeerLost`."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         yield
-    except RuntimeError as exc:
-        if not (isinstance(exc, dist.DistError) or any(s in str(exc) for s in _LOST)):
+    except (RuntimeError, CheckpointException) as exc:  # DCP gathers its ranks' errors into the latter
+        text = str(exc)
+        if not (isinstance(exc, (dist.DistNetworkError, dist.DistStoreError)) or any(s in text for s in _LOST)):
             raise
         rank = dist.get_rank() if dist.is_initialized() else "?"
-        detail = str(exc).strip().splitlines()[0]
+        detail = next((line for line in text.splitlines() if any(s in line for s in _LOST)), text.strip())
         raise PeerLost(f"rank {rank} gave up in {what}: another rank died or stopped responding "
-                       f"({detail.split('] ', 1)[-1]})") from None
+                       f"({detail.split('] ', 1)[-1].strip()})") from exc
 
 
 def set_timeouts(timeout_s: float) -> None:
     """Every process group this rank is in gives up after `timeout_s`: the groups DeviceMesh and the
     pipeline make (data, tensor, stage pairs, tied weights) otherwise wait torch's 30-minute
     default, whatever timeout the job was started with."""
-    from torch.distributed.distributed_c10d import _set_pg_timeout, _world
-
+    try:
+        from torch.distributed.distributed_c10d import _set_pg_timeout, _world
+    except ImportError:  # a torch without it: the job's own timeout still holds for the default group
+        logging.getLogger(__name__).warning("this torch cannot set process-group timeouts: subgroups wait "
+                                            "torch's default")
+        return
     for group in list(_world.pg_map):
         with contextlib.suppress(ValueError):  # a group this rank is not in
             _set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
@@ -101,23 +110,42 @@ def descends(pid: int, ancestor: int) -> bool:
     return False
 
 
+def _process_state(pid: int) -> str:
+    """"dead" (gone, or a zombie not yet reaped), "stopped" (SIGSTOP, a debugger) or "running"."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "dead"
+    return {"Z": "dead", "X": "dead", "T": "stopped", "t": "stopped"}.get(state, "running")
+
+
+def _lost(where: dict[str, Any] | None) -> bool:
+    """The rank recorded that a peer was lost (a consequence, not a cause)."""
+    return bool(where and where.get("error") and "another rank died or stopped responding" in where["error"])
+
+
 @contextlib.contextmanager
-def reaping(directory: str | Path, nproc: int, grace_s: float) -> Iterator[None]:
-    """While the body runs: once a rank records a failure, SIGKILL this process's ranks still alive
-    `grace_s` later. torch's launcher SIGTERMs them and waits 30 s before it SIGKILLs; a frozen
-    rank (stopped, or stuck in native code) never takes the SIGTERM."""
+def reaping(directory: str | Path, nproc: int, grace_s: float, seen: dict[int, tuple[str, dict | None]]
+            ) -> Iterator[None]:
+    """While the body runs: once a rank records a failure, note every rank's process state and
+    progress in `seen` (what `blame` reads: by the time the launcher reports, every rank is gone),
+    and SIGKILL the ranks that recorded nothing and are still there `grace_s` later: torch's
+    launcher SIGTERMs them and waits 30 s, and a frozen rank never takes the SIGTERM."""
     stop = threading.Event()
 
     def watch() -> None:
         while not stop.wait(0.1):
-            if any((p or {}).get("error") for p in (progress(directory, r) for r in range(nproc))):
-                if stop.wait(grace_s):
-                    return
-                for where in (progress(directory, r) for r in range(nproc)):
-                    if where and descends(where["pid"], os.getpid()):
-                        with contextlib.suppress(ProcessLookupError):
-                            os.kill(where["pid"], signal.SIGKILL)
+            where = {r: progress(directory, r) for r in range(nproc)}
+            if not any((w or {}).get("error") for w in where.values()):
+                continue
+            seen.update({r: (_process_state(w["pid"]) if w else "dead", w) for r, w in where.items()})
+            if stop.wait(grace_s):
                 return
+            for w in (progress(directory, r) for r in range(nproc)):
+                if w and not w.get("error") and descends(w["pid"], os.getpid()):
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(w["pid"], signal.SIGKILL)
+            return
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
@@ -128,27 +156,35 @@ def reaping(directory: str | Path, nproc: int, grace_s: float) -> Iterator[None]
         thread.join()
 
 
-def dead_rank(failures: dict[int, Any]) -> tuple[int, Any]:
-    """The rank that failed first among torchelastic's `ProcessFailure`s. A rank killed by a signal
-    is the cause; ranks whose collectives then failed are its consequences."""
-    signalled = {r: f for r, f in failures.items() if f.exitcode < 0}
-    pool = signalled or failures
-    rank = min(pool, key=lambda r: (pool[r].timestamp, r))
-    return rank, pool[rank]
-
-
-def describe(rank: int, failure: Any, where: dict[str, Any] | None, steps: int) -> str:
-    """One line: which rank died, how, and at which step."""
-    if failure.exitcode < 0:
-        how = f"was killed by {failure.signal_name()}"
-    elif where and where.get("error"):
-        how = f"failed ({where['error']})"
+def blame(failed: dict[int, Any], seen: dict[int, tuple[str, dict | None]], directory: str | Path,
+          steps: int) -> str:
+    """One line: which rank died (or froze), how, and at which step. torchelastic reports the first
+    rank it saw exit, which may be one whose collectives failed because of another; the causes
+    come first: a rank that died without a word, a frozen one, a signalled one, a rank's own error."""
+    where = {r: w for r, (_, w) in seen.items()} or {r: progress(directory, r) for r in failed}
+    state = {r: st for r, (st, _) in seen.items()}
+    dead = [r for r, st in state.items() if st == "dead" and not (where[r] or {}).get("error")]
+    frozen = [r for r, st in state.items() if st == "stopped"]
+    signalled = [r for r, f in failed.items() if f.exitcode < 0 and not (where.get(r) or {}).get("error")]
+    own = [r for r in failed if (where.get(r) or {}).get("error") and not _lost(where.get(r))]
+    rank = (dead or frozen or signalled or own or sorted(failed))[0]
+    w = where.get(rank) or progress(directory, rank)
+    if rank in frozen:
+        how = "stopped responding (its process is stopped)"
+    elif w and w.get("error") and not (rank in signalled):
+        how = f"failed ({w['error']})"
+    elif rank in failed and failed[rank].exitcode < 0:
+        how = f"was killed by {failed[rank].signal_name()}"
+    elif rank in dead:
+        how = "died"
     else:
-        how = f"exited with status {failure.exitcode}"
-    if where is None:
+        how = f"exited with status {failed[rank].exitcode}"
+    if w is None:
         at = "before its first step"
-    elif where["phase"] == "checkpoint":
-        at = f"while saving the checkpoint of step {where['step']}"
+    elif w["phase"] == "checkpoint":
+        at = f"while saving the checkpoint of step {w['step']}"
+    elif w["phase"] == "resume":
+        at = f"while loading the checkpoint of step {w['step']}"
     else:
-        at = f"at step {where['step']} of {steps}"
+        at = f"at step {w['step']} of {steps}"
     return f"rank {rank} {how} {at}; the other ranks were stopped"

@@ -50,6 +50,13 @@ class TrainJob:
             raise AutoparError("--resume and --checkpoint-every need --checkpoint-dir DIR: where checkpoints go")
         if not self.timeout_s > 0:
             raise AutoparError(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
+        if self.checkpoint_dir and not self.resume:
+            from runtime.checkpoint import latest
+
+            found = latest(self.checkpoint_dir)
+            if found is not None:
+                raise AutoparError(f"{self.checkpoint_dir} already holds checkpoints (up to {found.name}): pass "
+                                   "--resume to continue from them, or another --checkpoint-dir")
 
 
 def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
@@ -74,33 +81,46 @@ def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
                                  compression=job.compression, delay=job.delay, timeout=job.timeout_s)
         rank = dist.get_rank()
         gen = torch.Generator().manual_seed(1)  # the same global batches on every rank
-        start, losses, resumed_from = 0, [], None
-        found = checkpoint.latest(job.checkpoint_dir) if job.resume else None
+        start, losses, resumed_from, exact = 0, [], None, True
+        found = checkpoint.agreed_latest(job.checkpoint_dir) if job.resume else None
         if found is not None:
             step, phase = checkpoint.step_of(found), "resume"
             failures.record(progress_dir, rank, step, phase)
-            saved = checkpoint.load(pm, found)
-            start, losses, resumed_from = saved["step"], saved["losses"], str(found)
+            with failures.collective_failures(f"loading {found}"):
+                saved = checkpoint.load(pm, found)
+            if "losses" not in saved or "data" not in saved:
+                raise AutoparError(f"{found} was not written by `autopar train` (no losses or data order in it): "
+                                   "resume it from Python with runtime.checkpoint.load")
+            if saved["step"] > job.steps:
+                raise AutoparError(f"{found} is at step {saved['step']}, beyond --steps {job.steps}: "
+                                   f"ask for at least {saved['step']} steps")
+            start, losses, resumed_from, exact = saved["step"], saved["losses"], str(found), saved["exact"]
             gen.set_state(saved["data"])
+        if job.resume and rank == 0:  # said now: a job killed later has said where it started
+            print(f"resumed from {found} at step {start}" + ("" if exact else " (another layout: random and "
+                  "compressor state afresh)") if found else f"no checkpoint in {job.checkpoint_dir}: starting at step 0",
+                  file=sys.stderr, flush=True)
         times = []
-        with failures.collective_failures("training"):  # barriers and checkpoints too, not only steps
-            for step in range(start, job.steps):
-                phase = "step"
-                failures.record(progress_dir, rank, step, phase)
-                inputs, target = w.make_batch(w.batch, gen)
+        for step in range(start, job.steps):
+            phase = "step"
+            failures.record(progress_dir, rank, step, phase)
+            inputs, target = w.make_batch(w.batch, gen)
+            with failures.collective_failures(f"the barrier before step {step}"):
                 dist.barrier()
-                begin = time.perf_counter()
-                losses.append(pm.step(inputs, target))
-                times.append(time.perf_counter() - begin)
-                done = step + 1
-                if job.checkpoint_dir and (done == job.steps or job.checkpoint_every and done % job.checkpoint_every == 0):
-                    step, phase = done, "checkpoint"
-                    failures.record(progress_dir, rank, step, phase)
+            begin = time.perf_counter()
+            losses.append(pm.step(inputs, target))
+            times.append(time.perf_counter() - begin)
+            done = step + 1
+            if job.checkpoint_dir and (done == job.steps or job.checkpoint_every and done % job.checkpoint_every == 0):
+                step, phase = done, "checkpoint"
+                failures.record(progress_dir, rank, step, phase)
+                with failures.collective_failures(f"saving the checkpoint of step {done}"):
                     checkpoint.save(pm, job.checkpoint_dir, done, {"losses": losses, "data": gen.get_state()})
         failures.record(progress_dir, rank, job.steps, "done")
         peak = (torch.cuda.max_memory_allocated() if local_device(rank).type == "cuda"
                 else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-        return {"losses": losses, "start_step": start, "resumed_from": resumed_from, "step_times_s": times,
+        return {"losses": losses, "start_step": start, "resumed_from": resumed_from, "exact_resume": exact,
+                "step_times_s": times,
                 "batch": w.batch, "plan": pm.plan.name, "compression": pm.plan.dp_gradient.get("compression"),
                 "peak_memory_bytes": peak, "comm": pm.comm_stats()}
     except AutoparError as exc:
@@ -139,12 +159,12 @@ def launch(job: TrainJob, quiet: bool = True) -> dict[str, Any]:
         if quiet:  # the agent logs every failure with tracebacks; the error below says what happened
             for log in loggers:
                 log.setLevel(logging.CRITICAL)
+        seen: dict[int, Any] = {}
         try:
-            with failures.reaping(progress_dir, job.nproc, SHUTDOWN_GRACE_S):
+            with failures.reaping(progress_dir, job.nproc, SHUTDOWN_GRACE_S, seen):
                 results = elastic_launch(config, worker)(job, progress_dir)
         except ChildFailedError as exc:
-            rank, failure = failures.dead_rank(exc.failures)
-            message = failures.describe(rank, failure, failures.progress(progress_dir, rank), job.steps)
+            message = failures.blame(exc.failures, seen, progress_dir, job.steps)
             if job.checkpoint_dir:
                 from runtime import checkpoint
 
@@ -160,13 +180,10 @@ def launch(job: TrainJob, quiet: bool = True) -> dict[str, Any]:
     if errors:
         raise AutoparError(errors.pop())
     first = ranks[0]
-    if first["resumed_from"]:
-        print(f"resumed from {first['resumed_from']} at step {first['start_step']}", file=sys.stderr)
-    elif job.resume:
-        print(f"no checkpoint in {job.checkpoint_dir}: started at step 0", file=sys.stderr)
     per_step = [max(r["step_times_s"][i] for r in ranks) for i in range(len(first["step_times_s"]))]
     step_time = statistics.median(per_step[1:] or per_step) if per_step else None  # None: nothing left to run
     return {"model": job.model, "nproc": job.nproc, "plan": first["plan"], "compression": first["compression"],
             "delay": job.delay, "batch": first["batch"], "start_step": first["start_step"],
+            "exact_resume": all(r["exact_resume"] for r in ranks),
             "losses": first["losses"], "step_time_s": step_time, "samples_per_s": first["batch"] / step_time if step_time else None,
             "peak_memory_bytes": [r["peak_memory_bytes"] for r in ranks], "comm": first["comm"]}

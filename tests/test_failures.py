@@ -40,8 +40,8 @@ def _train(*argv, env=None):
 @pytest.mark.parametrize("how, said, within", [
     ("kill", "rank 1 was killed by SIGKILL at step 2 of 5", 15),
     ("raise", "rank 1 failed (ValueError: the data loader broke) at step 2 of 5", 15),
-    # frozen: no process died, so rank 0 reports its timeout (--timeout 5), and rank 1 is SIGKILLed
-    ("freeze", "rank 0 failed (rank 0 gave up in training: another rank died or stopped responding", 5 + 15),
+    # frozen: rank 0's collectives give up after --timeout 5, and rank 1 is named from its process state
+    ("freeze", "rank 1 stopped responding (its process is stopped) at step 2 of 5", 5 + 15),
 ])
 def test_a_dying_rank_stops_the_job_and_is_named_with_its_step(tmp_path, how, said, within):
     (tmp_path / "dying.py").write_text(DYING)
@@ -108,6 +108,10 @@ def test_train_resumes_from_its_checkpoint_on_the_same_trajectory_and_under_anot
     straight = _train(*common, "--checkpoint-every", "2", "--plan", "2,1,1")
     assert straight.returncode == 0, straight.stderr
     assert sorted(p.name for p in ck.iterdir() if p.name.startswith("step-")) == ["step-2", "step-4"]
+    again = _train(*common, "--plan", "2,1,1")  # without --resume: the old run's checkpoints would take over
+    assert again.returncode == 2 and "already holds checkpoints (up to step-4): pass --resume" in again.stderr
+    short = _train(*common[:4], "1", *common[5:], "--resume")
+    assert short.returncode == 2 and "step-4 is at step 4, beyond --steps 1" in short.stderr
     (ck / "step-4").rename(tmp_path / "away")  # as if the job had died during step 3
     resumed = _train(*common, "--resume", "--plan", "2,1,1")
     assert resumed.returncode == 0, resumed.stderr
