@@ -155,11 +155,11 @@ def load(pm: Any, path: str | Path) -> dict[str, Any]:
     mine = path / f"rank{dist.get_rank()}.pt"
     local = torch.load(mine, weights_only=False) if mine.is_file() else None
     exact = local is not None and local["world"] == dist.get_world_size() and local["layout"] == layout(pm.plan)
-    if not exact:
+    if not exact and dist.get_rank() == 0:
         log.warning("%s was saved under another layout or world size: parameters and optimizer state loaded, "
                     "random and gradient-synchroniser state (compressor memories, delayed gradients) start afresh",
                     path)
-    else:
+    if exact:
         torch.set_rng_state(local["rng"])
         if local["cuda_rng"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(local["cuda_rng"])
