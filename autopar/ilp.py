@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -94,23 +95,7 @@ def solve(problem: Problem, time_limit_s: float = 30.0) -> Solution:
         raise InfeasibleError(
             f"no sharding fits: the leanest assignment needs {least / 2**30:.2f} GiB per device, "
             f"the limit is {problem.memory_limit / 2**30:.2f} GiB", least)
-    solver = pywraplp.Solver.CreateSolver("HIGHS")
-    solver.SuppressOutput()
-    # the limit goes to HiGHS in seconds: OR-Tools' SetTimeLimit rounds to whole ms, and 0 ms means none.
-    # No absolute gap: HiGHS's default (1e-6) is as large as a stage's whole cost in seconds
-    solver.SetSolverSpecificParametersAsString(f"output_flag=false\nlog_to_console=false\nmip_abs_gap=0\ntime_limit={float(time_limit_s)!r}\n")
-    x = [[solver.BoolVar(f"x{v}_{s}") for s in range(len(c))] for v, c in enumerate(problem.node_costs)]
-    objective = solver.Objective()
-    for v, costs in enumerate(problem.node_costs):
-        solver.Add(sum(x[v]) == 1, f"one_strategy_{v}")
-        for s, c in enumerate(costs):
-            objective.SetCoefficient(x[v][s], float(c))
-    for (u, v), costs in problem.edges.items():
-        _add_edge(solver, objective, x[u], x[v], costs, f"{u}_{v}")
-    if np.isfinite(problem.memory_limit):
-        solver.Add(sum(float(m) * var for mem, vars_ in zip(problem.node_memory, x)
-                       for m, var in zip(mem, vars_) if m) <= problem.memory_limit, "memory")
-    objective.SetMinimization()
+    solver, x, objective = _model(problem, time_limit_s, integer=True)
     start = time.perf_counter()
     status = solver.Solve()
     limited = status == pywraplp.Solver.FEASIBLE or time.perf_counter() - start >= time_limit_s
@@ -125,11 +110,11 @@ def solve(problem: Problem, time_limit_s: float = 30.0) -> Solution:
 
     if status == pywraplp.Solver.OPTIMAL:
         return solution(solver_choice(), "optimal", 0.0)
+    if status == pywraplp.Solver.INFEASIBLE:
+        raise InfeasibleError(
+            f"no sharding fits in {problem.memory_limit / 2**30:.2f} GiB per device (the leanest strategies "
+            f"need {least / 2**30:.2f} GiB, but not in one consistent assignment)", least)
     if not limited:
-        if status == pywraplp.Solver.INFEASIBLE:
-            raise InfeasibleError(
-                f"no sharding fits in {problem.memory_limit / 2**30:.2f} GiB per device (the leanest strategies "
-                f"need {least / 2**30:.2f} GiB, but not in one consistent assignment)", least)
         raise SolverError(f"the ILP solver failed (status {status}) on {problem_size(problem)} "
                           f"after {solver.wall_time() / 1000:.2f} s")
     candidates = [heuristic(problem)]
@@ -141,11 +126,46 @@ def solve(problem: Problem, time_limit_s: float = 30.0) -> Solution:
                           f"({problem_size(problem)}): raise the time limit (--time-limit)")
     choice = min(candidates, key=problem.objective)
     value = problem.objective(choice)
-    bound = lower_bound(problem)
+    bound = max(lower_bound(problem), _relaxation(problem, time_limit_s))
     if status == pywraplp.Solver.FEASIBLE and objective.BestBound() < value:  # OR-Tools may report the incumbent
         bound = max(bound, objective.BestBound())
     gap = max(0.0, (value - bound) / max(abs(value), 1e-12))
     return solution(choice, "optimal" if gap < 1e-9 else "feasible", 0.0 if gap < 1e-9 else gap)  # the bound proves it
+
+
+def _model(problem: Problem, time_limit_s: float, integer: bool) -> tuple[Any, list[list[Any]], Any]:
+    """The HiGHS model (binary strategy variables, or their LP relaxation), its variables, its objective."""
+    from ortools.linear_solver import pywraplp
+
+    solver = pywraplp.Solver.CreateSolver("HIGHS")
+    solver.SuppressOutput()
+    # the limit goes to HiGHS in seconds: OR-Tools' SetTimeLimit rounds to whole ms, and 0 ms means none.
+    # No absolute gap: HiGHS's default (1e-6) is as large as a stage's whole cost in seconds
+    solver.SetSolverSpecificParametersAsString(
+        f"output_flag=false\nlog_to_console=false\nmip_abs_gap=0\ntime_limit={float(time_limit_s)!r}\n")
+    var = solver.BoolVar if integer else (lambda name: solver.NumVar(0.0, 1.0, name))
+    x = [[var(f"x{v}_{s}") for s in range(len(c))] for v, c in enumerate(problem.node_costs)]
+    objective = solver.Objective()
+    for v, costs in enumerate(problem.node_costs):
+        solver.Add(sum(x[v]) == 1, f"one_strategy_{v}")
+        for s, c in enumerate(costs):
+            objective.SetCoefficient(x[v][s], float(c))
+    for (u, v), costs in problem.edges.items():
+        _add_edge(solver, objective, x[u], x[v], costs, f"{u}_{v}")
+    if np.isfinite(problem.memory_limit):
+        solver.Add(sum(float(m) * var for mem, vars_ in zip(problem.node_memory, x)
+                       for m, var in zip(mem, vars_) if m) <= problem.memory_limit, "memory")
+    objective.SetMinimization()
+    return solver, x, objective
+
+
+def _relaxation(problem: Problem, time_limit_s: float) -> float:
+    """The LP relaxation's optimum, a lower bound (tight for this formulation: see the module
+    docstring), or -inf when it does not finish within the limit either."""
+    from ortools.linear_solver import pywraplp
+
+    solver, _, objective = _model(problem, time_limit_s, integer=False)
+    return objective.Value() if solver.Solve() == pywraplp.Solver.OPTIMAL else -np.inf
 
 
 def lower_bound(problem: Problem) -> float:
@@ -161,7 +181,8 @@ def lower_bound(problem: Problem) -> float:
 
 
 def heuristic(problem: Problem, sweeps: int = 20) -> list[int] | None:
-    """A feasible assignment without the solver, for when it stops empty-handed: the fastest
+    """A feasible assignment without the solver, for when it stops at its limit (kept if better than
+    the solver's incumbent, when it has one): the fastest
     strategy of each node, or where that breaks the memory limit the leanest, each improved one
     node at a time (moves that lower the objective and stay within memory). None: nothing fits."""
     fast = [int(np.argmin(c)) for c in problem.node_costs]

@@ -7,7 +7,7 @@ import sys
 import numpy as np
 import pytest
 
-from autopar.ilp import InfeasibleError, Problem, heuristic, lower_bound, solve
+from autopar.ilp import InfeasibleError, Problem, _relaxation, heuristic, lower_bound, solve
 from autopar.plan import Plan
 
 
@@ -76,7 +76,8 @@ def test_time_limit_without_incumbent_returns_a_feasible_plan_and_its_gap(headro
     assert p.memory(sol.choice) <= p.memory_limit
     assert sol.objective == pytest.approx(p.objective(sol.choice))
     assert 0 < sol.gap < 1
-    assert sol.objective * (1 - sol.gap) == pytest.approx(lower_bound(p))  # the gap is measured to a valid bound
+    # the gap is measured to a valid bound: the combinatorial one, or the LP relaxation's when it finishes in time
+    assert lower_bound(p) - 1e-9 <= sol.objective * (1 - sol.gap) <= sol.objective
     assert sol.objective < p.objective(fastest if headroom > 2 else  # local search improved on where it started
                                        [int(np.lexsort((c, m))[0]) for c, m in zip(p.node_costs, p.node_memory)])
 
@@ -87,6 +88,7 @@ def test_lower_bound_and_heuristic_bracket_the_optimum(seed):
     p = random_problem(rng, memory_tight=seed % 2 == 1)
     best, choice = brute_force(p), heuristic(p)
     assert lower_bound(p) <= best + 1e-9
+    assert _relaxation(p, 10.0) <= best + 1e-9
     assert p.memory(choice) <= p.memory_limit + 1e-9 and p.objective(choice) >= best - 1e-9
 
 
