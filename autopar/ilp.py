@@ -16,7 +16,8 @@ was optimal in about 1 s.
 
 When the time limit stops HiGHS, OR-Tools (9.15) hands back no incumbent in most cases (status
 99, "unknown") and, when it does, reports the incumbent itself as the best bound. So `solve` builds
-its own feasible assignment (`heuristic`) and measures the gap against `lower_bound`. (Solution
+its own feasible assignment (`heuristic`) and measures the gap against the better of
+`lower_bound` and the LP relaxation's optimum (when that finishes within the limit too). (Solution
 hints are not passed: OR-Tools' HiGHS wrapper crashes on them.)
 """
 
