@@ -143,6 +143,7 @@ def main() -> None:
             kill["named"] = (f"rank {kill['rank']} was killed by SIGKILL" in err if kill["signal"] == "SIGKILL"
                              else f"rank {kill['rank']} stopped responding" in err)
             unnamed += not kill["named"]
+            kill["said"] = next((line for line in err.splitlines() if line.startswith("error:")), err[-300:])
             kills.append(kill)
             status(f"{kill['signal']} {len(kills)}: rank {kill['rank']} at step {kill['step']} ({kill['phase']}), "
                    f"job exited {kill['exit_s']:.2f} s later, checkpoint step {kill['checkpointed']}")

@@ -13,6 +13,7 @@ as `benchmarks/chaos.py`, can find the ranks' processes).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import functools
 import json
@@ -119,33 +120,49 @@ def _process_state(pid: int) -> str:
     return {"Z": "dead", "X": "dead", "T": "stopped", "t": "stopped"}.get(state, "running")
 
 
-def _lost(where: dict[str, Any] | None) -> bool:
-    """The rank recorded that a peer was lost (a consequence, not a cause)."""
-    return bool(where and where.get("error") and "another rank died or stopped responding" in where["error"])
+@dataclasses.dataclass
+class Watched:
+    """What `reaping` saw of one rank: its last progress, when its process was first seen gone,
+    whether it was seen stopped."""
+
+    where: dict[str, Any] | None = None
+    died_at: float | None = None
+    stopped: bool = False
 
 
 @contextlib.contextmanager
-def reaping(directory: str | Path, nproc: int, grace_s: float, seen: dict[int, tuple[str, dict | None]]
-            ) -> Iterator[None]:
-    """While the body runs: once a rank records a failure, note every rank's process state and
-    progress in `seen` (what `blame` reads: by the time the launcher reports, every rank is gone),
-    and SIGKILL the ranks that recorded nothing and are still there `grace_s` later: torch's
-    launcher SIGTERMs them and waits 30 s, and a frozen rank never takes the SIGTERM."""
+def reaping(directory: str | Path, nproc: int, grace_s: float, seen: dict[int, Watched]) -> Iterator[None]:
+    """While the body runs, watch every rank's process (every 10 ms) and progress, into `seen`:
+    `blame` reads it, as by the time the launcher reports every rank is gone, and the order in
+    which they went tells the cause from the ranks the launcher stopped. Once a rank records a
+    failure, SIGKILL `grace_s` later the ranks that recorded nothing: torch's launcher SIGTERMs
+    them and waits 30 s, and a frozen rank never takes the SIGTERM."""
     stop = threading.Event()
+    seen.update({r: Watched() for r in range(nproc)})
 
     def watch() -> None:
-        while not stop.wait(0.1):
-            where = {r: progress(directory, r) for r in range(nproc)}
-            if not any((w or {}).get("error") for w in where.values()):
-                continue
-            seen.update({r: (_process_state(w["pid"]) if w else "dead", w) for r, w in where.items()})
-            if stop.wait(grace_s):
-                return
-            for w in (progress(directory, r) for r in range(nproc)):
-                if w and not w.get("error") and descends(w["pid"], os.getpid()):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.kill(w["pid"], signal.SIGKILL)
-            return
+        failed_at, tick = None, 0
+        while not stop.wait(0.01):
+            tick += 1
+            for r, w in seen.items():
+                if w.died_at is not None:
+                    continue
+                if w.where is None or tick % 10 == 0:
+                    w.where = progress(directory, r) or w.where
+                if w.where is not None:
+                    state = _process_state(w.where["pid"])
+                    w.stopped |= state == "stopped"
+                    if state == "dead":  # its last words (an error it recorded on the way out)
+                        w.died_at, w.where = time.time(), progress(directory, r) or w.where
+            if failed_at is None and any((w.where or {}).get("error") for w in seen.values()):
+                failed_at = time.time()
+            if failed_at is not None and time.time() > failed_at + grace_s:
+                for w in seen.values():
+                    if w.died_at is None and w.where and not w.where.get("error") \
+                            and descends(w.where["pid"], os.getpid()):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(w.where["pid"], signal.SIGKILL)
+                failed_at = float("inf")
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
@@ -156,29 +173,30 @@ def reaping(directory: str | Path, nproc: int, grace_s: float, seen: dict[int, t
         thread.join()
 
 
-def blame(failed: dict[int, Any], seen: dict[int, tuple[str, dict | None]], directory: str | Path,
-          steps: int) -> str:
+def blame(failed: dict[int, Any], seen: dict[int, Watched], steps: int) -> str:
     """One line: which rank died (or froze), how, and at which step. torchelastic reports the first
-    rank it saw exit, which may be one whose collectives failed because of another; the causes
-    come first: a rank that died without a word, a frozen one, a signalled one, a rank's own error."""
-    where = {r: w for r, (_, w) in seen.items()} or {r: progress(directory, r) for r in failed}
-    state = {r: st for r, (st, _) in seen.items()}
-    dead = [r for r, st in state.items() if st == "dead" and not (where[r] or {}).get("error")]
-    frozen = [r for r, st in state.items() if st == "stopped"]
-    signalled = [r for r, f in failed.items() if f.exitcode < 0 and not (where.get(r) or {}).get("error")]
-    own = [r for r in failed if (where.get(r) or {}).get("error") and not _lost(where.get(r))]
-    rank = (dead or frozen or signalled or own or sorted(failed))[0]
-    w = where.get(rank) or progress(directory, rank)
+    rank it saw exit, which may be one whose collectives failed because of another, or one it
+    stopped itself; the causes come first: a frozen rank, the first rank gone without a word, a
+    signalled one, a rank's own error, before ranks that only lost a peer."""
+    def error(r: int) -> str | None:
+        return (seen[r].where or {}).get("error") if r in seen else None
+
+    frozen = [r for r, w in seen.items() if w.stopped]
+    silent = sorted((w.died_at, r) for r, w in seen.items() if w.died_at is not None and not error(r))
+    signalled = [r for r, f in failed.items() if f.exitcode < 0 and not error(r)]
+    own = [r for r in failed if error(r) and "another rank died or stopped responding" not in error(r)]
+    rank = (frozen or [r for _, r in silent[:1]] or signalled or own or sorted(failed))[0]
+    w = seen[rank].where if rank in seen else None
     if rank in frozen:
         how = "stopped responding (its process is stopped)"
-    elif w and w.get("error") and not (rank in signalled):
-        how = f"failed ({w['error']})"
+    elif error(rank):
+        how = f"failed ({error(rank)})"
     elif rank in failed and failed[rank].exitcode < 0:
         how = f"was killed by {failed[rank].signal_name()}"
-    elif rank in dead:
-        how = "died"
-    else:
+    elif rank in failed:
         how = f"exited with status {failed[rank].exitcode}"
+    else:
+        how = "died"
     if w is None:
         at = "before its first step"
     elif w["phase"] == "checkpoint":

@@ -159,12 +159,12 @@ def launch(job: TrainJob, quiet: bool = True) -> dict[str, Any]:
         if quiet:  # the agent logs every failure with tracebacks; the error below says what happened
             for log in loggers:
                 log.setLevel(logging.CRITICAL)
-        seen: dict[int, Any] = {}
+        seen: dict[int, failures.Watched] = {}
         try:
             with failures.reaping(progress_dir, job.nproc, SHUTDOWN_GRACE_S, seen):
                 results = elastic_launch(config, worker)(job, progress_dir)
         except ChildFailedError as exc:
-            message = failures.blame(exc.failures, seen, progress_dir, job.steps)
+            message = failures.blame(exc.failures, seen, job.steps)
             if job.checkpoint_dir:
                 from runtime import checkpoint
 
