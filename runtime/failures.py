@@ -2,12 +2,12 @@
 
 A rank that dies or hangs leaves the others waiting in a collective. Under torchrun's agent (what
 `autopar train` launches) the agent sees a dead process within `monitor_interval` and stops the
-others; where no agent sees it (another host, a rank that hangs) every collective gives up after
+others. Where no agent sees it (another host, a rank that hangs), every collective gives up after
 the timeout (`parallelize(timeout=...)`, `autopar train --timeout`, set on every group the plan
-made: `set_timeouts`), and the step raises `PeerLost` instead of the backend's transport error;
-`reaping` then ends the ranks that are left and notes who was dead or frozen, for `blame`. Each rank records its progress in a
-small file, so the launcher can name the step at which a rank died (and an outside observer, such
-as `benchmarks/chaos.py`, can find the ranks' processes).
+made: `set_timeouts`), and the step raises `PeerLost` instead of the backend's transport error.
+Each rank records its progress (pid, step, phase, error) in a small file; `reaping` watches the
+ranks' processes, ends those left behind, and `blame` names the one that died or froze and its
+step (an outside observer, such as `benchmarks/chaos.py`, finds the ranks' processes there too).
 """
 
 from __future__ import annotations
