@@ -1,7 +1,7 @@
 """autopar: an Alpa-style auto-parallelization planner and compiler for PyTorch."""
 
 from autopar.api import parallelize
-from autopar.capture import capture
+from autopar.capture import capture, first_tensor
 from autopar.errors import AutoparError, CaptureError, ClusterSpecError, ModelSpecError
 from autopar.graph import Layer, OpGraph, OpNode, TensorInfo
 from autopar.models import Workload, load_workload
@@ -17,6 +17,7 @@ __all__ = [
     "TensorInfo",
     "Workload",
     "capture",
+    "first_tensor",
     "load_workload",
     "parallelize",
 ]

@@ -86,6 +86,7 @@ def parallelize(
         raise AutoparError("compression and delayed averaging work on replicated gradients; this plan shards them "
                            "over the data axis (ZeRO-3): use a plan without S(0) parameters")
     device = local_device(int(os.environ.get("LOCAL_RANK", rank)))
+    _start_equal(model.to(device))
     try:
         if len(resolved.stages) > 1:
             from runtime.pipeline import PipelineModel
@@ -125,6 +126,16 @@ def _resolve(plan, model, args, batch, graph, cluster, mesh, compression, delay)
         layout = Layout.parse(str(plan))
         return plan_compressed(search, compression, lambda s: manual_plan(manual_search(s), layout))
     return plan_compressed(search, compression, plan_auto)
+
+
+def _start_equal(model: nn.Module) -> None:
+    """Every rank starts from rank 0's parameters and buffers, as DDP does at construction: scripts
+    build the model on every rank, and without a shared seed the replicas would train apart."""
+    if dist.get_world_size() == 1:
+        return
+    from torch.distributed.utils import _sync_module_states
+
+    _sync_module_states(model, dist.group.WORLD, 250 * 1024 * 1024, 0, set())
 
 
 def _init_process_group(backend: str) -> None:

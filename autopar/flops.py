@@ -10,17 +10,54 @@ dozen distinct ops.
 
 from __future__ import annotations
 
+from math import prod
 from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, register_flop_formula
+
+
+def _grouped_mm(a_shape: tuple, b_shape: tuple, *args: Any, out_shape: tuple, **kwargs: Any) -> int:
+    """A grouped matmul (a mixture of experts' tokens × their experts' weights): each output
+    element is one dot product over the contraction a_shape[-1]."""
+    return 2 * prod(out_shape) * a_shape[-1]
+
+
+def _grouped_mm_backward(a_shape: tuple, b_shape: tuple, offs: tuple, grad_shape: tuple, *args: Any,
+                         **kwargs: Any) -> int:
+    """Input and weight gradients: two grouped matmuls of the forward's size."""
+    return 2 * _grouped_mm(a_shape, b_shape, out_shape=grad_shape)
+
+
+# ops torch has no formula for, by namespace::name (registered when their library is loaded);
+# transformers' grouped matmul runs Mixtral's, Qwen-MoE's, ... experts on data-dependent token counts
+FORMULAS = {
+    "aten::_grouped_mm": _grouped_mm,
+    "transformers::grouped_mm_fallback": _grouped_mm,
+    "transformers::grouped_mm_fallback_backward": _grouped_mm_backward,
+}
+
+
+def _register_formulas() -> None:
+    """Put FORMULAS into torch's registry for the ops whose library is loaded (once per process)."""
+    for qualified, formula in FORMULAS.items():
+        namespace, _, name = qualified.partition("::")
+        packet = getattr(getattr(torch.ops, namespace), name, None)
+        if packet is not None and packet not in flop_registry:
+            register_flop_formula(packet)(formula)
+
+
+def _is_custom(target: Any) -> bool:
+    """An op of a library outside torch (`torch.library.custom_op`): FlopCounterMode counts it as 0."""
+    return getattr(target, "namespace", "aten") not in ("aten", "prims", "_c10d_functional", "c10d")
 
 
 class FlopCounter:
     """Counts an op's FLOPs; holds the cache of ops already replayed."""
 
     def __init__(self) -> None:
+        _register_formulas()
         self._cache: dict[Any, tuple[float, float]] = {}
         self.failures: dict[str, str] = {}  # op -> why it could not be replayed
 
@@ -41,11 +78,16 @@ class FlopCounter:
 
         try:
             margs, mkwargs = tree_map(to_meta, (args, kwargs))
+            if target._schema.is_mutable and margs and getattr(margs[0], "requires_grad", False):
+                margs = (margs[0].clone(), *margs[1:])  # an in-place op on a leaf: on a copy of it
             with FlopCounterMode(display=False) as fwd:
                 out = target(*margs, **mkwargs)
         except Exception as exc:  # an op without a meta kernel: record it, count nothing
             self.failures[str(target)] = f"{type(exc).__name__}: {exc}".splitlines()[0]
             return 0.0, 0.0
+        if _is_custom(target) and target.overloadpacket not in flop_registry:
+            self.failures[str(target)] = ("a custom op with no FLOP formula: priced by the bytes it moves alone "
+                                          "(register one with torch.utils.flop_counter.register_flop_formula)")
         outs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor) and t.requires_grad]
         ins = [t for t in tree_leaves((margs, mkwargs)) if isinstance(t, torch.Tensor) and t.requires_grad]
         if not outs or not ins:

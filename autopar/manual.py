@@ -91,12 +91,29 @@ def manual_search(search: Search) -> Search:
 
 
 def blocks(search: Search) -> list[int]:
-    """Indices of the repeated blocks (the most common layer structure with FLOPs)."""
+    """Indices of the layers that begin a Megatron block: the layers of the most common structure
+    with FLOPs (GPT's blocks; GShard's dense-and-MoE pairs begin at the first kind). A model with
+    several stacks of blocks (`ModuleList`s: an encoder and a decoder) splits each stack every p
+    layers, p the period of its structure; a stack's first block may differ from the rest (T5's
+    holds the relative-position bias)."""
     hashes = search.costs.hashes
     heavy = [i for i, layer in enumerate(search.layers) if layer.flops > 0]
+    stacks: dict[str, list[int]] = {}
+    for i in heavy:
+        prefix, _, index = search.layers[i].name.rpartition(".")
+        if prefix and index.isdigit():
+            stacks.setdefault(prefix, []).append(i)
+    if len(stacks) > 1:
+        return [i for stack in stacks.values() for i in stack[::_period([hashes[i] for i in stack])]]
     kinds = list(dict.fromkeys(hashes[i] for i in heavy))  # first appearance breaks ties (MoE: the MoE block)
     common = max(kinds, key=lambda h: sum(hashes[i] == h for i in heavy))
     return [i for i in heavy if hashes[i] == common]
+
+
+def _period(kinds: list) -> int:
+    """The smallest p dividing len(kinds) with kinds[i] == kinds[i - p] for every i - p ≥ 1."""
+    n = len(kinds)
+    return next(p for p in range(1, n + 1) if n % p == 0 and all(kinds[i] == kinds[i - p] for i in range(p + 1, n)))
 
 
 def check(search: Search, layout: Layout) -> str | None:

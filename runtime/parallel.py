@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.capture import _export
+from autopar.capture import _export, first_tensor
 from runtime.comm_count import CollectiveBytes
 from runtime.failures import guarded
 from runtime.grad_sync import GradSync
@@ -167,7 +167,7 @@ class ParallelModel:
                 self.trained.set_requires_gradient_sync(last)
             args = micro_in[i] if isinstance(micro_in[i], (tuple, list)) else (micro_in[i],)
             if self.graph is None:
-                loss = self.loss_fn(self.model(*args), micro_target[i]) / m
+                loss = self.loss_fn(first_tensor(self.model(*args)), micro_target[i]) / m
                 reported = loss
             elif self.graph.output_shard:  # each tensor-parallel rank holds some samples
                 target = micro_target[i].tensor_split(self.tp)[self.tp_rank]

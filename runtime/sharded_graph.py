@@ -38,6 +38,15 @@ _CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
 # takes minutes for a masked attention); the plan splits it by batch or heads, so it runs locally
 _LOCAL = {torch.ops.aten.scaled_dot_product_attention.default,
           torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+# convolutions: DTensor's rule follows the input's placement and ignores a split weight (torch 2.13)
+_CONV = {torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv3d.default,
+         torch.ops.aten.convolution.default}
+_LOCAL |= _CONV
+_EMBEDDING = torch.ops.aten.embedding.default
+
+
+def _split_rows(value: Any) -> bool:
+    return isinstance(value, DTensor) and value.placements[0] == Shard(0)
 
 
 def placement(text: str) -> Placement:
@@ -78,6 +87,27 @@ def _grad_like_param(p: torch.Tensor) -> None:
     replicated); the optimizer and the synchroniser need it placed like the parameter."""
     if p.grad is not None and p.grad.placements != p.placements:
         p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+
+class OpFailed(RuntimeError):
+    """An op of the exported graph failed under the plan: names the op and the user's line."""
+
+
+def source_line(node: fx.Node) -> str:
+    """The model's own line that made this node (export records the stack), as ' at FILE:LINE: code'."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = [line.strip() for line in trace.splitlines() if line.strip()]
+    for i in range(len(frames) - 1, -1, -1):
+        if frames[i].startswith("File "):
+            code = frames[i + 1] if i + 1 < len(frames) else ""
+            return f" at {frames[i].removeprefix('File ')}: {code}"
+    return ""
+
+
+def _attr(module: nn.Module, target: str) -> Any:
+    for name in target.split("."):
+        module = getattr(module, name)
+    return module
 
 
 @dataclass
@@ -172,6 +202,9 @@ class ShardedGraph(nn.Module):
                 self.fixed[node] = buffers[fqn]
             elif node.name in sig.inputs_to_lifted_tensor_constants:
                 self.fixed[node] = ep.constants[sig.inputs_to_lifted_tensor_constants[node.name]]
+        for node in self.graph.nodes:  # submodules of higher-order ops (a rotary cache's no_grad block)
+            if node.op == "get_attr":
+                self.fixed[node] = _attr(ep.graph_module, node.target)
         want = stage.ops.get(output.name, ["R", "R"])[1]
         # split by batch (inputs carry it in dim 0): the loss runs per shard
         self.output_shard = part is None and mesh is not None and want == "S(0)"
@@ -191,10 +224,21 @@ class ShardedGraph(nn.Module):
         env.update(zip(self.inputs, inputs))
         wrapped: dict[fx.Node, DTensor] = {}  # replicated values wrapped once (see module docstring)
         for node in self.nodes:
-            env[node] = self._run(node, env, wrapped)
+            try:
+                env[node] = self._run(node, env, wrapped)
+            except Exception as exc:
+                raise OpFailed(f"{node.name} ({node.target}) failed under the plan's placements "
+                               f"{self._placements(node, env)}{source_line(node)}: {exc}") from exc
+        # values crossing to the next stage are sent as they lie in memory: an expanded mask (stride 0)
+        # or a transposed activation is copied into one block first (gloo and NCCL send contiguous ones)
         outs = [self._plain(env[n]) for n in self.outputs]
+        outs = [x.contiguous() if isinstance(x, torch.Tensor) else x for x in outs]
         outs = [gather_batch(x, *self.gather_outputs[i]) if i in self.gather_outputs else x for i, x in enumerate(outs)]
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _placements(self, node: fx.Node, env: dict) -> str:
+        got = [getattr(env.get(i), "placements", "plain") for i in node.all_input_nodes]
+        return f"(inputs {got}, needs {self.stage.needs.get(node.name)}, output {self.stage.ops.get(node.name)})"
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """This part's parameters, whole (gathered over the tensor and data axes), by the model's names.
@@ -239,6 +283,8 @@ class ShardedGraph(nn.Module):
         kwargs = fx.node.map_arg(node.kwargs, arg)
         if node.target in _LOCAL:
             out = self._run_local(node, args, kwargs, want)
+        elif node.target is _EMBEDDING and _split_rows(args[0]) and not _split_rows(args[1]):
+            out = self._vocab_parallel(*args[:3])
         else:
             try:
                 out = node.target(*args, **kwargs)
@@ -251,18 +297,45 @@ class ShardedGraph(nn.Module):
         if isinstance(out, DTensor):
             if want is not None and not _same(out.placements[0], placement(want)):
                 self.unplanned.add(node.name)
-                out = out.redistribute(self.mesh, [placement(want)])
+                if not (want == "P" and isinstance(out.placements[0], Replicate)):  # reduced already: keep
+                    out = out.redistribute(self.mesh, [placement(want)])
             if isinstance(out.placements[0], Replicate):
                 out = out.to_local()
         return out
 
+    def _vocab_parallel(self, weight: DTensor, ids: Any, padding_idx: int = -1) -> DTensor:
+        """Megatron's vocabulary-parallel embedding: each rank looks up the rows it holds, zero for
+        the others, a partial sum. DTensor's own rule gives a `_MaskPartial` whose mask does not
+        follow later views (T5's relative-position bias is permuted before it is added)."""
+        table = weight.to_local()
+        ids = ids.to_local() if isinstance(ids, DTensor) else ids
+        _, start = Shard.local_shard_size_and_offset(weight.shape[0], self.mesh.size(), self.mesh.get_local_rank())
+        outside = (ids < start) | (ids >= start + table.shape[0])
+        padding = padding_idx - start if 0 <= padding_idx - start < table.shape[0] else -1  # no gradient there
+        rows = torch.ops.aten.embedding.default(table, (ids - start).masked_fill(outside, 0), padding)
+        return DTensor.from_local(rows.masked_fill(outside.unsqueeze(-1), 0), self.mesh, [Partial()], run_check=False)
+
     def _run_local(self, node: fx.Node, args: tuple, kwargs: dict, want: str | None) -> Any:
-        """An op without a DTensor rule, on each rank's shards: valid when every split input and the
-        output are split along a dimension the op treats independently (batch, heads)."""
-        if want is None or want == "P" or want == "R" and any(
+        """An op without a (correct) DTensor rule, on each rank's shards: valid when the plan splits
+        it along a dimension it computes independently (batch, heads, a convolution's output
+        channels) or along one it sums over (input channels: `P`). A replicated input's gradient
+        is then a partial sum over the ranks; a convolution's bias joins one rank's partial sum."""
+        if want is None or want == "R" and any(
                 isinstance(a, DTensor) and not isinstance(a.placements[0], Replicate) for a in args):
             raise NotImplementedError(f"{node.target} has no DTensor sharding rule and the plan splits it "
                                       f"as {want}: it cannot run on local shards")
-        local = [a.to_local() if isinstance(a, DTensor) else a for a in args]
-        out = node.target(*local, **kwargs)
+        if want == "P" and node.target not in _CONV:
+            raise NotImplementedError(f"{node.target} has no DTensor sharding rule for a partial result")
+
+        def local(a: Any) -> Any:
+            if not isinstance(a, DTensor):
+                return a
+            if isinstance(a.placements[0], Replicate) and want != "R":
+                return a.to_local(grad_placements=[Partial()])
+            return a.to_local()
+
+        local_args = [local(a) for a in args]
+        if want == "P" and len(local_args) > 2 and local_args[2] is not None and self.mesh.get_local_rank() != 0:
+            local_args[2] = local_args[2] * 0  # the bias once in the sum (its gradient: zero here)
+        out = node.target(*local_args, **kwargs)
         return DTensor.from_local(out, self.mesh, [placement(want)], run_check=False)

@@ -40,3 +40,19 @@ def test_keyword_inputs():
     ids = torch.randint(0, 256, (2, 16))
     graph = capture(model, (ids,), {"attention_mask": torch.ones(2, 16, dtype=torch.long)})
     assert [n.name for n in graph if n.op == "input"] == ["input_ids", "attention_mask"]
+
+
+def test_a_mixture_of_experts_counts_every_tokens_top_k_experts():
+    """Mixtral's experts run through transformers' grouped-matmul custom op, which torch's FLOP
+    counter does not know: each token's k experts count at their matmul FLOPs, nothing is warned."""
+    hidden, inner, layers, experts, k, batch, seq = 32, 64, 2, 4, 2, 4, 16
+    cfg = transformers.MixtralConfig(num_hidden_layers=layers, hidden_size=hidden, intermediate_size=inner,
+                                     num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                                     num_local_experts=experts, num_experts_per_tok=k)
+    graph = capture(transformers.MixtralForCausalLM(cfg), (torch.randint(0, 256, (batch, seq)),))
+    # per token and chosen expert: gate and up (hidden -> 2 inner), down (inner -> hidden)
+    by_hand = layers * batch * seq * k * (2 * hidden * 2 * inner + 2 * inner * hidden)
+    counted = sum(n.flops_fwd for n in graph if ".experts" in n.module_path)
+    assert counted == pytest.approx(by_hand, rel=0.05)
+    assert sum(n.flops_bwd for n in graph if ".experts" in n.module_path) == pytest.approx(2 * by_hand, rel=0.05)
+    assert graph.warnings == []

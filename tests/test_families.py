@@ -1,0 +1,98 @@
+"""The families `transformers` ships (tests/families.py) under every layout on 4 gloo ranks: losses
+and final parameters equal single-process training (rel 1e-5).
+
+One start of 4 ranks runs every case of the table (`shared_ranks`); adding a family is one line
+in `tests.families.FAMILIES`, adding a layout one entry in `LAYOUTS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+import autopar
+from tests.distributed import shared_ranks
+from tests.families import FAMILIES, workload
+
+STEPS = 2
+WORLD = 4
+# DP, TP, PP, DP×TP, DP×PP, TP×PP, the searched plan (None), and ZeRO-3 (DP with S(0) parameters)
+LAYOUTS = {"dp": "4,1,1,2", "tp": "1,4,1", "pp": "1,1,4,4", "dp-tp": "2,2,1,2", "dp-pp": "2,1,2,2",
+           "tp-pp": "1,2,2,2", "searched": None, "zero3": "4,1,1,2"}
+TABLE = ["dp", "tp", "pp", "dp-tp", "dp-pp", "tp-pp", "searched"]
+
+
+def _optimizer(params):
+    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
+
+
+def _setup(name, seed=0):
+    torch.manual_seed(seed)
+    w = workload(name)
+    g = torch.Generator().manual_seed(5)
+    return w, [w.make_batch(w.batch, g) for _ in range(STEPS)]
+
+
+def _single(name):
+    w, batches = _setup(name)
+    opt = _optimizer(list(w.model.parameters()))
+    losses = []
+    for inputs, target in batches:
+        opt.zero_grad()
+        loss = w.loss_fn(autopar.first_tensor(w.model(*inputs)), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, {n: p.detach().clone() for n, p in w.model.named_parameters()}
+
+
+def _plan(w, world, layout):
+    """The layout's plan; ZeRO-3: every parameter sharded over the data axis."""
+    if layout != "zero3":
+        return LAYOUTS[layout]
+    from autopar.manual import Layout, manual_plan, manual_search
+    from autopar.planner import Search
+    from cost_models import get_cluster
+
+    cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)
+    plan = manual_plan(manual_search(Search.start(w, cluster, (1, world))), Layout.parse(LAYOUTS[layout]))
+    for stage in plan.stages:
+        stage.params = {f: ["S(0)", p[1]] for f, p in stage.params.items()}
+    return plan
+
+
+def _parallel(rank, world, name, layout, seeded_apart=False):
+    # seeded apart: every rank builds its model from another seed, as scripts without a shared one do
+    w, batches = _setup(name, seed=rank * 1000 if seeded_apart else 0)
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
+                             plan=_plan(w, world, layout))
+    losses = [pm.step(inputs, target) for inputs, target in batches]
+    return losses, pm.full_state_dict()
+
+
+def _assert_same_training(got_losses, got_params, losses, params):
+    assert got_losses == pytest.approx(losses, rel=1e-5)
+    assert got_params.keys() == params.keys()
+    for key, value in params.items():
+        torch.testing.assert_close(got_params[key], value, rtol=1e-5, atol=1e-6)
+
+
+# the replicas start from rank 0's weights under DP, PP, ZeRO-3 and a mixed layout
+APART = [("llama", layout, True) for layout in ("dp", "pp", "zero3", "dp-pp")]
+CASES = [(name, layout, False) for name in FAMILIES for layout in TABLE] + APART
+
+
+@pytest.mark.parametrize("name, layout", [c[:2] for c in CASES if not c[2]])
+def test_family_trains_like_one_process_under_every_layout(tmp_path, name, layout):
+    losses, params = _single(name)
+    for got_losses, got_params in shared_ranks(_parallel, WORLD, CASES, (name, layout, False), tmp_path):
+        _assert_same_training(got_losses, got_params, losses, params)
+
+
+@pytest.mark.parametrize("layout", [c[1] for c in APART])
+def test_replicas_built_from_other_seeds_start_from_rank_0(tmp_path, layout):
+    losses, params = _single("llama")
+    for got_losses, got_params in shared_ranks(_parallel, WORLD, CASES, ("llama", layout, True), tmp_path):
+        _assert_same_training(got_losses, got_params, losses, params)
