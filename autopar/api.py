@@ -86,6 +86,8 @@ def parallelize(
         raise AutoparError("compression and delayed averaging work on replicated gradients; this plan shards them "
                            "over the data axis (ZeRO-3): use a plan without S(0) parameters")
     device = local_device(int(os.environ.get("LOCAL_RANK", rank)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's object collectives and new groups use the current device
     _start_equal(model.to(device))
     try:
         if len(resolved.stages) > 1:

@@ -187,6 +187,22 @@ def _conv(node, ins, outs):
     return Signature(_place(node, ins, assign), ["bo" + spatial_out], ANCHOR, {"b", "o", "c"}, linear=True)
 
 
+def _grouped_mm(node, ins, outs):
+    """A mixture of experts' grouped matmul: tokens sorted by expert (`sk`) times every expert's
+    weight (`ekn`), `offs` each expert's running token count. Splitting the experts `e` is expert
+    parallelism: a rank multiplies its experts' tokens and leaves the others' rows zero, a partial
+    sum; `n` and `k` split every expert as Megatron splits a linear. `offs` stays whole (a rank needs
+    every expert's boundaries) and tokens are never split: where they go depends on the data."""
+    args = _args(node)
+    if len(args) < 3 or not all(isinstance(a, fx.Node) for a in args[:3]):
+        return None
+    x, w = _shape(args[0].meta["val"]), _shape(args[1].meta["val"])
+    if x is None or w is None or len(x) != 2 or len(w) != 3:
+        return None
+    assign = {_input_index(node, args[0]): "sk", _input_index(node, args[1]): "ekn", _input_index(node, args[2]): "E"}
+    return Signature(_place(node, ins, assign), ["sn"], ANCHOR, {"e", "k", "n"}, linear=True)
+
+
 def _embedding(node, ins, outs):
     args = _args(node)
     idx = _shape(args[1].meta["val"])
@@ -431,6 +447,8 @@ _BUILDERS = {
     "addmm": lambda n, i, o: _mm(n, i, o, bias_first=True),
     "baddbmm": lambda n, i, o: _mm(n, i, o, bias_first=True),
     "einsum": _einsum,
+    "_grouped_mm": _grouped_mm,
+    "transformers.grouped_mm_fallback": _grouped_mm,
     "conv1d": _conv,
     "conv2d": _conv,
     "conv3d": _conv,

@@ -33,7 +33,7 @@ def megatron_letters(sig: L.Signature, node: OpNode, batch: set[str]) -> set[str
         return {"h"}  # attention heads
     if op in ("conv2d", "convolution"):
         return {"o", "c"}
-    if op == "einsum":
+    if op == "einsum" or "grouped_mm" in op:
         return set(sig.shardable)  # expert and hidden dimensions of MoE layers
     return {None}
 

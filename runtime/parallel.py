@@ -17,8 +17,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.capture import _export, first_tensor
+from autopar.capture import first_tensor
 from runtime.comm_count import CollectiveBytes
+from runtime.export import export_as_planned
 from runtime.failures import guarded
 from runtime.grad_sync import GradSync
 from runtime.sharded_graph import ShardedGraph
@@ -103,7 +104,7 @@ class ParallelModel:
         self.dp, self.tp = plan.stages[0].logical_mesh
         if dist.get_world_size() != self.dp * self.tp:
             raise UnsupportedPlan(f"the plan needs {self.dp * self.tp} ranks, the job has {dist.get_world_size()}")
-        device = device or torch.device("cpu")
+        device = self.device = device or torch.device("cpu")
         mesh = init_device_mesh(device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
         self.group = mesh.get_group("dp")
         self.rank, self.tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
@@ -111,7 +112,7 @@ class ParallelModel:
         self.graph: ShardedGraph | None = None
         if self.tp > 1:
             micro = _split(_split(example_inputs, self.dp, 0), plan.num_microbatches, 0)
-            ep = _export(self.model, tuple(micro), {})  # before sharding: export traces plain tensors
+            ep = export_as_planned(self.model, tuple(micro), tuple(example_inputs))  # before sharding: plain tensors
             self.graph = ShardedGraph(self.model, plan.stages[0], mesh["tp"], ep)
         # what trains: the model, or with a tensor axis the graph holding its DTensor parameters
         self.trained: nn.Module = self.graph if self.graph is not None else self.model
@@ -135,7 +136,7 @@ class ParallelModel:
         local_in, local_target = _split(inputs, self.dp, self.rank), _split(target, self.dp, self.rank)
         micro_in = [_split(local_in, m, i) for i in range(m)]
         micro_target = [_split(local_target, m, i) for i in range(m)]
-        total = torch.zeros((), dtype=torch.float64)
+        total = torch.zeros((), dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
         self.optimizer.zero_grad(set_to_none=True)
         counter = CollectiveBytes() if self.graph is not None else contextlib.nullcontext()
         with counter:  # the tensor axis's collectives, issued by DTensor
@@ -176,7 +177,7 @@ class ParallelModel:
                 loss = self.loss_fn(self.graph(*args), micro_target[i]) / m
                 reported = loss / self.tp
             loss.backward()
-            total += reported.detach().double().cpu()
+            total += reported.detach().double()
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters, as single-process training would hold them."""

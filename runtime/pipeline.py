@@ -26,8 +26,8 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor, Replicate
 
-from autopar.capture import _export
 from runtime.comm_count import CollectiveBytes
+from runtime.export import export_as_planned
 from runtime.failures import guarded
 from runtime.cross_mesh import batch_dims
 from runtime.fan_out import FanOutSchedule
@@ -109,17 +109,18 @@ class PipelineModel:
                  example_inputs: tuple, device: torch.device | None = None) -> None:
         self.plan, self.loss_fn = plan, loss_fn
         self.pp, self.m = len(plan.stages), plan.num_microbatches
-        device = device or torch.device("cpu")
+        device = self.device = device or torch.device("cpu")
         g = _Groups(plan, device.type)
         self.stage_index, self.dp_rank, self.pp_group, self.dp_group = g.stage, g.dp_rank, g.pp_group, g.dp_group
         self.dp, self.tp = plan.stages[self.stage_index].logical_mesh
         micro = tuple(_split(_split(example_inputs, self.dp, 0), self.m, 0))
-        ep = _export(model.to(device), micro, {})
+        ep = export_as_planned(model.to(device), micro, tuple(example_inputs))
         user = [n.name for n in ep.graph.nodes if n.op == "placeholder" and n.name in ep.graph_signature.user_inputs]
         parts = cut(ep.graph, plan, user)
         part = parts[self.stage_index]
         if g.bridged_before or g.bridged_after:  # a second export (before sharding) tells batch dimensions
-            twice = _export(model, tuple(torch.cat([x, x]) if isinstance(x, torch.Tensor) else x for x in micro), {})
+            twice = export_as_planned(model, tuple(torch.cat([x, x]) if isinstance(x, torch.Tensor) else x
+                                                   for x in micro), tuple(example_inputs))
         self.module = ShardedGraph(model, plan.stages[self.stage_index], g.tp_mesh, ep, part)
         self.trained = self.module  # what the optimizer steps (and checkpoints save), by model names
         values = {n.name: n.meta.get("val") for n in ep.graph.nodes}
@@ -249,7 +250,8 @@ class PipelineModel:
         self.optimizer.step()
         if self.sync:
             self.sync.after_step()
-        total = torch.stack(losses).detach().double().sum() if losses else torch.zeros((), dtype=torch.float64)
+        total = (torch.stack(losses).detach().double().sum() if losses
+                 else torch.zeros((), dtype=torch.float64, device=self.device))  # NCCL reduces device tensors only
         dist.all_reduce(total)
         dp, tp = self.plan.stages[-1].logical_mesh
         return float(total) / (dp * tp)  # every rank of the last stage holds the loss

@@ -45,6 +45,11 @@ _LOCAL |= _CONV
 _EMBEDDING = torch.ops.aten.embedding.default
 
 
+def _grouped(target: Any) -> bool:
+    """A grouped matmul (aten's, or the fallback custom op transformers runs experts through)."""
+    return "grouped_mm" in str(target)
+
+
 def _split_rows(value: Any) -> bool:
     return isinstance(value, DTensor) and value.placements[0] == Shard(0)
 
@@ -55,6 +60,12 @@ def placement(text: str) -> Placement:
     if text == "P":
         return Partial()
     return Shard(int(text[2:-1]))
+
+
+def _reduced(value: DTensor, want: str) -> bool:
+    """A partial sum the plan expects that DTensor already reduced (its `contiguous` does): the value
+    is right as it is, and DTensor refuses to turn it back into partial sums."""
+    return want == "P" and isinstance(value.placements[0], Replicate)
 
 
 def _same(have: Placement, want: Placement) -> bool:
@@ -275,13 +286,13 @@ class ShardedGraph(nn.Module):
                 if inp not in wrapped:
                     wrapped[inp] = DTensor.from_local(value, self.mesh, [Replicate()], run_check=False)
                 value = wrapped[inp]
-            if inp in need and not _same(value.placements[0], placement(need[inp])):
+            if inp in need and not _same(value.placements[0], placement(need[inp])) and not _reduced(value, need[inp]):
                 value = value.redistribute(self.mesh, [placement(need[inp])])
             return value
 
         args = fx.node.map_arg(node.args, arg)
         kwargs = fx.node.map_arg(node.kwargs, arg)
-        if node.target in _LOCAL:
+        if node.target in _LOCAL or _grouped(node.target):
             out = self._run_local(node, args, kwargs, want)
         elif node.target is _EMBEDDING and _split_rows(args[0]) and not _split_rows(args[1]):
             out = self._vocab_parallel(*args[:3])
@@ -297,7 +308,7 @@ class ShardedGraph(nn.Module):
         if isinstance(out, DTensor):
             if want is not None and not _same(out.placements[0], placement(want)):
                 self.unplanned.add(node.name)
-                if not (want == "P" and isinstance(out.placements[0], Replicate)):  # reduced already: keep
+                if not _reduced(out, want):
                     out = out.redistribute(self.mesh, [placement(want)])
             if isinstance(out.placements[0], Replicate):
                 out = out.to_local()
@@ -315,6 +326,21 @@ class ShardedGraph(nn.Module):
         rows = torch.ops.aten.embedding.default(table, (ids - start).masked_fill(outside, 0), padding)
         return DTensor.from_local(rows.masked_fill(outside.unsqueeze(-1), 0), self.mesh, [Partial()], run_check=False)
 
+    def _local_experts(self, op: Any, x: Any, weight: DTensor, offs: Any) -> DTensor:
+        """Expert parallelism for a grouped matmul (tokens sorted by expert): this rank multiplies
+        the rows of the experts it holds; the other rows are zero, so the output is a partial sum
+        and the tokens' gradient too."""
+        w = weight.to_local()
+        if isinstance(x, DTensor):
+            x = x.to_local(grad_placements=[Partial()])
+        offs = offs.to_local() if isinstance(offs, DTensor) else offs
+        _, first = Shard.local_shard_size_and_offset(weight.shape[0], self.mesh.size(), self.mesh.get_local_rank())
+        bounds = [0, *offs.tolist()]
+        start, end = bounds[first], bounds[first + w.shape[0]]
+        mine = op(x[start:end], w, offs[first:first + w.shape[0]] - start)
+        rows = torch.cat([mine.new_zeros(start, mine.shape[1]), mine, mine.new_zeros(x.shape[0] - end, mine.shape[1])])
+        return DTensor.from_local(rows, self.mesh, [Partial()], run_check=False)
+
     def _run_local(self, node: fx.Node, args: tuple, kwargs: dict, want: str | None) -> Any:
         """An op without a (correct) DTensor rule, on each rank's shards: valid when the plan splits
         it along a dimension it computes independently (batch, heads, a convolution's output
@@ -324,8 +350,10 @@ class ShardedGraph(nn.Module):
                 isinstance(a, DTensor) and not isinstance(a.placements[0], Replicate) for a in args):
             raise NotImplementedError(f"{node.target} has no DTensor sharding rule and the plan splits it "
                                       f"as {want}: it cannot run on local shards")
-        if want == "P" and node.target not in _CONV:
+        if want == "P" and node.target not in _CONV and not _grouped(node.target):
             raise NotImplementedError(f"{node.target} has no DTensor sharding rule for a partial result")
+        if _grouped(node.target) and _split_rows(args[1]):
+            return self._local_experts(node.target, *args[:3])
 
         def local(a: Any) -> Any:
             if not isinstance(a, DTensor):
