@@ -22,11 +22,19 @@ from runtime.comm_count import CollectiveBytes
 from runtime.export import export_as_planned
 from runtime.failures import guarded
 from runtime.grad_sync import GradSync
-from runtime.sharded_graph import ShardedGraph
+from runtime.sharded_graph import ShardedGraph, first_failure
 
 
 class UnsupportedPlan(ValueError):
     """A plan this runtime cannot execute yet (the message says which part)."""
+
+
+def refuse_failing(module: nn.Module, inputs: tuple) -> None:
+    """A model the runtime cannot run under this plan is refused now, on every rank, naming the op
+    and the model's line, rather than at the first step."""
+    failed = first_failure(module, inputs)
+    if failed is not None:
+        raise UnsupportedPlan(f"the runtime cannot run this model under the plan: {failed}")
 
 
 def zero3(plan: Any) -> bool:
@@ -114,6 +122,7 @@ class ParallelModel:
             micro = _split(_split(example_inputs, self.dp, 0), plan.num_microbatches, 0)
             ep = export_as_planned(self.model, tuple(micro), tuple(example_inputs))  # before sharding: plain tensors
             self.graph = ShardedGraph(self.model, plan.stages[0], mesh["tp"], ep)
+            refuse_failing(self.graph, tuple(micro))
         # what trains: the model, or with a tensor axis the graph holding its DTensor parameters
         self.trained: nn.Module = self.graph if self.graph is not None else self.model
         self.sync: GradSync | None = None

@@ -38,6 +38,7 @@ from runtime.parallel import (
     check_batch,
     check_optimizer,
     data_sync,
+    refuse_failing,
     zero3,
 )
 from runtime.sharded_graph import ShardedGraph, cut
@@ -116,7 +117,7 @@ class PipelineModel:
         micro = tuple(_split(_split(example_inputs, self.dp, 0), self.m, 0))
         ep = export_as_planned(model.to(device), micro, tuple(example_inputs))
         user = [n.name for n in ep.graph.nodes if n.op == "placeholder" and n.name in ep.graph_signature.user_inputs]
-        parts = cut(ep.graph, plan, user)
+        parts = cut(ep.graph, plan, user, ep.graph_signature.user_outputs[0])
         part = parts[self.stage_index]
         if g.bridged_before or g.bridged_after:  # a second export (before sharding) tells batch dimensions
             twice = export_as_planned(model, tuple(torch.cat([x, x]) if isinstance(x, torch.Tensor) else x
@@ -152,6 +153,7 @@ class PipelineModel:
         loss_m = lambda out, target: loss_fn(out, target) / self.m
         inputs = like(part.inputs, self.stage_index > 0, g.bridged_before)
         outputs = like(part.outputs, True, g.bridged_after)
+        refuse_failing(self.module, tuple(micro) if self.stage_index == 0 else inputs)
         peers = (1, 1)  # ranks this one sends activations to, and input gradients to
         if g.pp_group is None:  # stages of different sizes: a rank may send to several
             stage = FanOutSchedule(self.module, self.stage_index, g.sizes, self.m, loss_m, plan.schedule, inputs, outputs)

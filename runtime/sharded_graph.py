@@ -104,6 +104,26 @@ class OpFailed(RuntimeError):
     """An op of the exported graph failed under the plan: names the op and the user's line."""
 
 
+def first_failure(module: nn.Module, inputs: tuple, group: Any = None) -> str | None:
+    """Run `module` forward once on `inputs` (no gradients, the random state kept) and agree over
+    `group` (all ranks: every rank must take the same decision) on the first op that failed.
+    A collective: every rank of the group calls it."""
+    import torch.distributed as dist
+
+    failed = None
+    module.write_buffers = False
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            module(*inputs)
+    except OpFailed as exc:
+        failed = str(exc)
+    finally:
+        module.write_buffers = True
+    said: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(said, failed, group=group)
+    return next((s for s in said if s is not None), None)
+
+
 def source_line(node: fx.Node) -> str:
     """The model's own line that made this node (export records the stack), as ' at FILE:LINE: code'."""
     trace = node.meta.get("stack_trace") or ""
@@ -130,7 +150,7 @@ class Part:
     outputs: list[str]
 
 
-def cut(graph: fx.Graph, plan: Any, user_inputs: list[str]) -> list[Part]:
+def cut(graph: fx.Graph, plan: Any, user_inputs: list[str], output: str) -> list[Part]:
     """Split the exported graph at the plan's stage boundaries (its layers name their nodes).
 
     Nodes no layer lists (getitem, export's checks) join the stage of their latest input, or of
@@ -147,8 +167,6 @@ def cut(graph: fx.Graph, plan: Any, user_inputs: list[str]) -> list[Part]:
     for node in reversed(ops):  # sources no layer lists (constants, aranges): with their first user
         if where[node.name] < 0:
             where[node.name] = min((where[u.name] for u in node.users if u.op == "call_function"), default=0)
-    out = next(n for n in graph.nodes if n.op == "output").args[0]
-    output = (out[0] if isinstance(out, (tuple, list)) else out).name
     last = len(plan.stages) - 1
     needed = {name: where[name] for name in where}  # the last stage that uses each value
     for node in ops:
@@ -177,11 +195,10 @@ class ShardedGraph(nn.Module):
         self.graph = ep.graph_module.graph
         sig = ep.graph_signature
         user = [n.name for n in self.graph.nodes if n.op == "placeholder" and n.name in sig.user_inputs]
-        out = next(n for n in self.graph.nodes if n.op == "output").args[0]
-        output = out[0] if isinstance(out, (tuple, list)) else out
+        by_name = {n.name: n for n in self.graph.nodes}
+        output = by_name[sig.user_outputs[0]]  # the outputs before it are buffers the model updates
         self.part = part or Part({n.name for n in self.graph.nodes if n.op == "call_function"}, user, [output.name])
         self.nodes = [n for n in self.graph.nodes if n.op == "call_function" and n.name in self.part.nodes]
-        by_name = {n.name: n for n in self.graph.nodes}
         self.inputs = [by_name[n] for n in self.part.inputs]
         self.outputs = [by_name[n] for n in self.part.outputs]
         inputs_used = {i for n in self.nodes for i in n.all_input_nodes if i.op == "placeholder"}
@@ -213,6 +230,10 @@ class ShardedGraph(nn.Module):
                 self.fixed[node] = buffers[fqn]
             elif node.name in sig.inputs_to_lifted_tensor_constants:
                 self.fixed[node] = ep.constants[sig.inputs_to_lifted_tensor_constants[node.name]]
+        # buffers the model updates (BatchNorm's running statistics), from the ops of this part
+        self.updates = {by_name[n]: buffers[fqn.removeprefix(_WRAPPER_PREFIX)]
+                        for n, fqn in sig.buffers_to_mutate.items() if n in self.part.nodes}
+        self.write_buffers = True  # off for a dry run
         for node in self.graph.nodes:  # submodules of higher-order ops (a rotary cache's no_grad block)
             if node.op == "get_attr":
                 self.fixed[node] = _attr(ep.graph_module, node.target)
@@ -240,6 +261,10 @@ class ShardedGraph(nn.Module):
             except Exception as exc:
                 raise OpFailed(f"{node.name} ({node.target}) failed under the plan's placements "
                                f"{self._placements(node, env)}{source_line(node)}: {exc}") from exc
+        if self.write_buffers:
+            with torch.no_grad():
+                for node, buffer in self.updates.items():
+                    buffer.copy_(env[node].full_tensor() if isinstance(env[node], DTensor) else env[node])
         # values crossing to the next stage are sent as they lie in memory: an expanded mask (stride 0)
         # or a transposed activation is copied into one block first (gloo and NCCL send contiguous ones)
         outs = [self._plain(env[n]) for n in self.outputs]
@@ -363,7 +388,8 @@ class ShardedGraph(nn.Module):
             return a.to_local()
 
         local_args = [local(a) for a in args]
-        if want == "P" and len(local_args) > 2 and local_args[2] is not None and self.mesh.get_local_rank() != 0:
+        if (want == "P" and node.target in _CONV and len(local_args) > 2 and local_args[2] is not None
+                and self.mesh.get_local_rank() != 0):
             local_args[2] = local_args[2] * 0  # the bias once in the sum (its gradient: zero here)
         out = node.target(*local_args, **kwargs)
         return DTensor.from_local(out, self.mesh, [placement(want)], run_check=False)

@@ -96,3 +96,19 @@ def test_replicas_built_from_other_seeds_start_from_rank_0(tmp_path, layout):
     losses, params = _single("llama")
     for got_losses, got_params in shared_ranks(_parallel, WORLD, CASES, ("llama", layout, True), tmp_path):
         _assert_same_training(got_losses, got_params, losses, params)
+
+
+def test_a_tensor_axis_splits_the_experts_of_a_mixture():
+    """Mixtral under TP: gate/up projections split by columns, the down projection by experts
+    (expert parallelism through transformers' grouped matmul; partial rows, one all-reduce)."""
+    from autopar.manual import Layout, manual_plan, manual_search
+    from autopar.planner import Search
+    from cost_models import get_cluster
+
+    torch.manual_seed(0)
+    w = workload("mixtral")
+    cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=WORLD)
+    stage = manual_plan(manual_search(Search.start(w, cluster, (1, WORLD))), Layout.parse("1,4,1")).stages[0]
+    experts = {f: p[1] for f, p in stage.params.items() if ".mlp.experts." in f}
+    assert experts and all(p == "S(0)" for f, p in experts.items() if f.endswith("down_proj"))
+    assert all(p == "S(1)" for f, p in experts.items() if f.endswith("gate_up_proj"))

@@ -259,22 +259,31 @@ def _bad(rank, world, case):
             plan = manual_plan(manual_search(Search.start(other, get_cluster("cpu-local"), (1, world))),
                                Layout.parse("2,1,1"))
             autopar.parallelize(w.model, (1, world), w.example_inputs, plan=plan, **kwargs)
+        elif case == "unrunnable":  # a hand-edited plan asks for a placement the op cannot take
+            plan = _layout(w, world, "1,2,1")
+            gelu = next(n for n in plan.stages[0].ops if n.startswith("gelu"))
+            plan.stages[0].needs[gelu] = ["S(5)"]
+            autopar.parallelize(w.model, (1, world), w.example_inputs, plan=plan, **kwargs)
     except AutoparError as exc:
         return str(exc)
     return "no error"
 
 
-BAD = [("mesh",), ("batch",), ("other-model",)]
+BAD = [("mesh",), ("batch",), ("other-model",), ("unrunnable",)]
 
 
 @pytest.mark.parametrize("case, message", [
     ("mesh", "mesh 1x4 has 4 devices, the job has 2 ranks"),
     ("batch", "step got a batch of 6 samples, the plan was made for 8"),
     ("other-model", "this plan was made for another model"),
+    # refused when the model is built, on every rank, naming the op and the model's line
+    ("unrunnable", "cannot run this model under the plan: gelu (aten.gelu.default) failed"),
 ])
 def test_bad_plans_are_one_clear_message(tmp_path, case, message):
     for text in shared_ranks(_bad, 2, BAD, (case,), tmp_path):
         assert message in text
+        if case == "unrunnable":
+            assert "zoo/mlp.py" in text and "return F.gelu(self.fc(x))" in text
 
 
 def _collectives(rank, world, name):
