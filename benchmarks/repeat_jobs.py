@@ -22,7 +22,7 @@ SIGNS = ("terminate called", "malloc(", "free(", "double free", "corrupted", "Se
 
 def run_once(nproc: int, script: list[str], timeout: float) -> tuple[int, str]:
     env = {**os.environ, "MALLOC_CHECK_": "3", "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), *script]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *script]
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
@@ -35,14 +35,18 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--parallel", type=int, default=1, help="jobs at once (a machine with cores to spare)")
     parser.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...")
     args = parser.parse_args()
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
     outcomes: collections.Counter = collections.Counter()
     examples: dict[str, str] = {}
     start = time.perf_counter()
-    for i in range(args.runs):
-        code, text = run_once(args.nproc, script, args.timeout)
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(args.parallel) as pool:
+        results = pool.map(lambda _: run_once(args.nproc, script, args.timeout), range(args.runs))
+    for i, (code, text) in enumerate(results):
         sign = next((s for s in SIGNS if s in text), None)
         kind = "ok" if code == 0 and sign is None else f"exit {code}" + (f", {sign}" if sign else "")
         outcomes[kind] += 1
