@@ -104,21 +104,23 @@ class OpFailed(RuntimeError):
     """An op of the exported graph failed under the plan: names the op and the user's line."""
 
 
-def first_failure(module: nn.Module, inputs: tuple, group: Any = None) -> str | None:
-    """Run `module` forward once on `inputs` (no gradients, the random state kept) and agree over
+def first_failure(module: ShardedGraph, inputs: tuple, group: Any = None) -> str | None:
+    """Run `module` forward once on `inputs` (no gradients; random state and buffers kept) and agree over
     `group` (all ranks: every rank must take the same decision) on the first op that failed.
     A collective: every rank of the group calls it."""
     import torch.distributed as dist
 
     failed = None
-    module.write_buffers = False
+    kept = [(t, t.clone()) for t in module.fixed.values() if isinstance(t, torch.Tensor)]  # BatchNorm's statistics
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             module(*inputs)
     except OpFailed as exc:
         failed = str(exc)
     finally:
-        module.write_buffers = True
+        with torch.no_grad():
+            for tensor, value in kept:
+                tensor.copy_(value)
     said: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(said, failed, group=group)
     return next((s for s in said if s is not None), None)
@@ -233,7 +235,6 @@ class ShardedGraph(nn.Module):
         # buffers the model updates (BatchNorm's running statistics), from the ops of this part
         self.updates = {by_name[n]: buffers[fqn.removeprefix(_WRAPPER_PREFIX)]
                         for n, fqn in sig.buffers_to_mutate.items() if n in self.part.nodes}
-        self.write_buffers = True  # off for a dry run
         for node in self.graph.nodes:  # submodules of higher-order ops (a rotary cache's no_grad block)
             if node.op == "get_attr":
                 self.fixed[node] = _attr(ep.graph_module, node.target)
@@ -261,10 +262,9 @@ class ShardedGraph(nn.Module):
             except Exception as exc:
                 raise OpFailed(f"{node.name} ({node.target}) failed under the plan's placements "
                                f"{self._placements(node, env)}{source_line(node)}: {exc}") from exc
-        if self.write_buffers:
-            with torch.no_grad():
-                for node, buffer in self.updates.items():
-                    buffer.copy_(env[node].full_tensor() if isinstance(env[node], DTensor) else env[node])
+        with torch.no_grad():
+            for node, buffer in self.updates.items():
+                buffer.copy_(env[node].full_tensor() if isinstance(env[node], DTensor) else env[node])
         # values crossing to the next stage are sent as they lie in memory: an expanded mask (stride 0)
         # or a transposed activation is copied into one block first (gloo and NCCL send contiguous ones)
         outs = [self._plain(env[n]) for n in self.outputs]

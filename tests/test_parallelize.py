@@ -360,3 +360,52 @@ def test_a_tensor_parallel_step_issues_what_the_plan_predicts(tmp_path, name):
         assert stats["tp"]["bytes_raw"] == sum(c["bytes"] / (2 if c["kind"] == "all_gather" else 1)
                                                for c in predicted if c["axis"] == "tp")
         assert stats["dp"]["bytes_raw"] == stats["pp"]["bytes_raw"] == 0
+
+
+EXITING = '''
+import atexit, torch, torch.distributed as dist, autopar
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized()))  # runs after autopar's own
+w = autopar.load_workload("mlp-tiny", batch=8, device="cpu")
+pm = autopar.parallelize(w.model, None, w.example_inputs, loss_fn=w.loss_fn, plan="1,1,1",
+                         optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+pm.step(*w.make_batch(8, torch.Generator()))
+'''
+
+
+def test_a_script_that_never_destroys_its_process_group_ends_cleanly(tmp_path):
+    """gloo's threads must not outlive the interpreter (pytorch/pytorch#190489): parallelize destroys
+    the groups at exit when the script did not."""
+    import subprocess
+    import sys
+
+    (tmp_path / "script.py").write_text(EXITING)
+    done = subprocess.run([sys.executable, str(tmp_path / "script.py")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "initialized at exit: False" in done.stdout
+
+
+def _batch_norm_tp(rank, world):
+    w, batches = _workload("wresnet-tiny")
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
+                             plan="1,2,1")
+    losses = [pm.step(inputs, target) for inputs, target in batches]
+    return losses, pm.full_state_dict(), {n: b.clone() for n, b in w.model.named_buffers()}
+
+
+def test_batch_norm_under_a_tensor_axis_keeps_its_running_statistics(tmp_path):
+    """Wide-ResNet's convolutions split by channels: losses, parameters and BatchNorm's running
+    statistics (written back from the exported graph) as one process has them."""
+    w, batches = _workload("wresnet-tiny")
+    opt, losses = _optimizer(list(w.model.parameters())), []
+    for inputs, target in batches:
+        opt.zero_grad()
+        loss = w.loss_fn(w.model(*inputs), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    params = {n: p.detach() for n, p in w.model.named_parameters()}
+    buffers = {n: b for n, b in w.model.named_buffers() if "running" in n}
+    for got_losses, got_params, got_buffers in run_ranks(_batch_norm_tp, 2, tmp_path):
+        _assert_same_training(got_losses, got_params, losses, params)
+        for name, value in buffers.items():
+            torch.testing.assert_close(got_buffers[name], value, rtol=1e-5, atol=1e-6)
