@@ -46,7 +46,7 @@ def parallelize(
     and `step` raises `PeerLost`: a rank died or hangs (default: torch's, 30 minutes on gloo).
     """
     from runtime import default_backend, local_device
-    from runtime.parallel import ParallelModel, UnsupportedPlan, zero3
+    from runtime.parallel import ParallelModel, UnsupportedPlan, positional, zero3
 
     if compression not in (None, "auto"):
         from cost_models.compression import parse
@@ -63,7 +63,7 @@ def parallelize(
     if hosts * per_host != world:
         raise AutoparError(f"mesh {hosts}x{per_host} has {hosts * per_host} devices, the job has {world} ranks: "
                            f"launch with torchrun --nproc-per-node {hosts * per_host}, or pass mesh=(1, {world})")
-    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    args = positional(model.forward, example_inputs)
     graph = capture(model, args)
     batch = next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
     chosen: list[Any] = [None]

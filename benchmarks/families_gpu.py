@@ -21,12 +21,18 @@ def _optimizer(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
+def _to(inputs, device):
+    if isinstance(inputs, dict):
+        return {k: v.to(device) for k, v in inputs.items()}
+    return tuple(x.to(device) for x in inputs)
+
+
 def _batches(w, steps, device):
     g = torch.Generator().manual_seed(5)
     out = []
     for _ in range(steps):
         inputs, target = w.make_batch(w.batch, g)
-        out.append((tuple(x.to(device) for x in inputs), target.to(device)))
+        out.append((_to(inputs, device), target.to(device)))
     return out
 
 
@@ -41,14 +47,15 @@ def run(name: str, steps: int) -> dict:
     ref = []
     for inputs, target in batches:
         opt.zero_grad()
-        loss = w.loss_fn(autopar.first_tensor(w.model(*inputs)), target)
+        out = w.model(**inputs) if isinstance(inputs, dict) else w.model(*inputs)
+        loss = w.loss_fn(autopar.first_tensor(out), target)
         loss.backward()
         opt.step()
         ref.append(loss.item())
     with torch.no_grad():  # back to the initial weights for the parallelized run
         for p, p0 in zip(w.model.parameters(), eager):
             p.copy_(p0)
-    example = tuple(x.to(device) for x in w.example_inputs)
+    example = _to(w.example_inputs, device)
     start = time.perf_counter()
     pm = autopar.parallelize(w.model, (1, 1), example, loss_fn=w.loss_fn, optimizer=_optimizer, plan="1,1,1")
     got = [pm.step(inputs, target) for inputs, target in batches]

@@ -90,6 +90,29 @@ def check_optimizer(optimizer: torch.optim.Optimizer, plan: Any) -> None:
                            "momentum and give DGC's as dgc:SPARSITY,momentum=0.9")
 
 
+def positional(forward: Callable, inputs: Any) -> tuple:
+    """The model's inputs as positional arguments: a tuple as it is, a dict of keyword arguments
+    bound to `forward`'s parameters, the ones skipped before the last given at their defaults
+    (T5's `attention_mask=None` between `input_ids` and `decoder_input_ids`)."""
+    if not isinstance(inputs, dict):
+        return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    import inspect
+
+    from autopar.errors import AutoparError
+
+    params = list(inspect.signature(forward).parameters.values())
+    known = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    unknown = set(inputs) - set(known)
+    if unknown:
+        raise AutoparError(f"the model's forward takes no positional parameter {', '.join(sorted(unknown))}: "
+                           f"its parameters are {', '.join(known)}")
+    last = max(known.index(name) for name in inputs)
+    missing = [p.name for p in params[:last + 1] if p.name not in inputs and p.default is p.empty]
+    if missing:
+        raise AutoparError(f"keyword inputs skip {', '.join(missing)}, which the model's forward needs")
+    return tuple(inputs[p.name] if p.name in inputs else p.default for p in params[:last + 1])
+
+
 def _split(batch: Any, parts: int, index: int) -> Any:
     """Slice `index` of `parts` along dim 0 of every tensor in `batch` (tuples and dicts kept)."""
     if isinstance(batch, torch.Tensor):
@@ -140,6 +163,7 @@ class ParallelModel:
     @guarded
     def step(self, inputs: Any, target: torch.Tensor) -> float:
         """One training step on the global batch; returns the global mean loss (same on every rank)."""
+        inputs = positional(self.model.forward, inputs)
         check_batch(inputs, self.plan)
         m = self.plan.num_microbatches
         local_in, local_target = _split(inputs, self.dp, self.rank), _split(target, self.dp, self.rank)

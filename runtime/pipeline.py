@@ -38,6 +38,7 @@ from runtime.parallel import (
     check_batch,
     check_optimizer,
     data_sync,
+    positional,
     refuse_failing,
     zero3,
 )
@@ -108,7 +109,7 @@ class PipelineModel:
 
     def __init__(self, model: nn.Module, plan: Any, loss_fn: Callable, optimizer: Callable,
                  example_inputs: tuple, device: torch.device | None = None) -> None:
-        self.plan, self.loss_fn = plan, loss_fn
+        self.plan, self.loss_fn, self.forward = plan, loss_fn, model.forward
         self.pp, self.m = len(plan.stages), plan.num_microbatches
         device = self.device = device or torch.device("cpu")
         g = _Groups(plan, device.type)
@@ -125,7 +126,7 @@ class PipelineModel:
         self.module = ShardedGraph(model, plan.stages[self.stage_index], g.tp_mesh, ep, part)
         self.trained = self.module  # what the optimizer steps (and checkpoints save), by model names
         values = {n.name: n.meta.get("val") for n in ep.graph.nodes}
-        example = {**values, **dict(zip(user, micro))}
+        example = {**values, **dict(zip(user, [x for x in micro if isinstance(x, torch.Tensor)]))}
         dims: dict[str, int | None] = {}
         if g.bridged_before or g.bridged_after:  # values cross whole: find their batch dimension
             dims = batch_dims(ep.graph, twice.graph, part.inputs + part.outputs)
@@ -212,10 +213,11 @@ class PipelineModel:
 
     @guarded
     def step(self, inputs: Any, target: torch.Tensor) -> float:
+        inputs = positional(self.forward, inputs)
         check_batch(inputs, self.plan)
         local_in = self._local(inputs)  # used by the first stage
         local_target = self._local(target)  # used by the last stage
-        args = local_in if isinstance(local_in, (tuple, list)) else (local_in,)
+        args = tuple(x for x in local_in if isinstance(x, torch.Tensor))  # the graph's inputs (None: a constant)
         self.optimizer.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         first, last = self.stage_index == 0, self.stage_index == self.pp - 1

@@ -252,6 +252,7 @@ class ShardedGraph(nn.Module):
         env: dict[fx.Node, Any] = dict(self.fixed)
         for node, name in self.param_of.items():  # read each call: FSDP swaps in gathered parameters
             env[node] = getattr(self, name)
+        inputs = tuple(x for x in inputs if isinstance(x, torch.Tensor))  # None and flags: constants of the export
         inputs = tuple(slice_batch(x, *self.slice_inputs[i]) if i in self.slice_inputs else x
                        for i, x in enumerate(inputs))
         env.update(zip(self.inputs, inputs))

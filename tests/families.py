@@ -32,6 +32,11 @@ FAMILIES: dict[str, tuple[str, str, dict, str]] = {
     "bert": ("BertConfig", "BertForMaskedLM", _ENCODER, "masked"),
     "vit": ("ViTConfig", "ViTForImageClassification", dict(_ENCODER, image_size=16, patch_size=4, num_channels=3,
                                                             num_labels=10), "image"),
+    # keyword inputs (input_ids, decoder_input_ids), the attention mask between them left at None
+    "t5-keywords": ("T5Config", "T5ForConditionalGeneration", dict(d_model=32, d_kv=8, d_ff=64, num_layers=2,
+                                                                   num_decoder_layers=2, num_heads=4, vocab_size=VOCAB,
+                                                                   dropout_rate=0.0, decoder_start_token_id=0),
+                    "seq2seq-keywords"),
     "t5": ("T5Config", "T5ForConditionalGeneration", dict(d_model=32, d_kv=8, d_ff=64, num_layers=2,
                                                           num_decoder_layers=2, num_heads=4, vocab_size=VOCAB,
                                                           dropout_rate=0.0, decoder_start_token_id=0), "seq2seq"),
@@ -62,11 +67,17 @@ def _seq2seq(batch: int, gen: torch.Generator) -> tuple[tuple, torch.Tensor]:
     return (ids, mask, labels[:, :-1]), labels[:, 1:]  # forward(input_ids, attention_mask, decoder_input_ids)
 
 
+def _seq2seq_keywords(batch: int, gen: torch.Generator) -> tuple[dict, torch.Tensor]:
+    (ids, _, decoder_ids), target = _seq2seq(batch, gen)
+    return {"input_ids": ids, "decoder_input_ids": decoder_ids}, target
+
+
 def _token_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
 
 
-TASKS = {"causal": _causal, "masked": _masked, "image": _image, "seq2seq": _seq2seq}
+TASKS = {"causal": _causal, "masked": _masked, "image": _image, "seq2seq": _seq2seq,
+         "seq2seq-keywords": _seq2seq_keywords}
 
 
 def workload(name: str, batch: int = BATCH) -> autopar.Workload:
@@ -77,7 +88,7 @@ def workload(name: str, batch: int = BATCH) -> autopar.Workload:
 
     config_cls, model_cls, fields, task = FAMILIES[name]
     config = getattr(transformers, config_cls)(**fields)
-    config._attn_implementation = "sdpa" if task != "seq2seq" else "eager"
+    config._attn_implementation = "eager" if task.startswith("seq2seq") else "sdpa"
     model = getattr(transformers, model_cls)(config).float()
     make_batch = TASKS[task]
     return autopar.Workload(f"hf-{name}", model, make_batch(batch, torch.Generator())[0], batch,

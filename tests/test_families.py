@@ -41,7 +41,8 @@ def _single(name):
     losses = []
     for inputs, target in batches:
         opt.zero_grad()
-        loss = w.loss_fn(autopar.first_tensor(w.model(*inputs)), target)
+        out = w.model(**inputs) if isinstance(inputs, dict) else w.model(*inputs)
+        loss = w.loss_fn(autopar.first_tensor(out), target)
         loss.backward()
         opt.step()
         losses.append(loss.item())
