@@ -161,7 +161,8 @@ def _destroy_at_exit() -> None:
     (and its tensors) while the interpreter tears down, which aborts the process now and then with
     `terminate called without an active exception` (pytorch/pytorch#190489; a 4-rank gloo job doing
     that crashed in 59 of 200 runs, none of 100 with the groups destroyed: benchmarks/repeat_jobs.py).
-    The groups are destroyed while the interpreter is whole. gloo only: NCCL's teardown may wait
-    for peers that are already gone."""
+    The groups are destroyed while the interpreter is whole. Not a cure: a model's DTensors keep
+    their groups' C++ objects alive (README, "Models nobody here wrote"). gloo only: NCCL's
+    teardown may wait for peers that are already gone."""
     if dist.is_initialized() and dist.get_backend() == "gloo":
         dist.destroy_process_group()

@@ -21,7 +21,7 @@ SIGNS = ("terminate called", "malloc(", "free(", "double free", "corrupted", "Se
 
 
 def run_once(nproc: int, script: list[str], timeout: float) -> tuple[int, str]:
-    env = {**os.environ, "MALLOC_CHECK_": "3", "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "MALLOC_CHECK_": "3", "OMP_NUM_THREADS": "1", "PYTHONFAULTHANDLER": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), *script]
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
@@ -51,7 +51,7 @@ def main() -> None:
         kind = "ok" if code == 0 and sign is None else f"exit {code}" + (f", {sign}" if sign else "")
         outcomes[kind] += 1
         if kind != "ok":
-            examples.setdefault(kind, text[-2000:])
+            examples.setdefault(kind, text[-12000:])
         print(f"run {i + 1}/{args.runs}: {kind}", file=sys.stderr, flush=True)
     print(json.dumps({"runs": args.runs, "outcomes": dict(outcomes), "wall_s": round(time.perf_counter() - start, 1),
                       "examples": examples}, indent=1))

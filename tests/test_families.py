@@ -28,15 +28,25 @@ def _optimizer(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def _setup(name, seed=0):
+def _to(inputs, device):
+    if isinstance(inputs, dict):
+        return {k: v.to(device) for k, v in inputs.items()}
+    return tuple(x.to(device) for x in inputs)
+
+
+def _setup(name, seed=0, steps=STEPS, device="cpu"):
+    """The family's model (built from `seed`) on `device` and `steps` batches of its task there."""
     torch.manual_seed(seed)
     w = workload(name)
+    w.model.to(device)
+    w.example_inputs = _to(w.example_inputs, device)
     g = torch.Generator().manual_seed(5)
-    return w, [w.make_batch(w.batch, g) for _ in range(STEPS)]
+    batches = [w.make_batch(w.batch, g) for _ in range(steps)]
+    return w, [(_to(inputs, device), target.to(device)) for inputs, target in batches]
 
 
-def _single(name):
-    w, batches = _setup(name)
+def _single(name, steps=STEPS, device="cpu"):
+    w, batches = _setup(name, steps=steps, device=device)
     opt = _optimizer(list(w.model.parameters()))
     losses = []
     for inputs, target in batches:
