@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import gc
 import logging
 import os
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -103,6 +105,7 @@ def parallelize(
         from runtime.failures import set_timeouts
 
         set_timeouts(timeout)  # every group, the model's too; not before: rank 0 may plan for minutes
+    _BUILT.add(pm)
     return pm
 
 
@@ -156,13 +159,19 @@ def _init_process_group(backend: str) -> None:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
 
 
+_BUILT: weakref.WeakSet = weakref.WeakSet()  # the models parallelize returned, emptied at exit
+
+
 def _destroy_at_exit() -> None:
     """A script that ends without `destroy_process_group` leaves gloo's worker threads holding work
     (and its tensors) while the interpreter tears down, which aborts the process now and then with
     `terminate called without an active exception` (pytorch/pytorch#190489; a 4-rank gloo job doing
     that crashed in 59 of 200 runs, none of 100 with the groups destroyed: benchmarks/repeat_jobs.py).
-    The groups are destroyed while the interpreter is whole. Not a cure: a model's DTensors keep
-    their groups' C++ objects alive (README, "Models nobody here wrote"). gloo only: NCCL's
-    teardown may wait for peers that are already gone."""
-    if dist.is_initialized() and dist.get_backend() == "gloo":
-        dist.destroy_process_group()
+    The groups are destroyed, and the models `parallelize` built (which hold them) emptied, while
+    the interpreter is whole. gloo only: NCCL's teardown may wait for peers that are already gone."""
+    if not dist.is_initialized() or dist.get_backend() != "gloo":
+        return
+    dist.destroy_process_group()
+    for pm in list(_BUILT):  # their process groups, meshes and DTensors: freed while the interpreter is whole
+        vars(pm).clear()
+    gc.collect()
