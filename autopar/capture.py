@@ -208,6 +208,8 @@ def _op_node(
     if not is_view and isinstance(target, torch._ops.OpOverload):
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: val_of[n.name])
         flops = counter.count(target, args, kwargs, grad_of)
+    elif isinstance(target, torch._ops.HigherOrderOperator):
+        flops = _body_flops(node, counter, bool(grad_of))
     mod_path, layer = _module_path(node, lists)
     return OpNode(
         name=node.name,
@@ -223,6 +225,43 @@ def _op_node(
         is_view=is_view,
         requires_grad=node.name in needs_grad,
     )
+
+
+def _body_flops(node: fx.Node, counter: FlopCounter, grad: bool) -> tuple[float, float]:
+    """FLOPs of a higher-order op's bodies (an autocast region, `cond`'s branches, a nested
+    compile region), op by op; of `cond`'s branches the dearer. With `grad`, every floating-point
+    input of a body needs gradients (the op's parameters mostly do)."""
+    root = node.graph.owning_module
+    bodies = [operator.attrgetter(a.target)(root) for a in tree_leaves((node.args, node.kwargs))
+              if isinstance(a, fx.Node) and a.op == "get_attr"]
+    per_body = []
+    for body in bodies:
+        if not isinstance(body, fx.GraphModule):
+            continue
+        total, needs = [0.0, 0.0], set()
+        for inner in body.graph.nodes:
+            val = inner.meta.get("val")
+            if inner.op == "placeholder" and grad and isinstance(val, torch.Tensor) and val.is_floating_point():
+                needs.add(inner.name)
+            if inner.op != "call_function":
+                continue
+            if any(i.name in needs for i in inner.all_input_nodes):
+                needs.add(inner.name)
+            grad_of = {id(i.meta.get("val")) for i in inner.all_input_nodes if i.name in needs}
+            if isinstance(inner.target, torch._ops.OpOverload) and not getattr(inner.target, "is_view", False):
+                args, kwargs = fx.node.map_arg((inner.args, inner.kwargs), lambda n: n.meta.get("val"))
+                f = counter.count(inner.target, args, kwargs, grad_of)
+            elif isinstance(inner.target, torch._ops.HigherOrderOperator):
+                f = _body_flops(inner, counter, bool(grad_of))
+            else:
+                continue
+            total = [total[0] + f[0], total[1] + f[1]]
+        per_body.append(tuple(total))
+    if not per_body:
+        return 0.0, 0.0
+    if node.target is torch.ops.higher_order.cond:
+        return max(per_body)
+    return tuple(map(sum, zip(*per_body)))
 
 
 _GATHERS = {"aten.embedding.default", "aten.index_select.default", "aten.gather.default", "aten.index.Tensor"}

@@ -95,7 +95,8 @@ def blocks(search: Search) -> list[int]:
     with FLOPs (GPT's blocks; GShard's dense-and-MoE pairs begin at the first kind). A model with
     several stacks of blocks (`ModuleList`s: an encoder and a decoder) splits each stack every p
     layers, p the period of its structure; a stack's first block may differ from the rest (T5's
-    holds the relative-position bias)."""
+    holds the relative-position bias), and so may the blocks of one stack that the most common
+    structure does not tile (a ResNet's widening blocks)."""
     hashes = search.costs.hashes
     heavy = [i for i, layer in enumerate(search.layers) if layer.flops > 0]
     stacks: dict[str, list[int]] = {}
@@ -107,7 +108,13 @@ def blocks(search: Search) -> list[int]:
         return [i for stack in stacks.values() for i in stack[::_period([hashes[i] for i in stack])]]
     kinds = list(dict.fromkeys(hashes[i] for i in heavy))  # first appearance breaks ties (MoE: the MoE block)
     common = max(kinds, key=lambda h: sum(hashes[i] == h for i in heavy))
-    return [i for i in heavy if hashes[i] == common]
+    alike = [i for i in heavy if hashes[i] == common]
+    if stacks:  # where the most common kind does not tile the stack, its own period does (a first
+        stack = next(iter(stacks.values()))  # block without input gradient; a ResNet's widening blocks)
+        period = _period([hashes[i] for i in stack])
+        if len(alike) * period != len(stack):
+            return stack[::period]
+    return alike
 
 
 def _period(kinds: list) -> int:

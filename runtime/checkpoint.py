@@ -1,8 +1,8 @@
 """Checkpoints that any plan can load: `torch.distributed.checkpoint` (DCP) by model names.
 
-Parameters and optimizer states are saved under the model's own parameter names with their
-DTensor layouts, so DCP reshards them on load: a run saved under 4-way tensor parallelism
-resumes under 2×2 data × pipeline. A weight several pipeline stages hold (a tied embedding) is
+Parameters, optimizer states and persistent buffers (BatchNorm's running statistics) are saved
+under the model's own names, parameters with their DTensor layouts, so DCP reshards them on
+load: a run saved under 4-way tensor parallelism resumes under 2×2 data × pipeline. A weight several pipeline stages hold (a tied embedding) is
 saved once, from the first stage holding it, and loaded into every copy.
 
 Atomic: every rank writes into `step-N.partial/`, and once all have, rank 0 renames it to
@@ -88,6 +88,7 @@ def _state(pm: Any, saving: bool) -> tuple[dict[str, Any], dict[str, str]]:
     skip = getattr(pm, "copies", set()) if saving else set()
     state: dict[str, Any] = {f"model.{names[n]}": p.detach() for n, p in pm.trained.named_parameters()
                              if names[n] not in skip}
+    state.update({f"buffer.{n}": b for n, b in pm.state_buffers.items()})  # running statistics, loaded in place
     torch_keys = {}
     for key, value in get_optimizer_state_dict(pm.trained, pm.optimizer, options=_FLAT).items():
         kind, name, field = key.split(".", 2)  # "state.<param>.exp_avg", "param_groups.<param>.lr"
@@ -149,7 +150,12 @@ def load(pm: Any, path: str | Path) -> dict[str, Any]:
         raise AutoparError(f"{path} is not a complete autopar checkpoint (no .metadata): "
                            "pass a step-N directory that `autopar train --checkpoint-dir` wrote")
     state, torch_keys = _state(pm, saving=False)
-    _check_fits(state, dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata, path)
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    _check_fits(state, saved, path)
+    missing = [k.removeprefix("buffer.") for k in state if k.startswith("buffer.") and k not in saved]
+    if missing and dist.get_rank() == 0:  # written before checkpoints held buffers
+        log.warning("%s holds no %s: those buffers keep this model's values", path, ", ".join(missing))
+    state = {k: v for k, v in state.items() if k in saved or not k.startswith("buffer.")}
     dcp.load(state, checkpoint_id=str(path))
     set_optimizer_state_dict(pm.trained, pm.optimizer, {torch_keys[k]: state[k] for k in torch_keys}, options=_FLAT)
     mine = path / f"rank{dist.get_rank()}.pt"

@@ -24,6 +24,8 @@ def _nbytes(value) -> int:
 class CollectiveBytes(TorchDispatchMode):
     """Within the block, `nbytes` grows by the input of every functional collective issued."""
 
+    supports_higher_order_operators = True  # `cond` and others pass through (they run replicated)
+
     def __init__(self) -> None:
         super().__init__()
         self.nbytes = 0

@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.capture import first_tensor
+from runtime.buffers import AveragedBuffers, persistent
 from runtime.comm_count import CollectiveBytes
 from runtime.export import export_as_planned
 from runtime.failures import guarded
@@ -155,6 +156,8 @@ class ParallelModel:
             fully_shard(self.trained, mesh=mesh["dp"])
         elif self.dp > 1:
             self.sync = data_sync(list(self.trained.parameters()), self.group, plan)
+        self.state_buffers = self.graph.state_buffers if self.graph is not None else persistent(self.model)
+        self.buffer_sync = AveragedBuffers(self.state_buffers, self.group) if self.dp > 1 else None
         self.optimizer = optimizer(list(self.trained.parameters()))
         check_optimizer(self.optimizer, plan)
         self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [0, 0]}
@@ -171,6 +174,8 @@ class ParallelModel:
         micro_target = [_split(local_target, m, i) for i in range(m)]
         total = torch.zeros((), dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
         self.optimizer.zero_grad(set_to_none=True)
+        if self.buffer_sync is not None:
+            self.buffer_sync.before_step()
         counter = CollectiveBytes() if self.graph is not None else contextlib.nullcontext()
         with counter:  # the tensor axis's collectives, issued by DTensor
             self._microbatches(micro_in, micro_target, total)
@@ -187,6 +192,8 @@ class ParallelModel:
         self.optimizer.step()
         if self.sync is not None:
             self.sync.after_step()
+        if self.buffer_sync is not None:
+            self.buffer_sync.after_step()
         dist.all_reduce(total)
         return float(total) / self.dp
 

@@ -26,6 +26,7 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor, Replicate
 
+from runtime.buffers import AveragedBuffers
 from runtime.comm_count import CollectiveBytes
 from runtime.export import export_as_planned
 from runtime.failures import guarded
@@ -172,6 +173,8 @@ class PipelineModel:
         elif self.dp > 1:
             self.sync = data_sync(list(self.module.parameters()), self.dp_group, plan)
         stage.sync = self.sync  # buckets launch during the last microbatch's backward
+        self.state_buffers = self.module.state_buffers
+        self.buffer_sync = AveragedBuffers(self.state_buffers, self.dp_group) if self.dp > 1 else None
         self.tied = self._tied_groups(g)
         self._offsets = g.offsets
         self.optimizer = optimizer(list(self.module.parameters()))
@@ -219,6 +222,8 @@ class PipelineModel:
         local_target = self._local(target)  # used by the last stage
         args = tuple(x for x in local_in if isinstance(x, torch.Tensor))  # the graph's inputs (None: a constant)
         self.optimizer.zero_grad(set_to_none=True)
+        if self.buffer_sync is not None:
+            self.buffer_sync.before_step()
         losses: list[torch.Tensor] = []
         first, last = self.stage_index == 0, self.stage_index == self.pp - 1
         if first and last:
@@ -254,6 +259,8 @@ class PipelineModel:
         self.optimizer.step()
         if self.sync:
             self.sync.after_step()
+        if self.buffer_sync is not None:
+            self.buffer_sync.after_step()
         total = (torch.stack(losses).detach().double().sum() if losses
                  else torch.zeros((), dtype=torch.float64, device=self.device))  # NCCL reduces device tensors only
         dist.all_reduce(total)

@@ -31,6 +31,7 @@ from torch.distributed.tensor import (
 )
 
 from autopar.capture import _WRAPPER_PREFIX
+from runtime.buffers import persistent
 from runtime.cross_mesh import gather_batch, slice_batch
 
 _CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
@@ -137,12 +138,6 @@ def source_line(node: fx.Node) -> str:
     return ""
 
 
-def _attr(module: nn.Module, target: str) -> Any:
-    for name in target.split("."):
-        module = getattr(module, name)
-    return module
-
-
 @dataclass
 class Part:
     """The nodes one pipeline stage runs, the values it receives and the values it sends on."""
@@ -232,12 +227,13 @@ class ShardedGraph(nn.Module):
                 self.fixed[node] = buffers[fqn]
             elif node.name in sig.inputs_to_lifted_tensor_constants:
                 self.fixed[node] = ep.constants[sig.inputs_to_lifted_tensor_constants[node.name]]
+        self.state_buffers = persistent(model, set(fqns.values()))  # what checkpoints save of this part
         # buffers the model updates (BatchNorm's running statistics), from the ops of this part
         self.updates = {by_name[n]: buffers[fqn.removeprefix(_WRAPPER_PREFIX)]
                         for n, fqn in sig.buffers_to_mutate.items() if n in self.part.nodes}
         for node in self.graph.nodes:  # submodules of higher-order ops (a rotary cache's no_grad block)
             if node.op == "get_attr":
-                self.fixed[node] = _attr(ep.graph_module, node.target)
+                self.fixed[node] = operator.attrgetter(node.target)(ep.graph_module)
         want = stage.ops.get(output.name, ["R", "R"])[1]
         # split by batch (inputs carry it in dim 0): the loss runs per shard
         self.output_shard = part is None and mesh is not None and want == "S(0)"
@@ -298,6 +294,8 @@ class ShardedGraph(nn.Module):
             return None  # export's metadata checks (global shapes, already checked when exporting)
         needs = self.stage.needs.get(node.name) or []
         want = self.stage.ops[node.name][1] if node.name in self.stage.ops else None  # None: as DTensor places it
+        if isinstance(node.target, torch._ops.HigherOrderOperator) and want in (None, "R"):
+            return self._replicated(node, env)
         inputs = node.all_input_nodes
         need = {inp: needs[i] for i, inp in enumerate(inputs) if i < len(needs) and needs[i] is not None}
         split = want not in (None, "R") or any(p != "R" for p in need.values()) or any(isinstance(env[i], DTensor) for i in inputs)
@@ -339,6 +337,16 @@ class ShardedGraph(nn.Module):
             if isinstance(out.placements[0], Replicate):
                 out = out.to_local()
         return out
+
+    def _replicated(self, node: fx.Node, env: dict) -> Any:
+        """A higher-order op the plan replicates (`cond`, an autocast region: DTensor has rules for
+        few) runs its body on whole tensors; split inputs are gathered first (their gradients
+        split back)."""
+        def whole(inp: fx.Node) -> Any:
+            value = env[inp]
+            return value.redistribute(self.mesh, [Replicate()]).to_local() if isinstance(value, DTensor) else value
+
+        return node.target(*fx.node.map_arg(node.args, whole), **fx.node.map_arg(node.kwargs, whole))
 
     def _vocab_parallel(self, weight: DTensor, ids: Any, padding_idx: int = -1) -> DTensor:
         """Megatron's vocabulary-parallel embedding: each rank looks up the rows it holds, zero for

@@ -47,6 +47,13 @@ def _parallelize(name, layout, seed=0, **kw):
     return pm, batches
 
 
+def _buffers(pm) -> dict[str, torch.Tensor]:
+    """The model's persistent buffers, from the ranks holding them (pipeline stages hold theirs)."""
+    parts = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, {n: b.detach().cpu().clone() for n, b in pm.state_buffers.items()})
+    return {n: b for part in parts for n, b in part.items()}
+
+
 def _moved(rank, world, name, saved, loaded):
     """Two steps under `saved`, a checkpoint; a fresh model under `loaded` loads it."""
     directory = _directory()
@@ -54,27 +61,33 @@ def _moved(rank, world, name, saved, loaded):
     for inputs, target in batches[:2]:
         pm.step(inputs, target)
     path = checkpoint.save(pm, directory, 2, {"note": "moved"})
-    before = pm.full_state_dict()
+    before = {**pm.full_state_dict(), **_buffers(pm)}
     next_loss = pm.step(*batches[2])  # what the saved layout does next
     other, _ = _parallelize(name, loaded, seed=7)
+    for b in other.state_buffers.values():  # other running statistics: only the checkpoint can restore them
+        b.add_(1)
     trainer = checkpoint.load(other, path)
-    after = other.full_state_dict()
+    after = {**other.full_state_dict(), **_buffers(other)}
     return before, after, trainer, next_loss, other.step(*batches[2])
 
 
 MOVES = [("gpt-tiny", "1,4,1", "2,1,2,2"), ("gpt-tiny", "2,1,2,2", "1,4,1"),
-         ("mlp-tiny", "zero3:4,1,1", "2,2,1"), ("gpt-tiny", "2,2,1", "1,2,2,2")]
+         ("mlp-tiny", "zero3:4,1,1", "2,2,1"), ("gpt-tiny", "2,2,1", "1,2,2,2"),
+         ("wresnet-tiny", "4,1,1", "2,1,2"), ("wresnet-tiny", "2,1,2", "1,4,1")]
 
 
 @pytest.mark.parametrize("name, saved, loaded", MOVES)
 def test_a_checkpoint_saved_under_one_plan_loads_under_another(tmp_path, name, saved, loaded):
+    """Parameters, optimizer moments and BatchNorm's running statistics move between layouts."""
     for before, after, trainer, next_loss, loss in shared_ranks(_moved, WORLD, MOVES, (name, saved, loaded), tmp_path):
         assert trainer == {"step": 2, "note": "moved", "exact": False}  # another layout: own state afresh
         assert after.keys() == before.keys()
+        assert name != "wresnet-tiny" or any("running_mean" in k for k in before)
         for key, value in before.items():
             assert torch.equal(after[key], value), key  # bit for bit
-        # the optimizer's moments moved too: the next step agrees up to summation order
-        assert loss == pytest.approx(next_loss, rel=1e-4)
+        # the optimizer's moments moved too: the next step agrees up to summation order (BatchNorm
+        # normalises each replica's microbatch: another data-parallel split gives another loss)
+        assert name == "wresnet-tiny" or loss == pytest.approx(next_loss, rel=1e-4)
 
 
 def _resumed(rank, world, name, layout, compression, delay):

@@ -403,3 +403,26 @@ def test_batch_norm_under_a_tensor_axis_keeps_its_running_statistics(tmp_path):
         for name, value in buffers.items():
             if "running" in name:
                 torch.testing.assert_close(got_buffers[name], value, rtol=1e-5, atol=1e-6)
+
+
+def _batch_norm_dp(rank, world):
+    w, batches = _workload("wresnet-tiny")
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
+                             plan=f"{world},1,1")
+    pm.step(*batches[0])
+    return {n: b.clone() for n, b in w.model.named_buffers()}
+
+
+def test_batch_norm_replicas_keep_one_running_statistic(tmp_path):
+    """Each replica normalises its own samples (as DDP does), and the running statistics are
+    averaged over the data axis after the step: every replica holds the same, and the first
+    BatchNorm's running mean (its input is the same function of the samples on every replica)
+    is the one single-process training has after the step."""
+    w, batches = _workload("wresnet-tiny")
+    w.loss_fn(w.model(*batches[0][0]), batches[0][1])
+    single = w.model.stem[1].running_mean
+    got = run_ranks(_batch_norm_dp, 2, tmp_path)
+    for buffers in got[1:]:
+        for name, value in buffers.items():
+            assert torch.equal(value, got[0][name]), name
+    torch.testing.assert_close(got[0]["stem.1.running_mean"], single, rtol=1e-5, atol=1e-7)
