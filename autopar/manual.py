@@ -95,8 +95,7 @@ def blocks(search: Search) -> list[int]:
     with FLOPs (GPT's blocks; GShard's dense-and-MoE pairs begin at the first kind). A model with
     several stacks of blocks (`ModuleList`s: an encoder and a decoder) splits each stack every p
     layers, p the period of its structure; a stack's first block may differ from the rest (T5's
-    holds the relative-position bias), and so may the blocks of one stack that the most common
-    structure does not tile (a ResNet's widening blocks)."""
+    holds the relative-position bias). A stack whose blocks all differ (a ResNet's) splits by them."""
     hashes = search.costs.hashes
     heavy = [i for i, layer in enumerate(search.layers) if layer.flops > 0]
     stacks: dict[str, list[int]] = {}
@@ -109,11 +108,9 @@ def blocks(search: Search) -> list[int]:
     kinds = list(dict.fromkeys(hashes[i] for i in heavy))  # first appearance breaks ties (MoE: the MoE block)
     common = max(kinds, key=lambda h: sum(hashes[i] == h for i in heavy))
     alike = [i for i in heavy if hashes[i] == common]
-    if stacks:  # where the most common kind does not tile the stack, its own period does (a first
-        stack = next(iter(stacks.values()))  # block without input gradient; a ResNet's widening blocks)
-        period = _period([hashes[i] for i in stack])
-        if len(alike) * period != len(stack):
-            return stack[::period]
+    if len(alike) == 1 and stacks:  # blocks that all differ (a ResNet's widening ones): the stack's own
+        stack = next(iter(stacks.values()))
+        return stack[::_period([hashes[i] for i in stack])]
     return alike
 
 

@@ -40,10 +40,12 @@ def _region(block: Block, x: torch.Tensor) -> torch.Tensor:
 class Net(nn.Module):
     def __init__(self, kind: str) -> None:
         super().__init__()
+        self.embed = nn.Linear(WIDTH, WIDTH)  # the blocks' input needs a gradient in each: they are alike
         self.blocks = nn.ModuleList(Block(kind) for _ in range(4))
         self.head = nn.Linear(WIDTH, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
         for b in self.blocks:
             x = b(x)
         return self.head(x)

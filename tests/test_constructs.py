@@ -52,12 +52,12 @@ def _parallel(rank, world, kind, layout):
 def test_higher_order_ops_train_like_one_process(tmp_path, kind, layout):
     losses, params = _single(kind)
     # bfloat16 matmuls round differently at another batch size (oneDNN picks other kernels): the
-    # autocast region on half the samples agrees to bfloat16's precision, not float32's
-    rel = 2e-3 if kind == "autocast" and layout != "tp" else 1e-5
+    # autocast region on half the samples agrees to bfloat16's precision (2^-8), not float32's
+    rel, atol = (4e-3, 1e-3) if kind == "autocast" and layout != "tp" else (1e-5, 1e-6)
     for got_losses, got_params in shared_ranks(_parallel, 2, CASES, (kind, layout), tmp_path):
         assert got_losses == pytest.approx(losses, rel=rel)
         for key, value in params.items():
-            torch.testing.assert_close(got_params[key], value, rtol=rel, atol=rel / 10)
+            torch.testing.assert_close(got_params[key], value, rtol=rel, atol=atol)
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -70,5 +70,5 @@ def test_the_bodies_of_higher_order_ops_are_priced(kind):
     cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=2)
     layers = {k: Search.start(workload(k), cluster, (1, 2)).layers for k in ("plain", kind)}
     assert [layer.name for layer in layers[kind]] == [layer.name for layer in layers["plain"]]
-    for got, plain in zip(layers[kind][1:], layers["plain"][1:]):  # the first block: see _body_flops
+    for got, plain in zip(layers[kind], layers["plain"]):
         assert got.flops == plain.flops
