@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.capture import capture
 from autopar.errors import AutoparError
@@ -26,7 +27,7 @@ log = logging.getLogger(__name__)
 
 def parallelize(
     model: nn.Module,
-    mesh: tuple[int, int] | None = None,
+    mesh: DeviceMesh | tuple[int, int] | None = None,
     example_inputs: Any = (),
     *,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
@@ -36,6 +37,7 @@ def parallelize(
     compression: str | None = None,
     delay: int = 0,
     timeout: float | None = None,
+    max_grad_norm: float | None = None,
 ):
     """The model under a plan, ready to `step(inputs, target)` on the global batch.
 
@@ -46,6 +48,10 @@ def parallelize(
     `dp_gradient` choices; a searched or hand-written layout is planned with them priced in.
     `timeout` (seconds): a collective of any of the job's process groups waiting longer fails,
     and `step` raises `PeerLost`: a rank died or hangs (default: torch's, 30 minutes on gloo).
+    `mesh`: a 2-D DeviceMesh (hosts × devices), a `(hosts, devices)` tuple, or None: the job's
+    hosts × local ranks (torchrun's LOCAL_WORLD_SIZE). `max_grad_norm`: each step clips the
+    gradients by their global norm over every axis (`math.inf`: measure only); the norm before
+    clipping is `pm.last_grad_norm`.
     """
     from runtime import default_backend, local_device
     from runtime.parallel import ParallelModel, UnsupportedPlan, positional, zero3
@@ -58,10 +64,11 @@ def parallelize(
         raise AutoparError(f"delay must be a number of steps ≥ 0, got {delay}")
     if timeout is not None and not timeout > 0:
         raise AutoparError(f"timeout must be a positive number of seconds, got {timeout}")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise AutoparError(f"max_grad_norm must be a positive number (math.inf: measure the norm only), got {max_grad_norm}")
     _init_process_group(default_backend())  # torch's timeout while rank 0 plans; `timeout` once built
     world, rank = dist.get_world_size(), dist.get_rank()
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun's ranks per host
-    hosts, per_host = mesh if mesh is not None else (max(1, world // per_node), min(per_node, world))
+    hosts, per_host = _mesh_shape(mesh, world)
     if hosts * per_host != world:
         raise AutoparError(f"mesh {hosts}x{per_host} has {hosts * per_host} devices, the job has {world} ranks: "
                            f"launch with torchrun --nproc-per-node {hosts * per_host}, or pass mesh=(1, {world})")
@@ -96,9 +103,9 @@ def parallelize(
         if len(resolved.stages) > 1:
             from runtime.pipeline import PipelineModel
 
-            pm = PipelineModel(model, resolved, loss_fn, optimizer, args, device=device)
+            pm = PipelineModel(model, resolved, loss_fn, optimizer, args, device=device, max_grad_norm=max_grad_norm)
         else:
-            pm = ParallelModel(model, resolved, loss_fn, optimizer, args, device=device)
+            pm = ParallelModel(model, resolved, loss_fn, optimizer, args, device=device, max_grad_norm=max_grad_norm)
     except UnsupportedPlan as exc:
         raise AutoparError(str(exc)) from None
     if timeout is not None:
@@ -107,6 +114,19 @@ def parallelize(
         set_timeouts(timeout)  # every group, the model's too; not before: rank 0 may plan for minutes
     _BUILT.add(pm)
     return pm
+
+
+def _mesh_shape(mesh: DeviceMesh | tuple[int, int] | None, world: int) -> tuple[int, int]:
+    """(hosts, devices per host) of the mesh the caller gave, checked against the job."""
+    if isinstance(mesh, DeviceMesh):
+        if mesh.ndim != 2 or mesh.size() != world:
+            raise AutoparError(f"mesh must be a 2-D DeviceMesh (hosts × devices) over all {world} ranks, got "
+                               f"shape {tuple(mesh.shape)}: init_device_mesh(device, (hosts, devices per host))")
+        return tuple(mesh.shape)
+    if mesh is None:
+        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun's ranks per host
+        return max(1, world // per_node), min(per_node, world)
+    return mesh
 
 
 def _resolve(plan, model, args, batch, graph, cluster, mesh, compression, delay) -> Plan:

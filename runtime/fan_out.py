@@ -67,7 +67,7 @@ class FanOutSchedule:
         sends: list[Any] = []  # tensors stay referenced until their sends finish
         for forward, i in self.order:
             if forward:
-                inputs = chunks[i] if self.first else self._receive(self.inputs, self.peers.act_from)
+                inputs = chunks[i] if self.first else receive(self.inputs, self.peers.act_from)
                 out = self.module(*inputs)
                 outs = out if isinstance(out, tuple) else (out,)
                 if self.last:
@@ -76,7 +76,7 @@ class FanOutSchedule:
                         losses.append(loss.detach())
                     outs = (loss,)
                 else:
-                    sends += self._send(outs, self.peers.act_to)
+                    sends += send(outs, self.peers.act_to)
                 saved[i] = (inputs, outs)
                 continue
             inputs, outs = saved.pop(i)
@@ -87,32 +87,34 @@ class FanOutSchedule:
             if self.last:
                 grads: tuple = (None,)
             else:
-                grads = self._receive(self.outputs, self.peers.grad_from, grad=False)
+                grads = receive(self.outputs, self.peers.grad_from, grad=False)
             pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
             if pairs:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             if not self.first:
-                sends += self._send(tuple(x.grad if x.grad is not None else torch.zeros_like(x)
-                                          for x in inputs if x.is_floating_point()), self.peers.grad_to)
+                sends += send(tuple(x.grad if x.grad is not None else torch.zeros_like(x)
+                                    for x in inputs if x.is_floating_point()), self.peers.grad_to)
         for work, _ in sends:
             work.wait()
 
-    @staticmethod
-    def _receive(like: tuple[torch.Tensor, ...], src: int | None, grad: bool = True) -> tuple[torch.Tensor, ...]:
-        out = []
-        for x in like:
-            if not grad and not x.is_floating_point():
-                out.append(None)  # integer values carry no gradient back
-                continue
-            buf = torch.empty_like(x)
-            dist.recv(buf, src)
-            out.append(buf.requires_grad_(grad and buf.is_floating_point()))
-        return tuple(out)
 
-    @staticmethod
-    def _send(values: tuple[torch.Tensor, ...], dsts: list[int]) -> list[tuple[Any, torch.Tensor]]:
-        out = []
-        for value in values:
-            value = value.detach().contiguous()
-            out += [(dist.isend(value, dst), value) for dst in dsts]
-        return out
+def receive(like: tuple[torch.Tensor, ...], src: int | None, grad: bool = True) -> tuple[torch.Tensor, ...]:
+    """Tensors shaped like `like` from rank `src` (activations need gradients: `grad`)."""
+    out = []
+    for x in like:
+        if not grad and not x.is_floating_point():
+            out.append(None)  # integer values carry no gradient back
+            continue
+        buf = torch.empty_like(x)
+        dist.recv(buf, src)
+        out.append(buf.requires_grad_(grad and buf.is_floating_point()))
+    return tuple(out)
+
+
+def send(values: tuple[torch.Tensor, ...], dsts: list[int]) -> list[tuple[Any, torch.Tensor]]:
+    """Asynchronous sends to every rank of `dsts`; wait on the works (they hold the tensors)."""
+    out = []
+    for value in values:
+        value = value.detach().contiguous()
+        out += [(dist.isend(value, dst), value) for dst in dsts]
+    return out

@@ -23,6 +23,7 @@ from runtime.comm_count import CollectiveBytes
 from runtime.export import export_as_planned
 from runtime.failures import guarded
 from runtime.grad_sync import GradSync
+from runtime.loop import clip, evaluating, gather_batch_dim, squared_grad_norm
 from runtime.sharded_graph import ShardedGraph, first_failure
 
 
@@ -43,15 +44,18 @@ def zero3(plan: Any) -> bool:
     return any(p[0] == "S(0)" for s in plan.stages for p in s.params.values())
 
 
-def check_batch(inputs: Any, plan: Any) -> None:
-    """The global batch a step gets must be the one the plan was made for (it fixes the shapes)."""
+def check_batch(inputs: Any, plan: Any, dp: int | None = None) -> None:
+    """The batch a step gets must be the one the plan was made for (it fixes the shapes): the
+    global batch, or with `dp` a data-parallel slice of it (`step(..., local=True)`)."""
     from autopar.errors import AutoparError
 
     first = next((t for t in (inputs if isinstance(inputs, (tuple, list)) else (inputs,))
                   if isinstance(t, torch.Tensor)), None)
-    if first is not None and first.shape[0] != plan.batch:
-        raise AutoparError(f"step got a batch of {first.shape[0]} samples, the plan was made for {plan.batch}: "
-                           f"pass batches of {plan.batch}, or re-plan for this batch")
+    want = plan.batch if dp is None else plan.batch // dp
+    if first is not None and first.shape[0] != want:
+        what = "batch" if dp is None else f"data-parallel slice (local=True: the global batch {plan.batch} / {dp})"
+        raise AutoparError(f"step got {first.shape[0]} samples, the plan's {what} is {want}: "
+                           f"pass {want} samples, or re-plan for this batch")
 
 
 def data_sync(params: list[nn.Parameter], group: dist.ProcessGroup, plan: Any) -> Any:
@@ -129,17 +133,20 @@ class ParallelModel:
     """The model under a plan: `step(inputs, target)` takes the global batch on every rank."""
 
     def __init__(self, model: nn.Module, plan: Any, loss_fn: Callable, optimizer: Callable,
-                 example_inputs: tuple = (), device: torch.device | None = None) -> None:
+                 example_inputs: tuple = (), device: torch.device | None = None,
+                 max_grad_norm: float | None = None) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.plan, self.loss_fn = plan, loss_fn
+        self.plan, self.loss_fn, self.max_grad_norm = plan, loss_fn, max_grad_norm
+        self.last_grad_norm: float | None = None
         self.dp, self.tp = plan.stages[0].logical_mesh
         if dist.get_world_size() != self.dp * self.tp:
             raise UnsupportedPlan(f"the plan needs {self.dp * self.tp} ranks, the job has {dist.get_world_size()}")
         device = self.device = device or torch.device("cpu")
         mesh = init_device_mesh(device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
-        self.group = mesh.get_group("dp")
+        self.group, self.tp_group = mesh.get_group("dp"), mesh.get_group("tp")
         self.rank, self.tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+        self.data_parallel_rank, self.data_parallel_size = self.rank, self.dp  # for a DistributedSampler
         self.model = model.to(device)
         self.graph: ShardedGraph | None = None
         if self.tp > 1:
@@ -164,12 +171,15 @@ class ParallelModel:
         self._issued: list[dict[str, Any]] = []
 
     @guarded
-    def step(self, inputs: Any, target: torch.Tensor) -> float:
-        """One training step on the global batch; returns the global mean loss (same on every rank)."""
+    def step(self, inputs: Any, target: torch.Tensor, local: bool = False) -> float:
+        """One training step on the global batch, or with `local` on this rank's data-parallel slice
+        of it (slice `data_parallel_rank` of `data_parallel_size` equal ones); returns the global
+        mean loss (same on every rank)."""
         inputs = positional(self.model.forward, inputs)
-        check_batch(inputs, self.plan)
+        check_batch(inputs, self.plan, self.dp if local else None)
         m = self.plan.num_microbatches
-        local_in, local_target = _split(inputs, self.dp, self.rank), _split(target, self.dp, self.rank)
+        local_in, local_target = (inputs, target) if local else (_split(inputs, self.dp, self.rank),
+                                                                 _split(target, self.dp, self.rank))
         micro_in = [_split(local_in, m, i) for i in range(m)]
         micro_target = [_split(local_target, m, i) for i in range(m)]
         total = torch.zeros((), dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
@@ -189,6 +199,10 @@ class ParallelModel:
         elif zero3(self.plan) and self.dp > 1:  # FSDP2: reduce-scatter of each gradient, all-gather of each parameter, per microbatch
             nbytes = sum(p.to_local().numel() * p.to_local().element_size() * self.dp for p in self.trained.parameters())
             self._bytes["dp"] = [nbytes * (2 * m + 1), nbytes * (2 * m + 1)]
+        if self.max_grad_norm is not None:
+            params = list(self.trained.parameters())
+            self.last_grad_norm = clip(params, squared_grad_norm(params), dist.get_world_size(), self.max_grad_norm,
+                                       self.device)
         self.optimizer.step()
         if self.sync is not None:
             self.sync.after_step()
@@ -218,6 +232,24 @@ class ParallelModel:
                 reported = loss / self.tp
             loss.backward()
             total += reported.detach().double()
+
+    def predict(self, inputs: Any) -> torch.Tensor:
+        """The model's output (reduced as the loss gets it) for the global batch, without gradients,
+        the same on every rank; run in the plan's microbatches. Training is left as it was
+        (buffers, random state). A collective: every rank calls it."""
+        inputs = positional(self.model.forward, inputs)
+        check_batch(inputs, self.plan)
+        m = self.plan.num_microbatches
+        mine = _split(inputs, self.dp, self.rank)
+        outs = []
+        with evaluating(self.state_buffers, self.device):
+            for i in range(m):
+                args = _split(mine, m, i)
+                out = first_tensor(self.trained(*args))
+                if self.graph is not None and self.graph.output_shard:  # each tensor-parallel rank: some samples
+                    out = gather_batch_dim(out, self.tp_group)
+                outs.append(out)
+        return gather_batch_dim(torch.cat(outs), self.group)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Unsharded parameters, as single-process training would hold them."""

@@ -26,13 +26,15 @@ from torch import nn
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 from torch.distributed.tensor import DTensor, Replicate
 
+from autopar.capture import first_tensor
 from runtime.buffers import AveragedBuffers
 from runtime.comm_count import CollectiveBytes
 from runtime.export import export_as_planned
 from runtime.failures import guarded
 from runtime.cross_mesh import batch_dims
-from runtime.fan_out import FanOutSchedule
-from runtime.grad_sync import GradSync, local
+from runtime.fan_out import FanOutSchedule, peers, receive, send
+from runtime.grad_sync import GradSync, local as local_part
+from runtime.loop import clip, evaluating, squared_grad_norm
 from runtime.parallel import (
     UnsupportedPlan,
     _split,
@@ -109,13 +111,16 @@ class PipelineModel:
     """`step(inputs, target)`: the global batch on every rank; the global mean loss back."""
 
     def __init__(self, model: nn.Module, plan: Any, loss_fn: Callable, optimizer: Callable,
-                 example_inputs: tuple, device: torch.device | None = None) -> None:
+                 example_inputs: tuple, device: torch.device | None = None,
+                 max_grad_norm: float | None = None) -> None:
         self.plan, self.loss_fn, self.forward = plan, loss_fn, model.forward
+        self.max_grad_norm, self.last_grad_norm = max_grad_norm, None
         self.pp, self.m = len(plan.stages), plan.num_microbatches
         device = self.device = device or torch.device("cpu")
         g = _Groups(plan, device.type)
         self.stage_index, self.dp_rank, self.pp_group, self.dp_group = g.stage, g.dp_rank, g.pp_group, g.dp_group
         self.dp, self.tp = plan.stages[self.stage_index].logical_mesh
+        self.data_parallel_rank, self.data_parallel_size = self.dp_rank, self.dp  # this stage's
         micro = tuple(_split(_split(example_inputs, self.dp, 0), self.m, 0))
         ep = export_as_planned(model.to(device), micro, tuple(example_inputs))
         user = [n.name for n in ep.graph.nodes if n.op == "placeholder" and n.name in ep.graph_signature.user_inputs]
@@ -156,11 +161,11 @@ class PipelineModel:
         inputs = like(part.inputs, self.stage_index > 0, g.bridged_before)
         outputs = like(part.outputs, True, g.bridged_after)
         refuse_failing(self.module, tuple(micro) if self.stage_index == 0 else inputs)
-        peers = (1, 1)  # ranks this one sends activations to, and input gradients to
+        fan = (1, 1)  # ranks this one sends activations to, and input gradients to
         if g.pp_group is None:  # stages of different sizes: a rank may send to several
             stage = FanOutSchedule(self.module, self.stage_index, g.sizes, self.m, loss_m, plan.schedule, inputs, outputs)
             self.schedule = stage
-            peers = (len(stage.peers.act_to), len(stage.peers.grad_to))
+            fan = (len(stage.peers.act_to), len(stage.peers.grad_to))
         else:
             stage = SyncingStage(self.module, self.stage_index, self.pp, device, input_args=inputs,
                                  output_args=outputs, group=self.pp_group)
@@ -176,12 +181,12 @@ class PipelineModel:
         self.state_buffers = self.module.state_buffers
         self.buffer_sync = AveragedBuffers(self.state_buffers, self.dp_group) if self.dp > 1 else None
         self.tied = self._tied_groups(g)
-        self._offsets = g.offsets
+        self._offsets, self._sizes, self._received = g.offsets, g.sizes, inputs
         self.optimizer = optimizer(list(self.module.parameters()))
         check_optimizer(self.optimizer, plan)
         nbytes = [sum(t.numel() * t.element_size() for t in ts if t.is_floating_point() or not grad)
                   for ts, grad in ((outputs, False), (inputs, True))]
-        pp = self.m * ((self.stage_index < self.pp - 1) * peers[0] * nbytes[0] + (self.stage_index > 0) * peers[1] * nbytes[1])
+        pp = self.m * ((self.stage_index < self.pp - 1) * fan[0] * nbytes[0] + (self.stage_index > 0) * fan[1] * nbytes[1])
         self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [pp, pp]}  # pp: activations out, their gradients back
         self.overlapped = 0  # gradient buckets of the last step launched during backward
 
@@ -215,11 +220,14 @@ class PipelineModel:
         return out
 
     @guarded
-    def step(self, inputs: Any, target: torch.Tensor) -> float:
+    def step(self, inputs: Any, target: torch.Tensor, local: bool = False) -> float:
         inputs = positional(self.forward, inputs)
-        check_batch(inputs, self.plan)
-        local_in = self._local(inputs)  # used by the first stage
-        local_target = self._local(target)  # used by the last stage
+        if local and len({s.logical_mesh[0] for s in self.plan.stages}) > 1:
+            raise UnsupportedPlan("step(local=True) needs the same data-parallel size on every stage; this plan's "
+                                  f"are {[s.logical_mesh[0] for s in self.plan.stages]}: pass the global batch")
+        check_batch(inputs, self.plan, self.dp if local else None)
+        # the first stage uses the inputs, the last the target; a local slice is cut into microbatches as it is
+        local_in, local_target = (inputs, target) if local else (self._local(inputs), self._local(target))
         args = tuple(x for x in local_in if isinstance(x, torch.Tensor))  # the graph's inputs (None: a constant)
         self.optimizer.zero_grad(set_to_none=True)
         if self.buffer_sync is not None:
@@ -248,7 +256,7 @@ class PipelineModel:
             if grad is None:
                 continue
             if share is None:
-                dist.all_reduce(local(grad), group=group)
+                dist.all_reduce(local_part(grad), group=group)
                 continue
             # placed differently in another stage: add up whole gradients, keep this copy's part
             whole = (grad.full_tensor() if isinstance(grad, DTensor) else grad) / share
@@ -256,6 +264,10 @@ class PipelineModel:
             weight.grad = whole if not isinstance(grad, DTensor) else DTensor.from_local(
                 whole, grad.device_mesh, [Replicate()] * grad.device_mesh.ndim, run_check=False,
             ).redistribute(grad.device_mesh, grad.placements)
+        if self.max_grad_norm is not None:  # a weight several stages hold counts once, in the lowest
+            own = [p for n, p in self.module.named_parameters() if n.replace("__", ".") not in self.copies]
+            self.last_grad_norm = clip(list(self.module.parameters()), squared_grad_norm(own),
+                                       self._sizes[self.stage_index], self.max_grad_norm, self.device)
         self.optimizer.step()
         if self.sync:
             self.sync.after_step()
@@ -276,6 +288,31 @@ class PipelineModel:
             return torch.cat(chunks)
         return type(batch)(torch.cat([c[k] for c in chunks]) if isinstance(batch[k], torch.Tensor) else batch[k]
                            for k in range(len(batch)))
+
+    def predict(self, inputs: Any) -> torch.Tensor:
+        """The model's output for the global batch without gradients, on every rank: the stages
+        run the microbatches forward (activations to the next stage's peers, as the schedule
+        sends them) and the last stage's slices are shared. Training is left as it was."""
+        inputs = positional(self.forward, inputs)
+        check_batch(inputs, self.plan)
+        args = tuple(x for x in self._local(inputs) if isinstance(x, torch.Tensor))
+        first, last = self.stage_index == 0, self.stage_index == self.pp - 1
+        to = peers(self._sizes, dist.get_rank())
+        outs, sends = [], []
+        with evaluating(self.state_buffers, self.device):
+            for i in range(self.m):
+                xs = tuple(a.tensor_split(self.m)[i] for a in args) if first else receive(self._received, to.act_from)
+                out = self.module(*xs)
+                if last:
+                    outs.append(first_tensor(out).cpu())
+                else:
+                    sends += send(out if isinstance(out, tuple) else (out,), to.act_to)
+            for work, _ in sends:
+                work.wait()
+        held: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(held, (self.dp_rank, outs) if last else None)  # tensor-parallel ranks: the same
+        by_slice = dict(h for h in held if h is not None)
+        return torch.cat([by_slice[r][i] for i in range(self.m) for r in sorted(by_slice)]).to(self.device)
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         mine = self.module.full_state_dict()  # a collective within the stage; one rank per stage shares it
