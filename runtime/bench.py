@@ -3,8 +3,8 @@ cost model predicted for them, and say how well the prediction ranks them (Spear
 
 All layouts run in one start of the ranks (each gets a fresh model with the same weights), a few
 warm-up steps then timed ones; a step's time is the slowest rank's, and a layout's the median
-over its timed steps. Layouts differ in (dp, tp, pp) and microbatches; recomputation is left
-out (the runtime does not recompute, so its prediction would not describe what runs).
+over its timed steps. Layouts differ in (dp, tp, pp) and microbatches; each (dp, tp, pp) runs
+once more recomputing its activations, at its most microbatches (`runtime.recompute`).
 """
 
 from __future__ import annotations
@@ -38,10 +38,11 @@ def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None) -> 
     view = manual_search(search)
     for tp in (t for t in range(1, nproc + 1) if nproc % t == 0):
         for pp in (p for p in range(1, nproc // tp + 1) if (nproc // tp) % p == 0):
-            for m in (1, 2, 4, 8):
-                layout = Layout(nproc // (tp * pp), tp, pp, m, False)
-                if check(view, layout) is None:
-                    plans.append(manual_plan(view, layout))
+            valid = [Layout(nproc // (tp * pp), tp, pp, m, False) for m in (1, 2, 4, 8)]
+            valid = [layout for layout in valid if check(view, layout) is None]
+            plans += [manual_plan(view, layout) for layout in valid]
+            if valid:  # recomputing, where it saves most: the most microbatches in flight
+                plans.append(manual_plan(view, dataclasses.replace(valid[-1], recompute=True)))
     return plans
 
 

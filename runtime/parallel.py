@@ -24,6 +24,7 @@ from runtime.export import export_as_planned
 from runtime.failures import guarded
 from runtime.grad_sync import GradSync
 from runtime.loop import clip, evaluating, gather_batch_dim, squared_grad_norm
+from runtime.recompute import recomputed
 from runtime.sharded_graph import ShardedGraph, first_failure
 
 
@@ -164,6 +165,8 @@ class ParallelModel:
         elif self.dp > 1:
             self.sync = data_sync(list(self.trained.parameters()), self.group, plan)
         self.state_buffers = self.graph.state_buffers if self.graph is not None else persistent(self.model)
+        # the model's forward, recomputed in backward when the plan says so (the graph does its own)
+        self._eager = recomputed(self.model, self.state_buffers) if plan.stages[0].recompute else self.model
         self.buffer_sync = AveragedBuffers(self.state_buffers, self.group) if self.dp > 1 else None
         self.optimizer = optimizer(list(self.trained.parameters()))
         check_optimizer(self.optimizer, plan)
@@ -222,7 +225,7 @@ class ParallelModel:
                 self.trained.set_requires_gradient_sync(last)
             args = micro_in[i] if isinstance(micro_in[i], (tuple, list)) else (micro_in[i],)
             if self.graph is None:
-                loss = self.loss_fn(first_tensor(self.model(*args)), micro_target[i]) / m
+                loss = self.loss_fn(first_tensor(self._eager(*args)), micro_target[i]) / m
                 reported = loss
             elif self.graph.output_shard:  # each tensor-parallel rank holds some samples
                 target = micro_target[i].tensor_split(self.tp)[self.tp_rank]

@@ -33,6 +33,7 @@ from torch.distributed.tensor import (
 from autopar.capture import _WRAPPER_PREFIX
 from runtime.buffers import persistent
 from runtime.cross_mesh import gather_batch, slice_batch
+from runtime.recompute import recomputed
 
 _CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
 # attention on CPU: no DTensor rule (DTensor would try propagating through its decomposition, which
@@ -245,6 +246,11 @@ class ShardedGraph(nn.Module):
     # ---- running ---------------------------------------------------------------------------
 
     def forward(self, *inputs: torch.Tensor) -> Any:
+        if self.stage.recompute:  # the plan keeps only this part's inputs: its forward runs again in backward
+            return recomputed(self._forward, self.state_buffers)(*inputs)
+        return self._forward(*inputs)
+
+    def _forward(self, *inputs: torch.Tensor) -> Any:
         env: dict[fx.Node, Any] = dict(self.fixed)
         for node, name in self.param_of.items():  # read each call: FSDP swaps in gathered parameters
             env[node] = getattr(self, name)

@@ -1,0 +1,91 @@
+"""Activation recomputation as planned, on 4 gloo ranks: a plan whose stages recompute trains
+exactly as the same plan without (losses and parameters, rel 1e-6), and each recomputing stage
+really runs its forward twice per microbatch (once more in backward)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import autopar
+from tests.distributed import shared_ranks
+from tests.families import workload as family
+from tests.test_parallelize import _layout
+
+WORLD, STEPS = 4, 2
+CASES = [("gpt-tiny", "4,1,1"), ("gpt-tiny", "1,4,1"), ("gpt-tiny", "2,1,2,2"), ("gpt-tiny", "zero3:4,1,1"),
+         ("gpt-tiny", "zero3:2,1,2,2"), ("gpt-tiny", "1,2,2,2"), ("llama", "2,2,1"), ("llama", "1,1,4,4"),
+         ("moe-tiny", "2,2,1"), ("moe-tiny", "2,1,2,2"), ("gpt-tiny", "searched")]
+
+
+def _setup(name, layout):
+    torch.manual_seed(0)
+    batch = 32 if layout == "searched" else 8  # activations that outweigh the weights
+    w = family(name) if name == "llama" else autopar.load_workload(name, batch=batch, device="cpu")
+    gen = torch.Generator().manual_seed(5)
+    return w, [w.make_batch(w.batch, gen) for _ in range(STEPS)]
+
+
+def _plan(w, layout, recompute):
+    """The layout's plan with every stage recomputing or none; "searched": the planner's two-stage
+    plan of 8 microbatches under a memory limit (70 % of its peak without one) that makes its
+    first stage recompute."""
+    from autopar.planner import Search, plan_auto
+    from cost_models import get_cluster
+
+    cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=WORLD)
+    if layout == "searched":
+        shape = {"stages": 2, "num_microbatches": 8}
+        free = plan_auto(Search.start(w, cluster, (1, WORLD)), **shape).estimate.peak_memory_bytes
+        plan = plan_auto(Search.start(w, cluster, (1, WORLD), memory_limit=0.7 * free), **shape)
+        assert any(s.recompute for s in plan.stages), "the limit should force recomputation"
+        return plan if recompute else dataclasses.replace(
+            plan, stages=[dataclasses.replace(s, recompute=False) for s in plan.stages])
+    plan = _layout(w, WORLD, layout.removeprefix("zero3:"))
+    for stage in plan.stages:
+        stage.recompute = recompute
+        if layout.startswith("zero3:"):
+            stage.params = {f: ["S(0)", p[1]] for f, p in stage.params.items()}
+    return plan
+
+
+def _counting(pm):
+    """Counts forward runs of this rank's stage (twice per microbatch when it recomputes)."""
+    calls = [0]
+    module = getattr(pm, "graph", None) or getattr(pm, "module", None)
+    if module is not None:
+        inner = module._forward
+
+        def count(*args):
+            calls[0] += 1
+            return inner(*args)
+
+        module._forward = count
+    else:
+        pm.model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    return calls
+
+
+def _train(rank, world, name, layout):
+    runs = []
+    for recompute in (False, True):
+        w, batches = _setup(name, layout)
+        plan = _plan(w, layout, recompute)
+        pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn,
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), plan=plan)
+        calls = _counting(pm)
+        losses = [pm.step(*b) for b in batches]
+        mine = plan.stages[getattr(pm, "stage_index", 0)]
+        runs.append((losses, pm.full_state_dict(), calls[0], plan.num_microbatches * STEPS, mine.recompute))
+    return runs
+
+
+@pytest.mark.parametrize("name, layout", CASES)
+def test_recomputing_trains_as_keeping_activations(tmp_path, name, layout):
+    for (losses, params, calls, forwards, _), (r_losses, r_params, r_calls, r_forwards, recomputes) in shared_ranks(
+            _train, WORLD, CASES, (name, layout), tmp_path):
+        assert r_losses == pytest.approx(losses, rel=1e-6)
+        for key, value in params.items():
+            torch.testing.assert_close(r_params[key], value, rtol=1e-6, atol=1e-7)
+        assert calls == forwards
+        assert r_calls == (2 if recomputes else 1) * r_forwards
