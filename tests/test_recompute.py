@@ -10,12 +10,13 @@ import torch
 import autopar
 from tests.distributed import shared_ranks
 from tests.families import workload as family
-from tests.test_parallelize import _layout
+from tests.test_parallelize import _layout, _staged
 
 WORLD, STEPS = 4, 2
-CASES = [("gpt-tiny", "4,1,1"), ("gpt-tiny", "1,4,1"), ("gpt-tiny", "2,1,2,2"), ("gpt-tiny", "zero3:4,1,1"),
-         ("gpt-tiny", "zero3:2,1,2,2"), ("gpt-tiny", "1,2,2,2"), ("llama", "2,2,1"), ("llama", "1,1,4,4"),
-         ("moe-tiny", "2,2,1"), ("moe-tiny", "2,1,2,2"), ("gpt-tiny", "searched")]
+# one stage (DP, TP, an MoE's DP×TP), ZeRO-3 in a pipeline, torch's 1F1B over 4 rotary stages, the
+# fan-out executor (stages of 2 + 1 + 1 ranks), and a searched plan
+CASES = [("gpt-tiny", "4,1,1"), ("gpt-tiny", "1,4,1"), ("moe-tiny", "2,2,1"), ("gpt-tiny", "zero3:2,1,2,2"),
+         ("llama", "1,1,4,4"), ("gpt-tiny", "2+1+1"), ("gpt-tiny", "searched")]
 
 
 def _setup(name, layout):
@@ -41,7 +42,10 @@ def _plan(w, layout, recompute):
         assert any(s.recompute for s in plan.stages), "the limit should force recomputation"
         return plan if recompute else dataclasses.replace(
             plan, stages=[dataclasses.replace(s, recompute=False) for s in plan.stages])
-    plan = _layout(w, WORLD, layout.removeprefix("zero3:"))
+    if layout == "2+1+1":
+        plan = _staged(w, WORLD, ((1, 2), (1, 1), (1, 1)), "1f1b", 4)
+    else:
+        plan = _layout(w, WORLD, layout.removeprefix("zero3:"))
     for stage in plan.stages:
         stage.recompute = recompute
         if layout.startswith("zero3:"):
