@@ -279,6 +279,7 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> Any:
 
 
 def cmd_train(args: argparse.Namespace, out: Console) -> Any:
+    from runtime.memory import CATEGORIES
     from runtime.train import TrainJob, launch
 
     job = TrainJob(args.model, args.nproc, args.steps, args.plan, args.batch, args.cluster, args.compression,
@@ -296,8 +297,14 @@ def cmd_train(args: argparse.Namespace, out: Console) -> Any:
         table.add_row(str(i) + (" (checkpoint)" if i < result["start_step"] else ""), f"{loss:.4f}")
     out.print(table)
     if result["step_time_s"] is not None:
-        out.print(f"{human_time(result['step_time_s'])} per step (median), {result['samples_per_s']:.1f} samples/s, "
-                  f"peak memory per rank {', '.join(human_bytes(b) for b in result['peak_memory_bytes'])}")
+        out.print(f"{human_time(result['step_time_s'])} per step (median), {result['samples_per_s']:.1f} samples/s")
+    if result["peak_tensor_bytes"][0] is not None:
+        memory = Table(title="peak live tensor bytes of the last step, per rank (RSS: the whole process)")
+        for column in ("rank", *CATEGORIES, "total", "RSS"):
+            memory.add_column(column, justify="right")
+        for rank, (tensors, rss) in enumerate(zip(result["peak_tensor_bytes"], result["peak_rss_bytes"])):
+            memory.add_row(str(rank), *(human_bytes(tensors[c]) for c in (*CATEGORIES, "total")), human_bytes(rss))
+        out.print(memory)
     return None
 
 

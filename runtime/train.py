@@ -68,6 +68,7 @@ def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
     import autopar
     from autopar.errors import AutoparError
     from runtime import checkpoint, local_device
+    from runtime.memory import measured_step
 
     rank, step, phase = None, 0, "start"
     try:
@@ -100,7 +101,7 @@ def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
             print(f"resumed from {found} at step {start}" + ("" if exact else " (another layout: random and "
                   "compressor state afresh)") if found else f"no checkpoint in {job.checkpoint_dir}: starting at step 0",
                   file=sys.stderr, flush=True)
-        times = []
+        times, tensor_bytes = [], None
         for step in range(start, job.steps):
             phase = "step"
             failures.record(progress_dir, rank, step, phase)
@@ -108,8 +109,14 @@ def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
             with failures.collective_failures(f"the barrier before step {step}"):
                 dist.barrier()
             begin = time.perf_counter()
-            losses.append(pm.step(inputs, target))
-            times.append(time.perf_counter() - begin)
+            if step == job.steps - 1:  # the last step counts its tensors (slower: not timed unless alone)
+                loss, tensor_bytes = measured_step(pm, inputs, target)
+                losses.append(loss)
+                if not times:
+                    times.append(time.perf_counter() - begin)
+            else:
+                losses.append(pm.step(inputs, target))
+                times.append(time.perf_counter() - begin)
             done = step + 1
             if job.checkpoint_dir and (done == job.steps or job.checkpoint_every and done % job.checkpoint_every == 0):
                 step, phase = done, "checkpoint"
@@ -117,12 +124,12 @@ def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
                 with failures.collective_failures(f"saving the checkpoint of step {done}"):
                     checkpoint.save(pm, job.checkpoint_dir, done, {"losses": losses, "data": gen.get_state()})
         failures.record(progress_dir, rank, job.steps, "done")
-        peak = (torch.cuda.max_memory_allocated() if local_device(rank).type == "cuda"
-                else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        cuda = torch.cuda.max_memory_allocated() if local_device(rank).type == "cuda" else None
         return {"losses": losses, "start_step": start, "resumed_from": resumed_from, "exact_resume": exact,
                 "step_times_s": times,
                 "batch": w.batch, "plan": pm.plan.name, "compression": pm.plan.dp_gradient.get("compression"),
-                "peak_memory_bytes": peak, "comm": pm.comm_stats()}
+                "peak_tensor_bytes": tensor_bytes, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+                "peak_cuda_allocated_bytes": cuda, "comm": pm.comm_stats()}
     except AutoparError as exc:
         if not isinstance(exc, failures.PeerLost):  # a peer's death is not the user's input
             return {"error": str(exc)}
@@ -186,4 +193,6 @@ def launch(job: TrainJob, quiet: bool = True) -> dict[str, Any]:
             "delay": job.delay, "batch": first["batch"], "start_step": first["start_step"],
             "exact_resume": all(r["exact_resume"] for r in ranks),
             "losses": first["losses"], "step_time_s": step_time, "samples_per_s": first["batch"] / step_time if step_time else None,
-            "peak_memory_bytes": [r["peak_memory_bytes"] for r in ranks], "comm": first["comm"]}
+            "peak_tensor_bytes": [r["peak_tensor_bytes"] for r in ranks],
+            "peak_rss_bytes": [r["peak_rss_bytes"] for r in ranks],
+            "peak_cuda_allocated_bytes": [r["peak_cuda_allocated_bytes"] for r in ranks], "comm": first["comm"]}

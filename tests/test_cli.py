@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autopar import load_workload
 from autopar.cli import main
 from autopar.zoo import ZOO
+from runtime.memory import CATEGORIES
 
 
 def run_json(capsys, *argv):
@@ -221,7 +222,12 @@ def test_train_on_two_ranks_follows_the_one_rank_losses(capsys):
     one = run_json(capsys, "train", "gpt-tiny", "--nproc", "1", "--plan", "1,1,1", "--steps", "2")
     assert len(two["losses"]) == 2 and two["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert two["step_time_s"] > 0 and two["samples_per_s"] == pytest.approx(8 / two["step_time_s"])
-    assert len(two["peak_memory_bytes"]) == 2 and min(two["peak_memory_bytes"]) > 0
+    assert len(two["peak_rss_bytes"]) == 2 and min(two["peak_rss_bytes"]) > 0
+    for measured in two["peak_tensor_bytes"]:  # the last step's live tensors, by the planner's categories
+        assert measured["total"] == sum(measured[c] for c in CATEGORIES)
+        assert measured["parameters"] == measured["gradients"] > 0 and measured["activations"] > 0
+        moments = 2 * measured["parameters"]  # AdamW's two moments and a step count per parameter
+        assert moments < measured["optimizer"] < moments + 1024
     tp = run_json(capsys, "train", "gpt-tiny", "--nproc", "2", "--plan", "1,2,1", "--steps", "2")
     assert tp["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert main(["train", "gpt-tiny", "--nproc", "2", "--plan", "1,4,1", "--steps", "1"]) == 2
