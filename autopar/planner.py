@@ -285,6 +285,8 @@ def _plan(search: Search, stages: list[StagePlan], sim, m: int, name: str, info:
     devices = sum(s.devices for s in stages)
     model_flops = search.graph.flops_fwd + search.graph.flops_bwd
     peak = max(sim.peak_memory_bytes)
+    for stage, stage_peak in zip(stages, sim.peak_memory_bytes):  # what a rank of the stage should measure
+        stage.cost["peak_bytes"] = stage_peak
     estimate = Estimate(
         step_time_s=sim.step_time_s, tflops_per_device=model_flops / sim.step_time_s / devices / 1e12,
         peak_memory_bytes=peak, bubble_fraction=sim.bubble_fraction, fits=peak <= search.memory_limit)

@@ -17,6 +17,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
@@ -27,8 +28,8 @@ CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporarie
 def _storage(t: torch.Tensor) -> tuple[int, torch.UntypedStorage] | None:
     if isinstance(t, DTensor):
         t = t._local_tensor
-    if not isinstance(t, torch.Tensor) or t.device.type == "meta":
-        return None
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or isinstance(t, FakeTensor):
+        return None  # no memory: DTensor propagates shardings on fake tensors
     try:
         s = t.untyped_storage()
         return (s.data_ptr(), s) if s.nbytes() else None

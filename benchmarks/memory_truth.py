@@ -1,0 +1,90 @@
+"""Predicted against measured memory: every layout `autopar bench` runs (recomputing ones included),
+each rank's peak of live tensor bytes in a step (`runtime.memory`, by category) beside the
+planner's prediction for its stage (states + activations in flight + transient).
+
+    python benchmarks/memory_truth.py --model gpt-small --nproc 4 [--json]
+
+fp32, AdamW; one warm-up step (the optimizer's state exists from then on), then the measured one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from runtime.backend import free_port
+
+
+def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans: list[str], out: str) -> None:
+    import autopar
+    from autopar.plan import Plan
+    from runtime.memory import measured_step
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    rows = []
+    for text in plans:
+        plan = Plan.from_json(text)
+        torch.manual_seed(0)
+        w = autopar.load_workload(model, batch=batch, device="cpu", dtype=torch.float32)
+        pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=plan,
+                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
+        gen = torch.Generator().manual_seed(1)
+        pm.step(*w.make_batch(w.batch, gen))
+        _, measured = measured_step(pm, *w.make_batch(w.batch, gen))
+        stage = getattr(pm, "stage_index", 0)
+        rows.append({"layout": plan.name, "microbatches": plan.num_microbatches, "recompute": plan.stages[stage].recompute,
+                     "stage": stage, "predicted": plan.stages[stage].cost["peak_bytes"],
+                     "predicted_states": plan.stages[stage].cost["state_bytes"], "measured": measured})
+        del pm
+    gathered = [None] * world
+    dist.all_gather_object(gathered, rows)
+    if rank == 0:
+        torch.save(gathered, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    from cost_models import get_cluster
+    from runtime.bench import candidate_plans
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="gpt-small")
+    parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=args.nproc)
+    plans = candidate_plans(args.model, args.nproc, cluster, args.batch)
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "rows.pt")
+        mp.spawn(_rank, args=(args.nproc, free_port(), args.model, args.batch, [p.to_json() for p in plans], out),
+                 nprocs=args.nproc, join=True)
+        per_rank = torch.load(out, weights_only=False)
+    rows = []
+    for i in range(len(plans)):  # one row per layout: its rank of the largest measured peak
+        worst = max((ranks[i] for ranks in per_rank), key=lambda r: r["measured"]["total"])
+        worst["ratio"] = worst["measured"]["total"] / worst["predicted"]
+        rows.append(worst)
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return
+    print("| layout | microbatches | stage | predicted MB | measured MB | measured / predicted | states predicted / measured |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        m = r["measured"]
+        states = m["parameters"] + m["gradients"] + m["optimizer"]
+        print(f"| {r['layout']} | {r['microbatches']} | {r['stage']} | {r['predicted'] / 1e6:.2f} | "
+              f"{m['total'] / 1e6:.2f} | {r['ratio']:.2f} | {r['predicted_states'] / max(states, 1):.2f} |")
+
+
+if __name__ == "__main__":
+    main()
