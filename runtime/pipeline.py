@@ -240,8 +240,9 @@ class PipelineModel:
         with counter:  # the tensor axis's collectives, issued by DTensor
             if first:
                 self.schedule.step(*args)
-            elif last:
-                self.schedule.step(target=local_target, losses=losses)
+            elif last:  # the outputs (logits of every microbatch) are not kept: only the losses
+                kept = {"return_outputs": False} if not isinstance(self.schedule, FanOutSchedule) else {}
+                self.schedule.step(target=local_target, losses=losses, **kept)
             else:
                 self.schedule.step()
         if self.tp > 1:
