@@ -81,6 +81,9 @@ class StageCosts:
         self._batch = next(n for n in self.graph if n.op == "input").outputs[0].shape[0]
         self.flops = [(a.flops_fwd, a.flops_bwd) for a in self.atoms]
         self._per_byte: dict = {}
+        # the loss runs on the model's output in the last stage: cross-entropy's log-probabilities and
+        # their gradient are each as large as the logits (a transient of one microbatch)
+        self.loss_bytes = 2.0 * sum(o.nbytes for name in self.graph.outputs for o in self.graph.graph.nodes[name]["op"].outputs)
 
     def compressed_per_byte(self, submesh: tuple[int, int], lm: tuple[int, int]) -> float:
         """Seconds a compressor adds (or, negative, saves) per trainable byte of a stage's data-axis
@@ -181,11 +184,12 @@ class StageCosts:
             n_buckets = np.where(trainable > 0, np.maximum(1, np.ceil(trainable / BUCKET_BYTES)), 0)
             sync = sync + np.where(trainable > 0, weighted / np.where(trainable > 0, trainable, 1) * n_buckets, 0)
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m
-        transient = np.zeros_like(acts)
+        loss = np.where(bounds == len(self.atoms), self.loss_bytes / (lm[0] * m), 0.0)  # ranges ending the model
+        transient = np.broadcast_to(loss[None, :], acts.shape).copy()
         if rc:
             bwd = bwd + fwd
             stage_input = np.array([self.cut[a - 1] if a > 0 else 0.0 for a in bounds]) / (lm[0] * m)
-            transient, acts = acts, np.broadcast_to(stage_input[:, None], acts.shape).copy()
+            transient, acts = transient + acts, np.broadcast_to(stage_input[:, None], acts.shape).copy()
         if self.compression is not None and lm[0] > 1:  # compressed after backward, not during it
             sync = bwd + sync + self.compressed_per_byte(submesh, lm) * trainable
         cut_after = np.array([self.cut[b - 1] if 0 < b < len(self.atoms) else 0.0 for b in bounds])
@@ -225,10 +229,10 @@ class StageCosts:
         if trainable:  # one bucket latency per 25 MB of the stage's weights (byte-weighted over its atoms)
             sync += weighted_latency / trainable * buckets(trainable)
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m
-        transient = 0.0
+        transient = self.loss_bytes / (lm[0] * m) if atoms[1] == len(self.atoms) else 0.0
         if rc:  # keep only the stage input per microbatch; recompute the forward before backward
             bwd += fwd
-            transient, acts = acts, self.cut[atoms[0] - 1] / (lm[0] * m) if atoms[0] > 0 else 0.0
+            transient, acts = transient + acts, self.cut[atoms[0] - 1] / (lm[0] * m) if atoms[0] > 0 else 0.0
         if self.compression is not None and lm[0] > 1:  # compressed after backward, not during it
             sync = bwd + sync + self.compressed_per_byte(submesh, lm) * trainable
         last = atoms[1] - 1
