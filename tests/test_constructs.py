@@ -10,6 +10,7 @@ import torch
 import autopar
 from tests.constructs import workload
 from tests.distributed import shared_ranks
+from tests.test_parallelize import _optimizer, train_one_process
 
 KINDS = ["autocast", "cond", "subgraph"]
 LAYOUTS = {"dp": "2,1,1", "tp": "1,2,1", "pp": "1,1,2"}
@@ -17,28 +18,11 @@ CASES = [(kind, layout) for kind in KINDS for layout in LAYOUTS]
 STEPS = 3
 
 
-def _optimizer(params):
-    return torch.optim.SGD(params, lr=0.1, momentum=0.9)
-
-
 def _setup(kind):
     torch.manual_seed(0)
     w = workload(kind)
     gen = torch.Generator().manual_seed(5)
     return w, [w.make_batch(w.batch, gen) for _ in range(STEPS)]
-
-
-def _single(kind):
-    w, batches = _setup(kind)
-    opt = _optimizer(w.model.parameters())
-    losses = []
-    for inputs, target in batches:
-        opt.zero_grad()
-        loss = w.loss_fn(w.model(*inputs), target)
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in w.model.named_parameters()}
 
 
 def _parallel(rank, world, kind, layout):
@@ -50,7 +34,7 @@ def _parallel(rank, world, kind, layout):
 
 @pytest.mark.parametrize("kind, layout", CASES)
 def test_higher_order_ops_train_like_one_process(tmp_path, kind, layout):
-    losses, params = _single(kind)
+    losses, params = train_one_process(*_setup(kind))
     # bfloat16 matmuls round differently at another batch size (oneDNN picks other kernels): the
     # autocast region on half the samples agrees to bfloat16's precision (2^-8), not float32's
     rel, atol = (4e-3, 1e-3) if kind == "autocast" and layout != "tp" else (1e-5, 1e-6)

@@ -46,9 +46,8 @@ def _optimizer(params):
     return torch.optim.SGD(params, lr=0.1, momentum=0.9)
 
 
-def _single(name, buffers=False):
-    """Losses and final parameters of single-process training (and its buffers, when asked)."""
-    w, batches = _workload(name)
+def train_one_process(w, batches):
+    """Losses and final parameters of `w` trained by one process on `batches` (SGD, `_optimizer`)."""
     opt = _optimizer(list(w.model.parameters()))
     losses = []
     for inputs, target in batches:
@@ -57,7 +56,13 @@ def _single(name, buffers=False):
         loss.backward()
         opt.step()
         losses.append(loss.item())
-    params = {n: p.detach().clone() for n, p in w.model.named_parameters()}
+    return losses, {n: p.detach().clone() for n, p in w.model.named_parameters()}
+
+
+def _single(name, buffers=False):
+    """Losses and final parameters of single-process training (and its buffers, when asked)."""
+    w, batches = _workload(name)
+    losses, params = train_one_process(w, batches)
     return (losses, params, dict(w.model.named_buffers())) if buffers else (losses, params)
 
 
