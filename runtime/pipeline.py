@@ -223,7 +223,9 @@ class PipelineModel:
     def step(self, inputs: Any, target: torch.Tensor, local: bool = False) -> float:
         inputs = positional(self.forward, inputs)
         if local and len({s.logical_mesh[0] for s in self.plan.stages}) > 1:
-            raise UnsupportedPlan("step(local=True) needs the same data-parallel size on every stage; this plan's "
+            from autopar.errors import AutoparError
+
+            raise AutoparError("step(local=True) needs the same data-parallel size on every stage; this plan's "
                                   f"are {[s.logical_mesh[0] for s in self.plan.stages]}: pass the global batch")
         check_batch(inputs, self.plan, self.dp if local else None)
         # the first stage uses the inputs, the last the target; a local slice is cut into microbatches as it is
