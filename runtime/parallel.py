@@ -119,6 +119,18 @@ def positional(forward: Callable, inputs: Any) -> tuple:
     return tuple(inputs[p.name] if p.name in inputs else p.default for p in params[:last + 1])
 
 
+def on_device(batch: Any, device: torch.device) -> Any:
+    """Every tensor of `batch` on the rank's device (as DDP moves a single-device module's inputs):
+    data loaders and `make_batch` produce CPU tensors."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(on_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: on_device(v, device) for k, v in batch.items()}
+    return batch
+
+
 def _split(batch: Any, parts: int, index: int) -> Any:
     """Slice `index` of `parts` along dim 0 of every tensor in `batch` (tuples and dicts kept)."""
     if isinstance(batch, torch.Tensor):
@@ -178,7 +190,7 @@ class ParallelModel:
         """One training step on the global batch, or with `local` on this rank's data-parallel slice
         of it (slice `data_parallel_rank` of `data_parallel_size` equal ones); returns the global
         mean loss (same on every rank)."""
-        inputs = positional(self.model.forward, inputs)
+        inputs, target = on_device(positional(self.model.forward, inputs), self.device), target.to(self.device)
         check_batch(inputs, self.plan, self.dp if local else None)
         m = self.plan.num_microbatches
         local_in, local_target = (inputs, target) if local else (_split(inputs, self.dp, self.rank),
@@ -240,7 +252,7 @@ class ParallelModel:
         """The model's output (reduced as the loss gets it) for the global batch, without gradients,
         the same on every rank; run in the plan's microbatches. Training is left as it was
         (buffers, random state). A collective: every rank calls it."""
-        inputs = positional(self.model.forward, inputs)
+        inputs = on_device(positional(self.model.forward, inputs), self.device)
         check_batch(inputs, self.plan)
         m = self.plan.num_microbatches
         mine = _split(inputs, self.dp, self.rank)

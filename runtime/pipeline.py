@@ -41,6 +41,7 @@ from runtime.parallel import (
     check_batch,
     check_optimizer,
     data_sync,
+    on_device,
     positional,
     refuse_failing,
     zero3,
@@ -221,7 +222,7 @@ class PipelineModel:
 
     @guarded
     def step(self, inputs: Any, target: torch.Tensor, local: bool = False) -> float:
-        inputs = positional(self.forward, inputs)
+        inputs, target = on_device(positional(self.forward, inputs), self.device), target.to(self.device)
         if local and len({s.logical_mesh[0] for s in self.plan.stages}) > 1:
             from autopar.errors import AutoparError
 
@@ -296,7 +297,7 @@ class PipelineModel:
         """The model's output for the global batch without gradients, on every rank: the stages
         run the microbatches forward (activations to the next stage's peers, as the schedule
         sends them) and the last stage's slices are shared. Training is left as it was."""
-        inputs = positional(self.forward, inputs)
+        inputs = on_device(positional(self.forward, inputs), self.device)
         check_batch(inputs, self.plan)
         args = tuple(x for x in self._local(inputs) if isinstance(x, torch.Tensor))
         first, last = self.stage_index == 0, self.stage_index == self.pp - 1

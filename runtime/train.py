@@ -158,9 +158,12 @@ def launch(job: TrainJob, quiet: bool = True) -> dict[str, Any]:
         for stale in Path(progress_dir).glob("rank*.json"):
             stale.unlink()
         port = free_port()
+        # torch 2.11's LaunchConfig has no shutdown_timeout (its agent waits its own default before SIGKILL)
+        grace = ({"shutdown_timeout": SHUTDOWN_GRACE_S}
+                 if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else {})
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=job.nproc, run_id=uuid.uuid4().hex,
                               rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
-                              monitor_interval=0.1, start_method="spawn", shutdown_timeout=SHUTDOWN_GRACE_S)
+                              monitor_interval=0.1, start_method="spawn", **grace)
         loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
         levels = [log.level for log in loggers]
         if quiet:  # the agent logs every failure with tracebacks; the error below says what happened
