@@ -52,11 +52,14 @@ def check_batch(inputs: Any, plan: Any, dp: int | None = None) -> None:
 
     first = next((t for t in (inputs if isinstance(inputs, (tuple, list)) else (inputs,))
                   if isinstance(t, torch.Tensor)), None)
-    want = plan.batch if dp is None else plan.batch // dp
-    if first is not None and first.shape[0] != want:
-        what = "batch" if dp is None else f"data-parallel slice (local=True: the global batch {plan.batch} / {dp})"
-        raise AutoparError(f"step got {first.shape[0]} samples, the plan's {what} is {want}: "
-                           f"pass {want} samples, or re-plan for this batch")
+    if first is None:
+        return
+    if dp is None and first.shape[0] != plan.batch:
+        raise AutoparError(f"step got a batch of {first.shape[0]} samples, the plan was made for {plan.batch}: "
+                           f"pass batches of {plan.batch}, or re-plan for this batch")
+    if dp is not None and first.shape[0] != plan.batch // dp:
+        raise AutoparError(f"step(local=True) got {first.shape[0]} samples, this rank's data-parallel slice of the "
+                           f"plan's batch {plan.batch} is {plan.batch // dp}: pass that many, or the global batch")
 
 
 def data_sync(params: list[nn.Parameter], group: dist.ProcessGroup, plan: Any) -> Any:
