@@ -38,6 +38,7 @@ def parallelize(
     delay: int = 0,
     timeout: float | None = None,
     max_grad_norm: float | None = None,
+    mixed_precision: str | None = None,
 ):
     """The model under a plan, ready to `step(inputs, target)` on the global batch.
 
@@ -51,11 +52,16 @@ def parallelize(
     `mesh`: a 2-D DeviceMesh (hosts × devices), a `(hosts, devices)` tuple, or None: the job's
     hosts × local ranks (torchrun's LOCAL_WORLD_SIZE). `max_grad_norm`: each step clips the
     gradients by their global norm over every axis (`math.inf`: measure only); the norm before
-    clipping is `pm.last_grad_norm`.
+    clipping is `pm.last_grad_norm`. `mixed_precision` ("bf16", "fp16" with loss scaling, or
+    "fp32"): forward and loss under autocast, fp32 master weights, gradients and optimizer state;
+    None: the plan's precision (fp32 when planning here). A plan priced for another is refused.
     """
     from runtime import default_backend, local_device
     from runtime.parallel import ParallelModel, UnsupportedPlan, positional, zero3
 
+    from autopar.precision import parse_precision
+
+    precision = parse_precision(mixed_precision)
     if compression not in (None, "auto"):
         from cost_models.compression import parse
 
@@ -78,7 +84,8 @@ def parallelize(
     chosen: list[Any] = [None]
     if rank == 0:
         try:
-            chosen = [_resolve(plan, model, args, batch, graph, cluster, (hosts, per_host), compression, delay)]
+            chosen = [_resolve(plan, model, args, batch, graph, cluster, (hosts, per_host), compression, delay,
+                               precision)]
         except AutoparError as exc:  # every rank reports it, none waits for a plan that never comes
             chosen = [exc]
     dist.broadcast_object_list(chosen, src=0)
@@ -86,6 +93,8 @@ def parallelize(
         raise AutoparError(str(chosen[0]))
     resolved = chosen[0]
     resolved.check_graph(graph.fingerprint())
+    if mixed_precision is not None:
+        resolved.check_precision(precision)
     if resolved.num_devices != world:
         raise AutoparError(f"the plan runs on {resolved.num_devices} devices, the job has {world} ranks")
     if compression not in (None, "auto") or delay:  # the caller's choice overrides the plan's
@@ -129,7 +138,7 @@ def _mesh_shape(mesh: DeviceMesh | tuple[int, int] | None, world: int) -> tuple[
     return mesh
 
 
-def _resolve(plan, model, args, batch, graph, cluster, mesh, compression, delay) -> Plan:
+def _resolve(plan, model, args, batch, graph, cluster, mesh, compression, delay, precision) -> Plan:
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, Path) or (isinstance(plan, str) and plan.endswith(".json")):
@@ -144,7 +153,8 @@ def _resolve(plan, model, args, batch, graph, cluster, mesh, compression, delay)
         spec = dataclasses.replace(spec, devices_per_host=mesh[1])
     workload = Workload(type(model).__name__, model, args, batch)
     # delayed averaging, like compression, needs gradients replicated on the data axis (no ZeRO-3)
-    search = Search.start(workload, spec, mesh, graph=graph, rule=REPLICATED_GRADIENTS if delay else None)
+    search = Search.start(workload, spec, mesh, graph=graph, rule=REPLICATED_GRADIENTS if delay else None,
+                          precision=precision)
     from autopar.manual import Layout, manual_plan, manual_search
     from autopar.planner import plan_auto, plan_compressed
 

@@ -40,6 +40,10 @@ class OpNode:
     layer: str = ""  # layer hint: module path up to the first ModuleList index, e.g. "h.3"
     is_view: bool = False  # aliases its input: moves no data, costs nothing
     requires_grad: bool = False  # its output is differentiated in backward
+    # under mixed precision (`autopar.precision`): bytes of the 16-bit copies autocast makes of its
+    # activation inputs and saves for backward, and whether it copies the weights it reads
+    cast_bytes: int = 0
+    casts: bool = False
 
     @property
     def output_bytes(self) -> int:
@@ -84,6 +88,8 @@ class OpGraph:
         self.warnings = warnings or []
         self.fx_graph = fx_graph  # the exported torch.fx.Graph (aten ops)
         self._order = list(graph.nodes)
+        self.precision: str | None = None  # "bf16" / "fp16": retyped as autocast runs it
+        self.captured_fingerprint: str | None = None  # a retyped graph keeps the captured one's
         first = next((self.node(n) for n in self._order if self.node(n).op == "input" and self.node(n).outputs), None)
         # the model's batch: dim 0 of its first input (a subgraph keeps its parent's)
         self.batch = batch if batch is not None else (first.outputs[0].shape[0] if first and first.outputs[0].shape else None)
@@ -179,12 +185,16 @@ class OpGraph:
                 sub.add_edge(src, dst, **data)
         used = {f for n in keep for f in self.node(n).params}
         outputs = [n for n in names if n in self.outputs or any(d not in keep for d in self.graph.successors(n))]
-        return OpGraph(sub, params={f: t for f, t in self.params.items() if f in used},
-                       buffers=self.buffers, outputs=outputs, warnings=self.warnings, fx_graph=self.fx_graph,
-                       placeholders=self.placeholders, trainable=self.trainable & used, batch=self.batch)
+        sub = OpGraph(sub, params={f: t for f, t in self.params.items() if f in used},
+                      buffers=self.buffers, outputs=outputs, warnings=self.warnings, fx_graph=self.fx_graph,
+                      placeholders=self.placeholders, trainable=self.trainable & used, batch=self.batch)
+        sub.precision = self.precision
+        return sub
 
     def fingerprint(self) -> str:
         """Structural hash: ops, shapes, dtypes, parameter names and edges; plans are keyed by it."""
+        if self.captured_fingerprint is not None:
+            return self.captured_fingerprint
         h = hashlib.sha256()
         for node in self:
             h.update(repr((node.name, node.op, node.inputs, node.outputs, sorted(node.params))).encode())

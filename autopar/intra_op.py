@@ -31,6 +31,7 @@ from torch import fx
 from autopar import letters as L
 from autopar.graph import OpGraph, OpNode
 from autopar.ilp import InfeasibleError, Problem, solve
+from autopar.precision import PRECISIONS
 from autopar.placement import (
     P,
     R,
@@ -105,6 +106,7 @@ class _Eval:
     grad_sync: float = 0.0
     state_memory: float = 0.0
     activation_memory: float = 0.0
+    weight_copies: float = 0.0  # 16-bit copies of weights autocast makes, per microbatch (`autopar.precision`)
     collectives: list[tuple] = field(default_factory=list)  # (node, kind, phase, bytes[, axis]); axis tp if absent
     letters: dict[str, str | None] = field(default_factory=dict)  # node -> the letter split on the tensor axis
     partial: dict[str, set[int]] = field(default_factory=dict)  # node -> inputs whose gradient it leaves partial
@@ -425,6 +427,7 @@ class _Stage:
             for k, out in enumerate(node.outputs):
                 shared = mesh.tp if shard_dim(ev.out[name][k]) is not None else 1
                 ev.activation_memory += out.nbytes / (self._dp_share(name, k) * shared)
+            ev.activation_memory += node.cast_bytes / (dp_share * tp_share)
         if sig.kind == L.UNKNOWN and mesh.dp > 1:  # runs on whole tensors: gather the batch first
             for i, src in self._tensor_inputs(name):
                 if src and self._batch_of(src, self._out_index(name, src)) is not None:
@@ -488,6 +491,8 @@ class _Stage:
                 stage, over = 2, mesh.tp
             states = model_state_memory(numel, DTYPE_BYTES.get(info.dtype, 4), zero_stage=stage, dp=over)
             ev.state_memory += states.total if trainable else states.params
+        if self.graph.node(name).casts and not zero:  # ZeRO-3 gathers 16-bit weights: nothing to copy
+            ev.weight_copies += local * PRECISIONS[self.graph.precision].itemsize / DTYPE_BYTES.get(info.dtype, 4)
         for axis, kind, phase, n, link in syncs:
             ev.grad_sync += collective_time(kind, local, n, link)
             ev.collectives.append((name, kind, phase, local, axis))
@@ -657,7 +662,8 @@ def shard_stage(
     for a in anchors:
         c = stage.cls[a]
         problem.node_costs[var[c]] += np.array([e.time for e in evals[c]])
-        problem.node_memory[var[c]] += np.array([e.state_memory + e.activation_memory for e in evals[c]])
+        problem.node_memory[var[c]] += np.array([e.state_memory + e.activation_memory + e.weight_copies
+                                                 for e in evals[c]])
     for name, costs in stage.output_costs(evals).items():
         problem.node_costs[var[stage.group(name)]] += costs
     for u, v, m in stage.edge_costs(evals):
@@ -719,6 +725,7 @@ def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bo
               "comm_latency_s": _latency_of(stage.mesh, collectives)},
         memory={"model_states": sum(e.state_memory for e in per_anchor),
                 "activations": sum(e.activation_memory for e in per_anchor),
+                "weight_copies": sum(e.weight_copies for e in per_anchor),
                 "total": problem.memory(sol.choice), "limit": problem.memory_limit},
         solver={"status": sol.status, "objective": sol.objective, "gap": sol.gap, "time_s": sol.solve_time_s,
                 "variables": sol.num_variables, "constraints": sol.num_constraints,

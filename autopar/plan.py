@@ -66,6 +66,7 @@ class Plan:
     stages: list[StagePlan]
     num_microbatches: int
     schedule: str = "1f1b"
+    precision: str | None = None  # mixed precision it was priced for ("bf16", "fp16"); None: the model's dtype
     dp_gradient: dict[str, Any] = field(default_factory=lambda: {"zero_stage": 0, "compression": None, "delay": 0})
     estimate: Estimate | None = None
     search: dict[str, Any] = field(default_factory=dict)  # how it was found: "auto" / "manual", solves, hits
@@ -106,6 +107,14 @@ class Plan:
 
     # ---- checks against what it will run on ------------------------------------------------
 
+    def check_precision(self, precision: str | None) -> None:
+        """The run trains in the precision the plan was priced for (its memory and time assume it)."""
+        if precision != self.precision:
+            said = {None: "the model's own dtype (fp32)"}
+            raise PlanError(f"this plan was priced for {said.get(self.precision, self.precision)}, the run asks for "
+                            f"{said.get(precision, precision)}: run it with --mixed-precision "
+                            f"{self.precision or 'fp32'}, or re-plan with --mixed-precision {precision or 'fp32'}")
+
     def check_graph(self, graph_hash: str) -> None:
         if graph_hash != self.graph_hash:
             raise PlanError(
@@ -120,7 +129,7 @@ class Plan:
         """A few readable lines: stages, meshes, microbatches, prediction."""
         lines = [f"{self.name} plan for {self.model} (batch {self.batch}) on {self.cluster} "
                  f"{self.mesh[0]}x{self.mesh[1]}: {len(self.stages)} stage(s), {self.num_microbatches} "
-                 f"microbatch(es), {self.schedule}"]
+                 f"microbatch(es), {self.schedule}" + (f", mixed precision {self.precision}" if self.precision else "")]
         for i, s in enumerate(self.stages):
             names = [self.layers[k]["name"] for k in range(*s.layers)]
             lines.append(f"  stage {i}: layers {s.layers[0]}–{s.layers[1] - 1} ({span(names)}) on {s.submesh[0]}x{s.submesh[1]} "
@@ -217,6 +226,9 @@ def _parse(data: Any, source: str) -> Plan:
     schedule = need(data, "schedule", str)
     if schedule not in SCHEDULES:
         raise PlanError(f"{source}: schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    precision = data.get("precision")
+    if precision not in (None, "bf16", "fp16"):
+        raise PlanError(f"{source}: precision must be \"bf16\", \"fp16\" or null (the model's dtype), got {precision!r}")
     mb = need(data, "num_microbatches", int)
     batch = need(data, "batch", int)
     if mb < 1 or batch % mb:
@@ -234,7 +246,7 @@ def _parse(data: Any, source: str) -> Plan:
     return Plan(
         model=need(data, "model", str), graph_hash=need(data, "graph_hash", str), batch=batch,
         cluster=need(data, "cluster", str), mesh=mesh, layers=layers, stages=stages,
-        num_microbatches=mb, schedule=schedule, dp_gradient=gradient, estimate=estimate,
+        num_microbatches=mb, schedule=schedule, precision=precision, dp_gradient=gradient, estimate=estimate,
         search=data.get("search") or {}, name=str(data.get("name", "auto")))
 
 

@@ -18,6 +18,7 @@ from autopar.intra_op import REPLICATED_GRADIENTS, Rule, best_sharding, logical_
 from autopar.layering import Layer, cluster_layers
 from autopar.models import Workload
 from autopar.plan import Estimate, Plan, StagePlan
+from autopar.precision import with_precision
 from autopar.stage_costs import StageCosts, StageOption
 from autopar.units import human_bytes
 from cost_models import ClusterSpec
@@ -55,14 +56,17 @@ class Search:
     @staticmethod
     def start(workload: Workload, cluster: ClusterSpec, mesh: tuple[int, int], *, memory_limit: float | None = None,
               schedule: str = "1f1b", rule: Rule | None = None, time_limit_s: float = 30.0,
-              graph: OpGraph | None = None, compression: str | None = None) -> Search:
+              graph: OpGraph | None = None, compression: str | None = None, precision: str | None = None) -> Search:
         """`compression`: price the data axis's gradient averaging through this compressor (and keep
-        gradients replicated there, which compressors need: no ZeRO-3)."""
+        gradients replicated there, which compressors need: no ZeRO-3). `precision` ("bf16",
+        "fp16"): price mixed-precision training (`autopar.precision`); a graph retyped for it keeps it."""
         spec = parse(compression) if compression else None
         if spec is not None:
             rule = dataclasses.replace(rule, zero=False) if rule is not None else REPLICATED_GRADIENTS
         cluster = cluster.with_mesh(*mesh)
         graph = graph or capture(workload.model, workload.example_inputs)
+        if precision is not None and graph.precision != precision:
+            graph = with_precision(graph, workload.model, precision)
         limit = cluster.device.memory_bytes * (1 - RESERVE) if memory_limit is None else memory_limit
         return Search(workload, cluster, mesh, graph, cluster_layers(graph),
                       StageCosts(graph, cluster, rule, time_limit_s, spec), limit, schedule)
@@ -221,7 +225,7 @@ def plan_single_stage(search: Search) -> Plan:
         ops=best.ops, needs=best.needs, cost={"forward_s": c["compute_s"] * share + comm / 2,
                             "backward_s": c["compute_s"] * (1 - share) + comm / 2, "send_s": 0.0,
                             "grad_sync_s": c["grad_sync_s"] + compressed(best), "state_bytes": best.memory["model_states"],
-                            "activation_bytes_per_microbatch": best.memory["activations"]})
+                            "activation_bytes_per_microbatch": best.memory["activations"] + best.memory["weight_copies"]})
     c = stage.cost
     sim = simulate([StageTimes(c["forward_s"], c["backward_s"], 0.0, c["grad_sync_s"], c["state_bytes"],
                                c["activation_bytes_per_microbatch"])], 1, search.schedule)
@@ -295,7 +299,7 @@ def _plan(search: Search, stages: list[StagePlan], sim, m: int, name: str, info:
         model=search.workload.name, graph_hash=search.graph.fingerprint(), batch=search.workload.batch,
         cluster=search.cluster.name, mesh=search.mesh,
         layers=[{"name": layer.name, "nodes": list(layer.nodes)} for layer in search.layers],
-        stages=stages, num_microbatches=m, schedule=search.schedule,
+        stages=stages, num_microbatches=m, schedule=search.schedule, precision=search.graph.precision,
         dp_gradient={"zero_stage": 3 if zero else 0,
                      "compression": search.costs.compression.text if search.costs.compression else None, "delay": 0},
         estimate=estimate, search={"method": name, **info}, name=name)

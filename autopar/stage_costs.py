@@ -178,12 +178,12 @@ class StageCosts:
         self.range_sums((0, 0), submesh, lm, lean)  # fills the prefix sums
         prefix = self._prefix[(submesh, lm, lean)][bounds]  # [layer boundary, quantity]
         sums = prefix[None, :, :] - prefix[:, None, :]  # [i, j, quantity]
-        fwd, bwd, comm, sync, states, acts, trainable, weighted, latency = np.moveaxis(sums, -1, 0)
+        fwd, bwd, comm, sync, states, acts, trainable, weighted, latency, copies = np.moveaxis(sums, -1, 0)
         comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
         with np.errstate(invalid="ignore", divide="ignore"):
             n_buckets = np.where(trainable > 0, np.maximum(1, np.ceil(trainable / BUCKET_BYTES)), 0)
             sync = sync + np.where(trainable > 0, weighted / np.where(trainable > 0, trainable, 1) * n_buckets, 0)
-        fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m
+        fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m + copies
         loss = np.where(bounds == len(self.atoms), self.loss_bytes / (lm[0] * m), 0.0)  # ranges ending the model
         transient = np.broadcast_to(loss[None, :], acts.shape).copy()
         if rc:
@@ -202,14 +202,14 @@ class StageCosts:
 
     def range_sums(self, atoms, submesh, lm, lean) -> np.ndarray | None:
         """Per-atom [fwd, bwd, comm, sync without latency, states, acts, trainable bytes,
-        bucket latency × bytes] summed over [a, b), from prefix sums."""
+        bucket latency × bytes, comm latency, 16-bit weight copies] summed over [a, b), from prefix sums."""
         key = (submesh, lm, lean)
         if key not in self._prefix:
             rows = []
             for k in range(len(self.atoms)):
                 p = self.atom(k, submesh, lm, lean)
                 if p is None:
-                    rows.append([np.nan] * 9)
+                    rows.append([np.nan] * 10)
                     continue
                 f, b = self.flops[k]
                 share = f / (f + b) if f + b else 0.5
@@ -217,18 +217,20 @@ class StageCosts:
                 latency = c["bucket_latency_s"] * buckets(c["trainable_bytes"])
                 rows.append([c["compute_s"] * share, c["compute_s"] * (1 - share), c["comm_s"] + c["reshard_s"],
                              c["grad_sync_s"] - latency, p.memory["model_states"], p.memory["activations"],
-                             c["trainable_bytes"], c["bucket_latency_s"] * c["trainable_bytes"], c["comm_latency_s"]])
-            self._prefix[key] = np.vstack([np.zeros(9), np.cumsum(np.array(rows), axis=0)])
+                             c["trainable_bytes"], c["bucket_latency_s"] * c["trainable_bytes"], c["comm_latency_s"],
+                             p.memory.get("weight_copies", 0.0)])
+            self._prefix[key] = np.vstack([np.zeros(10), np.cumsum(np.array(rows), axis=0)])
         prefix = self._prefix[key]
         sums = prefix[atoms[1]] - prefix[atoms[0]]
         return None if np.isnan(sums).any() else sums
 
     def option_for(self, atoms, submesh, lm, lean, rc, sums: np.ndarray, m: int) -> StageOption:
-        fwd, bwd, comm, sync, states, acts, trainable, weighted_latency, latency = (float(x) for x in sums)
+        fwd, bwd, comm, sync, states, acts, trainable, weighted_latency, latency, copies = (float(x) for x in sums)
         comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
         if trainable:  # one bucket latency per 25 MB of the stage's weights (byte-weighted over its atoms)
             sync += weighted_latency / trainable * buckets(trainable)
-        fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m
+        # autocast copies the weights once per microbatch and keeps them until its backward
+        fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m + copies
         transient = self.loss_bytes / (lm[0] * m) if atoms[1] == len(self.atoms) else 0.0
         if rc:  # keep only the stage input per microbatch; recompute the forward before backward
             bwd += fwd

@@ -24,6 +24,7 @@ from runtime.export import export_as_planned
 from runtime.failures import guarded
 from runtime.grad_sync import GradSync
 from runtime.loop import clip, evaluating, gather_batch_dim, squared_grad_norm
+from runtime.precision import fsdp_policy, mixed_precision
 from runtime.recompute import recomputed
 from runtime.sharded_graph import ShardedGraph, first_failure
 
@@ -164,6 +165,7 @@ class ParallelModel:
         self.rank, self.tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
         self.data_parallel_rank, self.data_parallel_size = self.rank, self.dp  # for a DistributedSampler
         self.model = model.to(device)
+        self.precision = mixed_precision(plan.precision, device)
         self.graph: ShardedGraph | None = None
         if self.tp > 1:
             micro = _split(_split(example_inputs, self.dp, 0), plan.num_microbatches, 0)
@@ -176,7 +178,7 @@ class ParallelModel:
         if zero3(plan) and self.dp > 1:
             from torch.distributed.fsdp import fully_shard
 
-            fully_shard(self.trained, mesh=mesh["dp"])
+            fully_shard(self.trained, mesh=mesh["dp"], **fsdp_policy(plan.precision))
         elif self.dp > 1:
             self.sync = data_sync(list(self.trained.parameters()), self.group, plan)
         self.state_buffers = self.graph.state_buffers if self.graph is not None else persistent(self.model)
@@ -218,10 +220,11 @@ class ParallelModel:
             nbytes = sum(p.to_local().numel() * p.to_local().element_size() * self.dp for p in self.trained.parameters())
             self._bytes["dp"] = [nbytes * (2 * m + 1), nbytes * (2 * m + 1)]
         if self.max_grad_norm is not None:
+            self.precision.unscale(self.optimizer)
             params = list(self.trained.parameters())
             self.last_grad_norm = clip(params, squared_grad_norm(params), dist.get_world_size(), self.max_grad_norm,
                                        self.device)
-        self.optimizer.step()
+        self.precision.step(self.optimizer)
         if self.sync is not None:
             self.sync.after_step()
         if self.buffer_sync is not None:
@@ -239,16 +242,17 @@ class ParallelModel:
             elif zero3(self.plan) and self.dp > 1:
                 self.trained.set_requires_gradient_sync(last)
             args = micro_in[i] if isinstance(micro_in[i], (tuple, list)) else (micro_in[i],)
-            if self.graph is None:
-                loss = self.loss_fn(first_tensor(self._eager(*args)), micro_target[i]) / m
-                reported = loss
-            elif self.graph.output_shard:  # each tensor-parallel rank holds some samples
-                target = micro_target[i].tensor_split(self.tp)[self.tp_rank]
-                loss = reported = self.loss_fn(self.graph(*args), target) / (m * self.tp)
-            else:
-                loss = self.loss_fn(self.graph(*args), micro_target[i]) / m
-                reported = loss / self.tp
-            loss.backward()
+            with self.precision.autocast():  # forward and loss (the model's dtype: nothing)
+                if self.graph is None:
+                    loss = self.loss_fn(first_tensor(self._eager(*args)), micro_target[i]) / m
+                    reported = loss
+                elif self.graph.output_shard:  # each tensor-parallel rank holds some samples
+                    target = micro_target[i].tensor_split(self.tp)[self.tp_rank]
+                    loss = reported = self.loss_fn(self.graph(*args), target) / (m * self.tp)
+                else:
+                    loss = self.loss_fn(self.graph(*args), micro_target[i]) / m
+                    reported = loss / self.tp
+            self.precision.scale(loss).backward()
             total += reported.detach().double()
 
     def predict(self, inputs: Any) -> torch.Tensor:
@@ -263,7 +267,8 @@ class ParallelModel:
         with evaluating(self.state_buffers, self.device):
             for i in range(m):
                 args = _split(mine, m, i)
-                out = first_tensor(self.trained(*args))
+                with self.precision.autocast():
+                    out = first_tensor(self.trained(*args))
                 if self.graph is not None and self.graph.output_shard:  # each tensor-parallel rank: some samples
                     out = gather_batch_dim(out, self.tp_group)
                 outs.append(out)

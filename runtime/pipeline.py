@@ -35,6 +35,7 @@ from runtime.cross_mesh import batch_dims
 from runtime.fan_out import FanOutSchedule, peers, receive, send
 from runtime.grad_sync import GradSync, local as local_part
 from runtime.loop import clip, evaluating, squared_grad_norm
+from runtime.precision import fsdp_policy, mixed_precision
 from runtime.parallel import (
     UnsupportedPlan,
     _split,
@@ -132,7 +133,14 @@ class PipelineModel:
                                                    for x in micro), tuple(example_inputs))
         self.module = ShardedGraph(model, plan.stages[self.stage_index], g.tp_mesh, ep, part)
         self.trained = self.module  # what the optimizer steps (and checkpoints save), by model names
-        values = {n.name: n.meta.get("val") for n in ep.graph.nodes}
+        self.precision = mixed_precision(plan.precision, device)
+        self.module.forward = self.precision.autocasting(self.module.forward)
+        if plan.precision is not None:  # what crosses a boundary has the dtype autocast gives it
+            from autopar.precision import retyped
+
+            values = {n.name: n.meta.get("val") for n in retyped(ep.graph, plan.precision).nodes}
+        else:
+            values = {n.name: n.meta.get("val") for n in ep.graph.nodes}
         example = {**values, **dict(zip(user, [x for x in micro if isinstance(x, torch.Tensor)]))}
         dims: dict[str, int | None] = {}
         if g.bridged_before or g.bridged_after:  # values cross whole: find their batch dimension
@@ -158,7 +166,11 @@ class PipelineModel:
         kind = ScheduleGPipe if plan.schedule == "gpipe" or self.m < self.pp else Schedule1F1B
         # the loss, not the gradients, carries the 1/m of the microbatch mean: the synchroniser reads
         # the gradients during the last backward, before the schedule could scale them
-        loss_m = lambda out, target: loss_fn(out, target) / self.m
+        def loss_m(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            with self.precision.autocast():
+                loss = loss_fn(out, target) / self.m
+            return self.precision.scale(loss)  # fp16: the schedule's backward starts from the scaled loss
+
         inputs = like(part.inputs, self.stage_index > 0, g.bridged_before)
         outputs = like(part.outputs, True, g.bridged_after)
         refuse_failing(self.module, tuple(micro) if self.stage_index == 0 else inputs)
@@ -175,7 +187,7 @@ class PipelineModel:
         if zero3(plan) and self.dp > 1:  # the stage shards its parameters over the data axis (FSDP2)
             from torch.distributed.fsdp import fully_shard
 
-            fully_shard(self.module, mesh=g.dp_mesh)
+            fully_shard(self.module, mesh=g.dp_mesh, **fsdp_policy(plan.precision))
         elif self.dp > 1:
             self.sync = data_sync(list(self.module.parameters()), self.dp_group, plan)
         stage.sync = self.sync  # buckets launch during the last microbatch's backward
@@ -269,10 +281,12 @@ class PipelineModel:
                 whole, grad.device_mesh, [Replicate()] * grad.device_mesh.ndim, run_check=False,
             ).redistribute(grad.device_mesh, grad.placements)
         if self.max_grad_norm is not None:  # a weight several stages hold counts once, in the lowest
+            self.precision.unscale(self.optimizer)
             own = [p for n, p in self.module.named_parameters() if n.replace("__", ".") not in self.copies]
             self.last_grad_norm = clip(list(self.module.parameters()), squared_grad_norm(own),
                                        self._sizes[self.stage_index], self.max_grad_norm, self.device)
-        self.optimizer.step()
+        scale = self.precision.loss_scale  # the losses the schedule kept are scaled by it
+        self.precision.step(self.optimizer)
         if self.sync:
             self.sync.after_step()
         if self.buffer_sync is not None:
@@ -281,7 +295,7 @@ class PipelineModel:
                  else torch.zeros((), dtype=torch.float64, device=self.device))  # NCCL reduces device tensors only
         dist.all_reduce(total)
         dp, tp = self.plan.stages[-1].logical_mesh
-        return float(total) / (dp * tp)  # every rank of the last stage holds the loss
+        return float(total) / (dp * tp * scale)  # every rank of the last stage holds the loss
 
     def _local(self, batch: Any) -> Any:
         """This rank's samples, microbatch by microbatch: microbatch i is the i-th m-th of the global
@@ -306,7 +320,7 @@ class PipelineModel:
         with evaluating(self.state_buffers, self.device):
             for i in range(self.m):
                 xs = tuple(a.tensor_split(self.m)[i] for a in args) if first else receive(self._received, to.act_from)
-                out = self.module(*xs)
+                out = self.module(*xs)  # in the plan's precision
                 if last:
                     outs.append(first_tensor(out).cpu())
                 else:
