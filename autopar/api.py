@@ -39,6 +39,7 @@ def parallelize(
     timeout: float | None = None,
     max_grad_norm: float | None = None,
     mixed_precision: str | None = None,
+    memory_limit: float | None = None,
 ):
     """The model under a plan, ready to `step(inputs, target)` on the global batch.
 
@@ -55,6 +56,8 @@ def parallelize(
     clipping is `pm.last_grad_norm`. `mixed_precision` ("bf16", "fp16" with loss scaling, or
     "fp32"): forward and loss under autocast, fp32 master weights, gradients and optimizer state;
     None: the plan's precision (fp32 when planning here). A plan priced for another is refused.
+    `memory_limit` (bytes of tensors per rank): the search plans within it, a plan predicted to
+    exceed it is refused, and the run is held to it (`runtime.memory.hold_to`).
     """
     from runtime import default_backend, local_device
     from runtime.parallel import ParallelModel, UnsupportedPlan, positional, zero3
@@ -70,6 +73,8 @@ def parallelize(
         raise AutoparError(f"delay must be a number of steps ≥ 0, got {delay}")
     if timeout is not None and not timeout > 0:
         raise AutoparError(f"timeout must be a positive number of seconds, got {timeout}")
+    if memory_limit is not None and not memory_limit > 0:
+        raise AutoparError(f"memory_limit must be a positive number of bytes, got {memory_limit}")
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise AutoparError(f"max_grad_norm must be a positive number (math.inf: measure the norm only), got {max_grad_norm}")
     _init_process_group(default_backend())  # torch's timeout while rank 0 plans; `timeout` once built
@@ -85,7 +90,7 @@ def parallelize(
     if rank == 0:
         try:
             chosen = [_resolve(plan, model, args, batch, graph, cluster, (hosts, per_host), compression, delay,
-                               precision)]
+                               precision, memory_limit)]
         except AutoparError as exc:  # every rank reports it, none waits for a plan that never comes
             chosen = [exc]
     dist.broadcast_object_list(chosen, src=0)
@@ -95,6 +100,12 @@ def parallelize(
     resolved.check_graph(graph.fingerprint())
     if mixed_precision is not None:
         resolved.check_precision(precision)
+    if memory_limit is not None and resolved.estimate is not None and resolved.estimate.peak_memory_bytes > memory_limit:
+        from autopar.units import human_bytes
+
+        raise AutoparError(f"the plan {resolved.name} predicts {human_bytes(resolved.estimate.peak_memory_bytes)} per "
+                           f"device, over the memory limit of {human_bytes(memory_limit)}: plan with the limit "
+                           "(autopar plan --memory-limit), or pass no plan and let the search keep to it")
     if resolved.num_devices != world:
         raise AutoparError(f"the plan runs on {resolved.num_devices} devices, the job has {world} ranks")
     if compression not in (None, "auto") or delay:  # the caller's choice overrides the plan's
@@ -121,6 +132,10 @@ def parallelize(
         from runtime.failures import set_timeouts
 
         set_timeouts(timeout)  # every group, the model's too; not before: rank 0 may plan for minutes
+    if memory_limit is not None:
+        from runtime.memory import hold_to
+
+        hold_to(pm, memory_limit)
     _BUILT.add(pm)
     return pm
 
@@ -138,7 +153,7 @@ def _mesh_shape(mesh: DeviceMesh | tuple[int, int] | None, world: int) -> tuple[
     return mesh
 
 
-def _resolve(plan, model, args, batch, graph, cluster, mesh, compression, delay, precision) -> Plan:
+def _resolve(plan, model, args, batch, graph, cluster, mesh, compression, delay, precision, memory_limit) -> Plan:
     if isinstance(plan, Plan):
         return plan
     if isinstance(plan, Path) or (isinstance(plan, str) and plan.endswith(".json")):
@@ -154,7 +169,7 @@ def _resolve(plan, model, args, batch, graph, cluster, mesh, compression, delay,
     workload = Workload(type(model).__name__, model, args, batch)
     # delayed averaging, like compression, needs gradients replicated on the data axis (no ZeRO-3)
     search = Search.start(workload, spec, mesh, graph=graph, rule=REPLICATED_GRADIENTS if delay else None,
-                          precision=precision)
+                          precision=precision, memory_limit=memory_limit)
     from autopar.manual import Layout, manual_plan, manual_search
     from autopar.planner import plan_auto, plan_compressed
 

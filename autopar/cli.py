@@ -82,6 +82,7 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> Any:
 def _search(args: argparse.Namespace):
     from autopar.models import load_workload
     from autopar.planner import Search, parse_mesh
+    from autopar.precision import parse_precision
     from cost_models import get_cluster
 
     for flag, value in (("--time-limit", args.time_limit), ("--memory-limit", args.memory_limit)):
@@ -92,7 +93,7 @@ def _search(args: argparse.Namespace):
     workload = load_workload(args.model, batch=args.batch)
     limit = args.memory_limit * 2**30 if args.memory_limit else None
     return Search.start(workload, cluster, mesh, memory_limit=limit, schedule=args.schedule,
-                        time_limit_s=args.time_limit)
+                        time_limit_s=args.time_limit, precision=parse_precision(args.mixed_precision))
 
 
 def _progress(description: str):
@@ -262,16 +263,21 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> Any:
         cluster = dataclasses.replace(cluster, devices_per_host=args.nproc)
     bar, step = _progress(f"benchmarking {args.model}")
     with bar:
-        result = bench(args.model, args.nproc, cluster, args.batch, args.warmup, args.steps, step)
+        result = bench(args.model, args.nproc, cluster, args.batch, args.warmup, args.steps, step,
+                       args.mixed_precision)
     if args.json:
         return result
-    table = Table(title=f"{args.model} on {args.nproc} local ranks: predicted ({cluster.name}) and measured")
-    for col in ("layout", "microbatches", "predicted", "measured", "measured / fastest"):
+    table = Table(title=f"{args.model} on {args.nproc} local ranks: predicted ({cluster.name}) and measured "
+                        "(peak: tensors of the rank holding most)")
+    for col in ("layout", "microbatches", "predicted", "measured", "measured / fastest", "predicted peak",
+                "measured peak", "measured / predicted"):
         table.add_column(col, justify="left" if col == "layout" else "right")
     fastest = min(r["measured_step_time_s"] for r in result["layouts"])
     for r in sorted(result["layouts"], key=lambda r: r["measured_step_time_s"]):
         table.add_row(r["name"], str(r["num_microbatches"]), human_time(r["predicted_step_time_s"]),
-                      human_time(r["measured_step_time_s"]), f"{r['measured_step_time_s'] / fastest:.2f}")
+                      human_time(r["measured_step_time_s"]), f"{r['measured_step_time_s'] / fastest:.2f}",
+                      human_bytes(r["predicted_peak_bytes"]), human_bytes(r["measured_peak_bytes"]),
+                      f"{r['measured_peak_bytes'] / r['predicted_peak_bytes']:.2f}")
     out.print(table)
     out.print(f"Spearman rank correlation {result['spearman']:.2f} over {len(result['layouts'])} layouts; "
               f"the searched plan measures {result['auto_vs_fastest']:.2f}× the fastest")
@@ -283,7 +289,8 @@ def cmd_train(args: argparse.Namespace, out: Console) -> Any:
     from runtime.train import TrainJob, launch
 
     job = TrainJob(args.model, args.nproc, args.steps, args.plan, args.batch, args.cluster, args.compression,
-                   args.delay, args.checkpoint_dir, args.checkpoint_every, args.resume, args.timeout)
+                   args.delay, args.checkpoint_dir, args.checkpoint_every, args.resume, args.timeout,
+                   args.mixed_precision, args.memory_limit * 2**30 if args.memory_limit is not None else None)
     with Console(stderr=True).status(f"training {args.model} on {args.nproc} rank(s)"):
         result = launch(job, quiet=not args.debug)
     if args.json:
@@ -359,6 +366,12 @@ def _natural(name: str) -> list:
     return [int(p) if p.isdigit() else p for p in name.split(".")]
 
 
+def _precision_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mixed-precision", choices=["bf16", "fp16", "fp32"],
+                   help="train in mixed precision (autocast; fp32 master weights and optimizer state; fp16 scales "
+                        "the loss); default: the plan's, fp32 when searching")
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="autopar", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show tracebacks of errors")
@@ -387,6 +400,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="hand-written layouts recompute activations (compare: only those that do)")
         p.add_argument("--memory-limit", type=float, help="GiB per device a plan may use (default: 90%% of memory)")
         p.add_argument("--time-limit", type=float, default=30.0, help="seconds per ILP solve (default 30)")
+        _precision_flag(p)
 
     p = command("plan", cmd_plan, "search the parallel layout of a model on a cluster (or price a hand-written one)")
     planning(p)
@@ -409,6 +423,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, help="global batch (default: the model's suite default)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per layout (default 2)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per layout, median taken (default 5)")
+    _precision_flag(p)
     p = command("calibrate", cmd_calibrate, "measure this machine's ranks: matmul, memory, collectives (α, β)")
     p.add_argument("--nproc", type=int, default=2, help="local ranks to measure (default 2)")
     p.add_argument("--out", help="cluster JSON to write (default: the file cpu-local reads)")
@@ -430,6 +445,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="continue from the latest checkpoint in --checkpoint-dir (under this run's plan) to --steps")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="a collective waiting longer fails the job: a rank died or hangs (default 300)")
+    _precision_flag(p)
+    p.add_argument("--memory-limit", type=float, metavar="GIB",
+                   help="GiB of tensors per rank: the search plans within it and the run is held to it (the first "
+                        "step is measured; on CUDA the allocator is capped too)")
     return parser
 
 

@@ -107,6 +107,7 @@ class _Eval:
     state_memory: float = 0.0
     activation_memory: float = 0.0
     weight_copies: float = 0.0  # 16-bit copies of weights autocast makes, per microbatch (`autopar.precision`)
+    gathered: float = 0.0  # ZeRO-3: the whole parameters and their gradients during the step (FSDP2)
     collectives: list[tuple] = field(default_factory=list)  # (node, kind, phase, bytes[, axis]); axis tp if absent
     letters: dict[str, str | None] = field(default_factory=dict)  # node -> the letter split on the tensor axis
     partial: dict[str, set[int]] = field(default_factory=dict)  # node -> inputs whose gradient it leaves partial
@@ -491,6 +492,11 @@ class _Stage:
                 stage, over = 2, mesh.tp
             states = model_state_memory(numel, DTYPE_BYTES.get(info.dtype, 4), zero_stage=stage, dp=over)
             ev.state_memory += states.total if trainable else states.params
+            if trainable and mesh.dp > 1 and zero:
+                # FSDP2 gathers a stage's parameters once (in the run's precision) and keeps them,
+                # with the unsharded gradients (fp32) they accumulate, until the reduce-scatter
+                width = PRECISIONS[self.graph.precision].itemsize if self.graph.precision else DTYPE_BYTES.get(info.dtype, 4)
+                ev.gathered += numel * (width + DTYPE_BYTES.get(info.dtype, 4))
         if self.graph.node(name).casts and not zero:  # ZeRO-3 gathers 16-bit weights: nothing to copy
             ev.weight_copies += local * PRECISIONS[self.graph.precision].itemsize / DTYPE_BYTES.get(info.dtype, 4)
         for axis, kind, phase, n, link in syncs:
@@ -662,7 +668,7 @@ def shard_stage(
     for a in anchors:
         c = stage.cls[a]
         problem.node_costs[var[c]] += np.array([e.time for e in evals[c]])
-        problem.node_memory[var[c]] += np.array([e.state_memory + e.activation_memory + e.weight_copies
+        problem.node_memory[var[c]] += np.array([e.state_memory + e.activation_memory + e.weight_copies + e.gathered
                                                  for e in evals[c]])
     for name, costs in stage.output_costs(evals).items():
         problem.node_costs[var[stage.group(name)]] += costs
@@ -726,6 +732,7 @@ def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bo
         memory={"model_states": sum(e.state_memory for e in per_anchor),
                 "activations": sum(e.activation_memory for e in per_anchor),
                 "weight_copies": sum(e.weight_copies for e in per_anchor),
+                "gathered": sum(e.gathered for e in per_anchor),
                 "total": problem.memory(sol.choice), "limit": problem.memory_limit},
         solver={"status": sol.status, "objective": sol.objective, "gap": sol.gap, "time_s": sol.solve_time_s,
                 "variables": sol.num_variables, "constraints": sol.num_constraints,

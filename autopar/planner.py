@@ -53,6 +53,9 @@ class Search:
     memory_limit: float
     schedule: str = "1f1b"
 
+    def __post_init__(self) -> None:
+        self.costs.layer_starts = [layer.atoms[0] for layer in self.layers]  # what a recomputing stage checkpoints
+
     @staticmethod
     def start(workload: Workload, cluster: ClusterSpec, mesh: tuple[int, int], *, memory_limit: float | None = None,
               schedule: str = "1f1b", rule: Rule | None = None, time_limit_s: float = 30.0,
@@ -225,7 +228,8 @@ def plan_single_stage(search: Search) -> Plan:
         ops=best.ops, needs=best.needs, cost={"forward_s": c["compute_s"] * share + comm / 2,
                             "backward_s": c["compute_s"] * (1 - share) + comm / 2, "send_s": 0.0,
                             "grad_sync_s": c["grad_sync_s"] + compressed(best), "state_bytes": best.memory["model_states"],
-                            "activation_bytes_per_microbatch": best.memory["activations"] + best.memory["weight_copies"]})
+                            "activation_bytes_per_microbatch": best.memory["activations"] + best.memory["weight_copies"]
+                            + best.memory["gathered"]})
     c = stage.cost
     sim = simulate([StageTimes(c["forward_s"], c["backward_s"], 0.0, c["grad_sync_s"], c["state_bytes"],
                                c["activation_bytes_per_microbatch"])], 1, search.schedule)
@@ -269,7 +273,7 @@ def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int]
             ops=ops, needs=needs, recompute=opt.recompute,
             cost={"forward_s": opt.forward_s, "backward_s": opt.backward_s, "send_s": opt.send_s,
                   "grad_sync_s": opt.grad_sync_s, "state_bytes": opt.state_bytes,
-                  "activation_bytes_per_microbatch": opt.activation_bytes}))
+                  "activation_bytes_per_microbatch": opt.activation_bytes, "transient_bytes": opt.transient_bytes}))
         times.append(StageTimes(opt.forward_s, opt.backward_s, opt.send_s, opt.grad_sync_s, opt.state_bytes,
                                 opt.activation_bytes, opt.transient_bytes))
         gap = search.costs.gap(search.atoms(i, j), shape, opt.logical_mesh, opt.lean)
@@ -288,9 +292,9 @@ def _time_limited(stages: list[dict]) -> dict:
 def _plan(search: Search, stages: list[StagePlan], sim, m: int, name: str, info: dict) -> Plan:
     devices = sum(s.devices for s in stages)
     model_flops = search.graph.flops_fwd + search.graph.flops_bwd
-    peak = max(sim.peak_memory_bytes)
+    peak = float(max(sim.peak_memory_bytes))
     for stage, stage_peak in zip(stages, sim.peak_memory_bytes):  # what a rank of the stage should measure
-        stage.cost["peak_bytes"] = stage_peak
+        stage.cost["peak_bytes"] = float(stage_peak)
     estimate = Estimate(
         step_time_s=sim.step_time_s, tflops_per_device=model_flops / sim.step_time_s / devices / 1e12,
         peak_memory_bytes=peak, bubble_fraction=sim.bubble_fraction, fits=peak <= search.memory_limit)

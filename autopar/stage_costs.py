@@ -70,6 +70,9 @@ class StageCosts:
     solves: int = 0
     hits: int = 0
     _cache: dict = field(default_factory=dict)
+    # the atoms the planner's layers start at: a recomputing stage keeps each layer's input and
+    # recomputes one layer at a time (`runtime.recompute`); None: every atom is a layer
+    layer_starts: list[int] | None = None
 
     def __post_init__(self) -> None:
         self.atoms = self.graph.layer_list
@@ -178,18 +181,22 @@ class StageCosts:
         self.range_sums((0, 0), submesh, lm, lean)  # fills the prefix sums
         prefix = self._prefix[(submesh, lm, lean)][bounds]  # [layer boundary, quantity]
         sums = prefix[None, :, :] - prefix[:, None, :]  # [i, j, quantity]
-        fwd, bwd, comm, sync, states, acts, trainable, weighted, latency, copies = np.moveaxis(sums, -1, 0)
+        fwd, bwd, comm, sync, states, acts, trainable, weighted, latency, copies, gathered = np.moveaxis(sums, -1, 0)
         comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
         with np.errstate(invalid="ignore", divide="ignore"):
             n_buckets = np.where(trainable > 0, np.maximum(1, np.ceil(trainable / BUCKET_BYTES)), 0)
             sync = sync + np.where(trainable > 0, weighted / np.where(trainable > 0, trainable, 1) * n_buckets, 0)
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m + copies
         loss = np.where(bounds == len(self.atoms), self.loss_bytes / (lm[0] * m), 0.0)  # ranges ending the model
-        transient = np.broadcast_to(loss[None, :], acts.shape).copy()
-        if rc:
+        transient = loss[None, :] + gathered
+        if rc:  # keep each layer's input; one layer's activations (and the weight copies) at a time
             bwd = bwd + fwd
-            stage_input = np.array([self.cut[a - 1] if a > 0 else 0.0 for a in bounds]) / (lm[0] * m)
-            transient, acts = transient + acts, np.broadcast_to(stage_input[:, None], acts.shape).copy()
+            inputs = np.concatenate([[0.0], np.cumsum([self.cut[a - 1] if a > 0 else 0.0 for a in bounds[:-1]])])
+            layer = np.diff(prefix[:, 5]) / m  # each layer's activations per microbatch
+            rows = np.where(np.arange(len(layer))[None, :] >= np.arange(len(bounds))[:, None], layer[None, :], 0.0)
+            largest = np.concatenate([np.zeros((len(bounds), 1)), np.maximum.accumulate(rows, axis=1)], axis=1)
+            transient = transient + largest + copies
+            acts = (inputs[None, :] - inputs[:, None]) / (lm[0] * m)
         if self.compression is not None and lm[0] > 1:  # compressed after backward, not during it
             sync = bwd + sync + self.compressed_per_byte(submesh, lm) * trainable
         cut_after = np.array([self.cut[b - 1] if 0 < b < len(self.atoms) else 0.0 for b in bounds])
@@ -202,14 +209,15 @@ class StageCosts:
 
     def range_sums(self, atoms, submesh, lm, lean) -> np.ndarray | None:
         """Per-atom [fwd, bwd, comm, sync without latency, states, acts, trainable bytes,
-        bucket latency × bytes, comm latency, 16-bit weight copies] summed over [a, b), from prefix sums."""
+        bucket latency × bytes, comm latency, 16-bit weight copies, ZeRO-3's gathered parameters and
+        gradients] summed over [a, b), from prefix sums."""
         key = (submesh, lm, lean)
         if key not in self._prefix:
             rows = []
             for k in range(len(self.atoms)):
                 p = self.atom(k, submesh, lm, lean)
                 if p is None:
-                    rows.append([np.nan] * 10)
+                    rows.append([np.nan] * 11)
                     continue
                 f, b = self.flops[k]
                 share = f / (f + b) if f + b else 0.5
@@ -218,23 +226,28 @@ class StageCosts:
                 rows.append([c["compute_s"] * share, c["compute_s"] * (1 - share), c["comm_s"] + c["reshard_s"],
                              c["grad_sync_s"] - latency, p.memory["model_states"], p.memory["activations"],
                              c["trainable_bytes"], c["bucket_latency_s"] * c["trainable_bytes"], c["comm_latency_s"],
-                             p.memory.get("weight_copies", 0.0)])
-            self._prefix[key] = np.vstack([np.zeros(10), np.cumsum(np.array(rows), axis=0)])
+                             p.memory.get("weight_copies", 0.0), p.memory.get("gathered", 0.0)])
+            self._prefix[key] = np.vstack([np.zeros(11), np.cumsum(np.array(rows), axis=0)])
         prefix = self._prefix[key]
         sums = prefix[atoms[1]] - prefix[atoms[0]]
         return None if np.isnan(sums).any() else sums
 
     def option_for(self, atoms, submesh, lm, lean, rc, sums: np.ndarray, m: int) -> StageOption:
-        fwd, bwd, comm, sync, states, acts, trainable, weighted_latency, latency, copies = (float(x) for x in sums)
+        fwd, bwd, comm, sync, states, acts, trainable, weighted_latency, latency, copies, gathered = (
+            float(x) for x in sums)
         comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
         if trainable:  # one bucket latency per 25 MB of the stage's weights (byte-weighted over its atoms)
             sync += weighted_latency / trainable * buckets(trainable)
         # autocast copies the weights once per microbatch and keeps them until its backward
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m + copies
-        transient = self.loss_bytes / (lm[0] * m) if atoms[1] == len(self.atoms) else 0.0
-        if rc:  # keep only the stage input per microbatch; recompute the forward before backward
+        transient = (self.loss_bytes / (lm[0] * m) if atoms[1] == len(self.atoms) else 0.0) + gathered
+        if rc:  # keep each layer's input per microbatch; recompute one layer at a time before its backward
             bwd += fwd
-            transient, acts = transient + acts, self.cut[atoms[0] - 1] / (lm[0] * m) if atoms[0] > 0 else 0.0
+            starts = [a for a in (self.layer_starts or range(len(self.atoms))) if atoms[0] < a < atoms[1]]
+            ends = [atoms[0], *starts, atoms[1]]
+            per_layer = [self.range_sums((a, b), submesh, lm, lean)[5] / m for a, b in zip(ends, ends[1:])]
+            transient += max(per_layer) + copies
+            acts = sum(self.cut[a - 1] for a in ends[:-1] if a > 0) / (lm[0] * m)
         if self.compression is not None and lm[0] > 1:  # compressed after backward, not during it
             sync = bwd + sync + self.compressed_per_byte(submesh, lm) * trainable
         last = atoms[1] - 1

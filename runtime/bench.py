@@ -3,8 +3,10 @@ cost model predicted for them, and say how well the prediction ranks them (Spear
 
 All layouts run in one start of the ranks (each gets a fresh model with the same weights), a few
 warm-up steps then timed ones; a step's time is the slowest rank's, and a layout's the median
-over its timed steps. Layouts differ in (dp, tp, pp) and microbatches; each (dp, tp, pp) runs
-once more recomputing its activations, at its most microbatches (`runtime.recompute`).
+over its timed steps, then one more step counts its tensors (`runtime.memory`): the peak of
+the rank that holds most, beside the plan's predicted peak. Layouts differ in (dp, tp, pp) and
+microbatches; each (dp, tp, pp) runs once more recomputing its activations, and once more in bf16
+mixed precision (planned for it), at its most microbatches (`runtime.recompute`, `runtime.precision`).
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import torch.multiprocessing as mp
 from runtime.backend import free_port
 
 
-def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None) -> list[Any]:
-    """The searched plan first, then every valid hand-written layout × microbatch count."""
+def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, precision: str | None = None) -> list[Any]:
+    """The searched plan first, then every valid hand-written layout × microbatch count (in
+    `precision`), and per (dp, tp, pp) its most microbatches recomputing, and in bf16."""
     import dataclasses
 
     from autopar.manual import Layout, check, manual_plan, manual_search
@@ -33,9 +36,11 @@ def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None) -> 
     from autopar.planner import Search, plan_auto
 
     w = load_workload(model, batch=batch, device="cpu", dtype=torch.float32)
-    search = Search.start(w, cluster, (1, nproc))
+    search = Search.start(w, cluster, (1, nproc), precision=precision)
     plans = [dataclasses.replace(plan_auto(search), name="auto")]
     view = manual_search(search)
+    half = manual_search(Search.start(w, cluster, (1, nproc), graph=search.graph, precision="bf16")) \
+        if precision is None else None
     for tp in (t for t in range(1, nproc + 1) if nproc % t == 0):
         for pp in (p for p in range(1, nproc // tp + 1) if (nproc // tp) % p == 0):
             valid = [Layout(nproc // (tp * pp), tp, pp, m, False) for m in (1, 2, 4, 8)]
@@ -43,6 +48,9 @@ def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None) -> 
             plans += [manual_plan(view, layout) for layout in valid]
             if valid:  # recomputing, where it saves most: the most microbatches in flight
                 plans.append(manual_plan(view, dataclasses.replace(valid[-1], recompute=True)))
+            if valid and half is not None:
+                plan = manual_plan(half, valid[-1])
+                plans.append(dataclasses.replace(plan, name=f"{plan.name} bf16"))
     return plans
 
 
@@ -50,6 +58,7 @@ def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans
           steps: int, out: str) -> None:
     import autopar
     from autopar.plan import Plan
+    from runtime.memory import measured_step
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -57,8 +66,9 @@ def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans
     for text in plans:
         torch.manual_seed(0)
         w = autopar.load_workload(model, batch=batch, device="cpu", dtype=torch.float32)
-        pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=Plan.from_json(text),
-                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3))
+        plan = Plan.from_json(text)
+        pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=plan,
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), mixed_precision=plan.precision or "fp32")
         gen = torch.Generator().manual_seed(1)
         measured = []
         for i in range(warmup + steps):
@@ -70,7 +80,10 @@ def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             if i >= warmup:
                 measured.append(float(slowest))
-        times.append(statistics.median(measured))
+        _, tensors = measured_step(pm, *w.make_batch(w.batch, gen))
+        peak = torch.tensor([tensors["total"]], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        times.append((statistics.median(measured), float(peak)))
     if rank == 0:
         torch.save(times, out)
     dist.barrier()
@@ -93,10 +106,13 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup: int = 2, steps: int = 5,
-          progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+          progress: Callable[[str], None] | None = None, precision: str | None = None) -> dict[str, Any]:
+    from autopar.precision import parse_precision
+
+    precision = parse_precision(precision)
     if progress:
         progress("planning the searched and hand-written layouts")
-    plans = candidate_plans(model, nproc, cluster, batch)
+    plans = candidate_plans(model, nproc, cluster, batch, precision)
     port = free_port()
     if progress:
         progress(f"running {len(plans)} layouts on {nproc} ranks")
@@ -105,9 +121,11 @@ def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup
         mp.spawn(_rank, args=(nproc, port, model, batch, [p.to_json() for p in plans], warmup, steps, out),
                  nprocs=nproc, join=True)
         measured = torch.load(out, weights_only=False)
-    rows = [{"name": p.name, "num_microbatches": p.num_microbatches,
-             "predicted_step_time_s": p.estimate.step_time_s, "measured_step_time_s": t}
-            for p, t in zip(plans, measured)]
+    rows = [{"name": p.name, "num_microbatches": p.num_microbatches, "precision": p.precision or "fp32",
+             "recompute": any(s.recompute for s in p.stages),
+             "predicted_step_time_s": p.estimate.step_time_s, "measured_step_time_s": t,
+             "predicted_peak_bytes": p.estimate.peak_memory_bytes, "measured_peak_bytes": peak}
+            for p, (t, peak) in zip(plans, measured)]
     fastest = min(r["measured_step_time_s"] for r in rows)
     return {"model": model, "nproc": nproc, "cluster": cluster.name, "layouts": rows,
             "spearman": spearman([r["predicted_step_time_s"] for r in rows], [r["measured_step_time_s"] for r in rows]),

@@ -22,6 +22,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from autopar.errors import AutoparError
+
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 
 
@@ -105,11 +107,59 @@ class TensorBytes(TorchDispatchMode):
         return {**out, "total": self.peak}
 
 
-def measured_step(pm: Any, inputs: Any, target: torch.Tensor) -> tuple[float, dict[str, int]]:
+def measured_step(pm: Any, inputs: Any, target: torch.Tensor, **step: Any) -> tuple[float, dict[str, int]]:
     """One `pm.step` under `TensorBytes`: its loss and this rank's peak tensor bytes by category."""
     params = list(pm.trained.parameters())
     held = params + [t for s in pm.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     held += list(getattr(pm, "state_buffers", {}).values())
     with TensorBytes(held) as tracker:
-        loss = pm.step(inputs, target)
+        loss = pm.step(inputs, target, **step)
     return loss, tracker.by_category(params, pm.optimizer)
+
+
+class MemoryLimitExceeded(AutoparError):
+    """A rank's tensors outgrew the memory limit the plan was made for."""
+
+
+def hold_to(pm: Any, limit: float) -> None:
+    """Keep the run within `limit` bytes of tensors per rank, as its plan promised: the first
+    step is measured (`TensorBytes`: steps after it repeat its shapes) and, when some rank's peak
+    passed the limit, every rank raises `MemoryLimitExceeded` naming that rank's stage and the
+    category furthest over the plan's prediction (the measurement: `pm.first_step_tensor_bytes`). On CUDA the allocator is capped at the limit
+    as well, for every step (its reserve counts: a little more than the tensors)."""
+    import torch.distributed as dist
+
+    if pm.device.type == "cuda":
+        total = torch.cuda.get_device_properties(pm.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), pm.device)
+
+    def first(inputs: Any, target: torch.Tensor, local: bool = False) -> float:
+        del pm.step  # the following steps are plain ones
+        loss, measured = measured_step(pm, inputs, target, local=local)
+        pm.first_step_tensor_bytes = measured
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (getattr(pm, "stage_index", 0), measured))
+        over = [(rank, stage, m) for rank, (stage, m) in enumerate(everyone) if m["total"] > limit]
+        if over:
+            raise MemoryLimitExceeded(_overflow(*over[0], pm.plan, limit))
+        return loss
+
+    pm.step = first
+
+
+def _overflow(rank: int, index: int, measured: dict[str, int], plan: Any, limit: float) -> str:
+    """What overflowed, against the plan's prediction for the stage, in one message."""
+    from autopar.units import human_bytes
+    from cost_models.memory import in_flight_microbatches
+
+    cost = plan.stages[index].cost
+    states, transient = cost.get("state_bytes", 0.0), cost.get("transient_bytes", 0.0)
+    acts = cost.get("activation_bytes_per_microbatch", 0.0) * in_flight_microbatches(
+        plan.schedule, len(plan.stages), index, plan.num_microbatches)
+    got = {"model states": measured["parameters"] + measured["gradients"] + measured["optimizer"],
+           "activations": measured["activations"], "temporaries": measured["temporaries"]}
+    predicted = {"model states": states, "activations": acts, "temporaries": transient}
+    worst = max(got, key=lambda k: got[k] - predicted[k])
+    return (f"rank {rank} (stage {index}) held {human_bytes(measured['total'])} of tensors, over the memory limit "
+            f"of {human_bytes(limit)} the plan was made for: {worst} {human_bytes(got[worst])}, predicted "
+            f"{human_bytes(predicted[worst])}. Plan with a lower --memory-limit to leave room, or raise it")

@@ -25,7 +25,6 @@ from runtime.failures import guarded
 from runtime.grad_sync import GradSync
 from runtime.loop import clip, evaluating, gather_batch_dim, squared_grad_norm
 from runtime.precision import fsdp_policy, mixed_precision
-from runtime.recompute import recomputed
 from runtime.sharded_graph import ShardedGraph, first_failure
 
 
@@ -167,12 +166,13 @@ class ParallelModel:
         self.model = model.to(device)
         self.precision = mixed_precision(plan.precision, device)
         self.graph: ShardedGraph | None = None
-        if self.tp > 1:
+        if self.tp > 1 or plan.stages[0].recompute:  # the exported graph: placements, layers to recompute
             micro = _split(_split(example_inputs, self.dp, 0), plan.num_microbatches, 0)
             ep = export_as_planned(self.model, tuple(micro), tuple(example_inputs))  # before sharding: plain tensors
-            self.graph = ShardedGraph(self.model, plan.stages[0], mesh["tp"], ep)
+            self.graph = ShardedGraph(self.model, plan.stages[0], mesh["tp"] if self.tp > 1 else None, ep,
+                                      layers=[layer["nodes"] for layer in plan.layers])
             refuse_failing(self.graph, tuple(micro))
-        # what trains: the model, or with a tensor axis the graph holding its DTensor parameters
+        # what trains: the model, or the graph holding its parameters (DTensors with a tensor axis)
         self.trained: nn.Module = self.graph if self.graph is not None else self.model
         self.sync: GradSync | None = None
         if zero3(plan) and self.dp > 1:
@@ -182,8 +182,6 @@ class ParallelModel:
         elif self.dp > 1:
             self.sync = data_sync(list(self.trained.parameters()), self.group, plan)
         self.state_buffers = self.graph.state_buffers if self.graph is not None else persistent(self.model)
-        # the model's forward, recomputed in backward when the plan says so (the graph does its own)
-        self._eager = recomputed(self.model, self.state_buffers) if plan.stages[0].recompute else self.model
         self.buffer_sync = AveragedBuffers(self.state_buffers, self.group) if self.dp > 1 else None
         self.optimizer = optimizer(list(self.trained.parameters()))
         check_optimizer(self.optimizer, plan)
@@ -206,10 +204,10 @@ class ParallelModel:
         self.optimizer.zero_grad(set_to_none=True)
         if self.buffer_sync is not None:
             self.buffer_sync.before_step()
-        counter = CollectiveBytes() if self.graph is not None else contextlib.nullcontext()
+        counter = CollectiveBytes() if self.tp > 1 else contextlib.nullcontext()
         with counter:  # the tensor axis's collectives, issued by DTensor
             self._microbatches(micro_in, micro_target, total)
-        if self.graph is not None:
+        if self.tp > 1:
             self._bytes["tp"] = [counter.nbytes, counter.nbytes]
         if self.sync is not None:
             self.sync.finish()
@@ -244,7 +242,7 @@ class ParallelModel:
             args = micro_in[i] if isinstance(micro_in[i], (tuple, list)) else (micro_in[i],)
             with self.precision.autocast():  # forward and loss (the model's dtype: nothing)
                 if self.graph is None:
-                    loss = self.loss_fn(first_tensor(self._eager(*args)), micro_target[i]) / m
+                    loss = self.loss_fn(first_tensor(self.model(*args)), micro_target[i]) / m
                     reported = loss
                 elif self.graph.output_shard:  # each tensor-parallel rank holds some samples
                     target = micro_target[i].tensor_split(self.tp)[self.tp_rank]

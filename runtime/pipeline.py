@@ -131,7 +131,9 @@ class PipelineModel:
         if g.bridged_before or g.bridged_after:  # a second export (before sharding) tells batch dimensions
             twice = export_as_planned(model, tuple(torch.cat([x, x]) if isinstance(x, torch.Tensor) else x
                                                    for x in micro), tuple(example_inputs))
-        self.module = ShardedGraph(model, plan.stages[self.stage_index], g.tp_mesh, ep, part)
+        stage_plan = plan.stages[self.stage_index]
+        self.module = ShardedGraph(model, stage_plan, g.tp_mesh, ep, part,
+                                   layers=[plan.layers[k]["nodes"] for k in range(*stage_plan.layers)])
         self.trained = self.module  # what the optimizer steps (and checkpoints save), by model names
         self.precision = mixed_precision(plan.precision, device)
         self.module.forward = self.precision.autocasting(self.module.forward)

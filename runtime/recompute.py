@@ -1,41 +1,60 @@
-"""Activation recomputation as the planner prices it: a stage marked `recompute` keeps only its
-input per microbatch and runs its forward again before its backward (`stage_costs`: the stage's
-activations become a transient of one microbatch). That is one non-reentrant
-`torch.utils.checkpoint` around the stage's whole forward: the model's forward for one-stage
-plans, the stage's part of the graph in pipelines.
+"""Activation recomputation as the planner prices it (`stage_costs`): a stage marked `recompute`
+keeps, per microbatch, only the inputs of each of its layers, and runs each layer's forward again
+just before that layer's backward (Megatron-LM's full recomputation, one checkpoint per layer).
+Its peak in backward is then one layer's activations, not the stage's.
 
-The recomputation restores the random state (dropout draws the same masks) and leaves the buffers
-as the forward left them: BatchNorm would otherwise update its running statistics twice.
+The stage's graph (`ShardedGraph`) runs as segments, one per layer of the plan (the nodes it
+lists; nodes no layer lists join the segment they follow), each under one non-reentrant
+`torch.utils.checkpoint` that restores the random state (dropout draws the same masks). A
+segment receives the values it reads from earlier ones as arguments and returns those later ones
+read, so nothing else of it stays alive.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-import torch
-from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+from torch import fx
 
 
-def recomputed(forward: Callable, buffers: dict[str, torch.Tensor]) -> Callable:
-    """`forward` under activation checkpointing (when gradients are on: a prediction saves nothing)."""
+@dataclass
+class Segment:
+    nodes: list[fx.Node]
+    inputs: list[fx.Node]  # values made before it (or the stage's inputs) that it reads
+    outputs: list[fx.Node]  # values it makes that later segments, or the stage's outputs, read
 
-    def run(*inputs: Any) -> Any:
-        if not torch.is_grad_enabled():
-            return forward(*inputs)
-        after_forward: list[torch.Tensor] = []
 
-        def once(*args: Any) -> Any:
-            out = forward(*args)
-            with torch.no_grad():
-                if not after_forward:  # the forward: remember what it left
-                    after_forward.extend(b.detach().clone() for b in buffers.values())
-                else:  # the recomputation: put it back
-                    for b, value in zip(buffers.values(), after_forward):
-                        b.copy_(value)
-            return out
+def segments(nodes: list[fx.Node], layers: list[list[str]], kept: set[fx.Node], given: set[fx.Node]) -> list[Segment]:
+    """`nodes` (graph order) cut into runs of one layer each. `kept`: values read after the last
+    node (the stage's outputs, buffer updates); `given`: placeholders the stage supplies itself
+    (parameters, buffers, constants), which are no segment's inputs."""
+    layer_of = {name: i for i, names in enumerate(layers) for name in names}
+    runs: list[list[fx.Node]] = []
+    current = None
+    for node in nodes:
+        layer = layer_of.get(node.name, current)
+        if not runs or layer != current:
+            runs.append([])
+        runs[-1].append(node)
+        current = layer
+    where = {n: i for i, run in enumerate(runs) for n in run}
+    out = []
+    for i, run in enumerate(runs):
+        inputs = list(dict.fromkeys(a for n in run for a in n.all_input_nodes if where.get(a) != i and a not in given))
+        outputs = [n for n in run if n in kept or any(where.get(u, i) > i for u in n.users)]
+        out.append(Segment(run, inputs, outputs))
+    return out
 
-        with set_checkpoint_early_stop(False):  # the whole forward again, so its end puts the buffers back
-            return checkpoint(once, *inputs, use_reentrant=False)
 
-    return run
+def forwards(run: Any) -> Any:
+    """`run(segment, *values)` under a checkpoint: its activations are recomputed in backward."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    def checkpointed(segment: Segment, *values: Any) -> Any:
+        # the whole segment again: stopping early interrupts `run` with an exception, which the
+        # runtime would report as the op failing
+        with set_checkpoint_early_stop(False):
+            return checkpoint(run, segment, *values, use_reentrant=False)
+
+    return checkpointed

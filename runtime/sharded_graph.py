@@ -33,7 +33,7 @@ from torch.distributed.tensor import (
 from autopar.capture import _WRAPPER_PREFIX
 from runtime.buffers import persistent
 from runtime.cross_mesh import gather_batch, slice_batch
-from runtime.recompute import recomputed
+from runtime.recompute import Segment, forwards, segments
 
 _CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
 # attention on CPU: no DTensor rule (DTensor would try propagating through its decomposition, which
@@ -185,9 +185,11 @@ class ShardedGraph(nn.Module):
     slice). Called with the part's inputs, it returns its outputs as plain tensors replicated on
     the tensor axis — or, for a whole graph whose plan leaves the output split by batch, this
     rank's samples of it (`output_shard`; the loss is then computed per shard). Without a mesh
-    (tp = 1) the ops run on plain tensors."""
+    (tp = 1) the ops run on plain tensors. `layers`: the node names of each of the stage's layers,
+    the units it recomputes when the plan says so (`runtime.recompute`)."""
 
-    def __init__(self, model: nn.Module, stage: Any, mesh: DeviceMesh | None, ep: Any, part: Part | None = None) -> None:
+    def __init__(self, model: nn.Module, stage: Any, mesh: DeviceMesh | None, ep: Any, part: Part | None = None,
+                 layers: list[list[str]] | None = None) -> None:
         super().__init__()
         self.mesh, self.stage = mesh, stage
         self.graph = ep.graph_module.graph
@@ -242,29 +244,23 @@ class ShardedGraph(nn.Module):
         # at a boundary with a stage of another logical mesh: position -> (batch dim, dp group)
         self.slice_inputs: dict[int, tuple[int | None, Any]] = {}
         self.gather_outputs: dict[int, tuple[int | None, Any]] = {}
+        given = set(self.fixed) | set(self.param_of)
+        self.segments = segments(self.nodes, layers or [], set(self.outputs) | set(self.updates), given)
 
     # ---- running ---------------------------------------------------------------------------
 
     def forward(self, *inputs: torch.Tensor) -> Any:
-        if self.stage.recompute:  # the plan keeps only this part's inputs: its forward runs again in backward
-            return recomputed(self._forward, self.state_buffers)(*inputs)
-        return self._forward(*inputs)
-
-    def _forward(self, *inputs: torch.Tensor) -> Any:
-        env: dict[fx.Node, Any] = dict(self.fixed)
-        for node, name in self.param_of.items():  # read each call: FSDP swaps in gathered parameters
-            env[node] = getattr(self, name)
         inputs = tuple(x for x in inputs if isinstance(x, torch.Tensor))  # None and flags: constants of the export
         inputs = tuple(slice_batch(x, *self.slice_inputs[i]) if i in self.slice_inputs else x
                        for i, x in enumerate(inputs))
-        env.update(zip(self.inputs, inputs))
-        wrapped: dict[fx.Node, DTensor] = {}  # replicated values wrapped once (see module docstring)
-        for node in self.nodes:
-            try:
-                env[node] = self._run(node, env, wrapped)
-            except Exception as exc:
-                raise OpFailed(f"{node.name} ({node.target}) failed under the plan's placements "
-                               f"{self._placements(node, env)}{source_line(node)}: {exc}") from exc
+        env: dict[fx.Node, Any] = dict(zip(self.inputs, inputs))
+        if self.stage.recompute and torch.is_grad_enabled():  # each layer runs again before its backward
+            run = forwards(self._segment)
+        else:  # replicated values wrapped once for the whole part (see module docstring)
+            shared: dict[fx.Node, DTensor] = {}
+            run = lambda segment, *values: self._segment(segment, *values, wrapped=shared)  # noqa: E731
+        for segment in self.segments:
+            env.update(zip(segment.outputs, run(segment, *(env[n] for n in segment.inputs))))
         with torch.no_grad():
             for node, buffer in self.updates.items():
                 buffer.copy_(env[node].full_tensor() if isinstance(env[node], DTensor) else env[node])
@@ -274,6 +270,21 @@ class ShardedGraph(nn.Module):
         outs = [x.contiguous() if isinstance(x, torch.Tensor) else x for x in outs]
         outs = [gather_batch(x, *self.gather_outputs[i]) if i in self.gather_outputs else x for i, x in enumerate(outs)]
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _segment(self, segment: Segment, *values: Any, wrapped: dict | None = None) -> tuple:
+        """The nodes of one segment on the values it reads; the values later ones read."""
+        env: dict[fx.Node, Any] = dict(self.fixed)
+        for node, name in self.param_of.items():  # read each call: FSDP swaps in gathered parameters
+            env[node] = getattr(self, name)
+        env.update(zip(segment.inputs, values))
+        wrapped = {} if wrapped is None else wrapped
+        for node in segment.nodes:
+            try:
+                env[node] = self._run(node, env, wrapped)
+            except Exception as exc:
+                raise OpFailed(f"{node.name} ({node.target}) failed under the plan's placements "
+                               f"{self._placements(node, env)}{source_line(node)}: {exc}") from exc
+        return tuple(env[n] for n in segment.outputs)
 
     def _placements(self, node: fx.Node, env: dict) -> str:
         got = [getattr(env.get(i), "placements", "plain") for i in node.all_input_nodes]

@@ -38,6 +38,8 @@ class TrainJob:
     checkpoint_every: int = 0  # 0: only after the last step
     resume: bool = False
     timeout_s: float = 300.0
+    mixed_precision: str | None = None  # "bf16" / "fp16" / "fp32"; None: the plan's
+    memory_limit: float | None = None  # bytes of tensors per rank, planned for and held to
 
     def check(self) -> None:
         from autopar.errors import AutoparError
@@ -48,6 +50,8 @@ class TrainJob:
             raise AutoparError(f"--checkpoint-every must be ≥ 0 steps, got {self.checkpoint_every}")
         if (self.resume or self.checkpoint_every) and not self.checkpoint_dir:
             raise AutoparError("--resume and --checkpoint-every need --checkpoint-dir DIR: where checkpoints go")
+        if self.memory_limit is not None and not self.memory_limit > 0:
+            raise AutoparError(f"--memory-limit must be a positive number of GiB, got {self.memory_limit / 2**30:g}")
         if not self.timeout_s > 0:
             raise AutoparError(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
         if self.checkpoint_dir and not self.resume:
@@ -79,7 +83,8 @@ def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
                                "make_batch) from your model function")
         pm = autopar.parallelize(w.model, None, w.example_inputs, loss_fn=w.loss_fn, plan=job.plan,
                                  cluster=job.cluster, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                                 compression=job.compression, delay=job.delay, timeout=job.timeout_s)
+                                 compression=job.compression, delay=job.delay, timeout=job.timeout_s,
+                                 mixed_precision=job.mixed_precision, memory_limit=job.memory_limit)
         rank = dist.get_rank()
         gen = torch.Generator().manual_seed(1)  # the same global batches on every rank
         start, losses, resumed_from, exact = 0, [], None, True

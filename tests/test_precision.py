@@ -1,8 +1,7 @@
 """Mixed precision as planned, on 2 and 4 gloo ranks: a plan priced for bf16 or fp16 trains with
 its matmuls in 16 bits, fp32 master weights and optimizer state, losses that track the same plan
 in fp32 (over 3 Adam steps, bf16 within rel 1e-3, fp16 with loss scaling within 1e-4), under every
-layout kind;
-and a run that asks for another precision than its plan's is refused with one message."""
+layout kind; and a run that asks for another precision than its plan's is refused with one message."""
 
 import dataclasses
 

@@ -1,0 +1,64 @@
+"""A plan predicted to fit runs within its limit, on 4 gloo ranks: gpt-small planned under a
+limit that forces ZeRO-3 and recomputation (data-parallel layouts only) trains with
+every rank's measured peak of tensors under the limit; a plan that promises less than it uses is
+stopped after its first step with one message naming the stage and the category."""
+
+import dataclasses
+
+import pytest
+import torch
+
+import autopar
+from tests.distributed import shared_ranks
+
+WORLD = 4
+CASES = [("holds",), ("overflows",)]
+
+
+def _plan():
+    """One stage of 4 microbatches, data parallelism only (the tensor axis off: the layout whose
+    memory ZeRO and recomputation are there to save), at 80 % of what it takes without a limit."""
+    from autopar.intra_op import Rule
+    from autopar.planner import Search, plan_auto
+    from cost_models import get_cluster
+
+    w = autopar.load_workload("gpt-small", batch=32, device="cpu")
+    cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=WORLD)
+    data_only = Rule(letters=lambda *_: {None})
+    shape = {"stages": 1, "num_microbatches": 4}
+    free = plan_auto(Search.start(w, cluster, (1, WORLD), rule=data_only), **shape).estimate.peak_memory_bytes
+    limit = 0.8 * free
+    plan = plan_auto(Search.start(w, cluster, (1, WORLD), rule=data_only, memory_limit=limit), **shape)
+    return w, plan, limit
+
+
+def _train(rank, world, case):
+    torch.manual_seed(0)
+    w, plan, limit = _plan()
+    if case == "overflows":  # the same plan, promising a third of what it uses
+        plan = dataclasses.replace(plan, estimate=dataclasses.replace(plan.estimate, peak_memory_bytes=1.0))
+        limit /= 3
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=plan, memory_limit=limit,
+                             optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+    gen = torch.Generator().manual_seed(1)
+    try:
+        losses = [pm.step(*w.make_batch(w.batch, gen)) for _ in range(2)]
+    except autopar.AutoparError as exc:
+        return str(exc)
+    zero = [all(p[0] == "S(0)" for p in s.params.values()) for s in plan.stages]
+    return losses, pm.first_step_tensor_bytes, limit, zero, [s.recompute for s in plan.stages]
+
+
+@pytest.mark.parametrize("case", [c for c, in CASES])
+def test_a_plan_runs_within_its_memory_limit(tmp_path, case):
+    results = shared_ranks(_train, WORLD, CASES, (case,), tmp_path)
+    if case == "overflows":
+        assert len(set(results)) == 1  # every rank stops, with the same message
+        assert "over the memory limit" in results[0] and "(stage " in results[0]
+        assert any(k in results[0] for k in ("model states", "activations", "temporaries"))
+        return
+    assert not any(isinstance(r, str) for r in results), results[0]
+    for losses, measured, limit, zero, recompute in results:
+        assert all(zero) and all(recompute), "the limit should force ZeRO-3 and recomputation"
+        assert measured["total"] <= limit, f"{measured['total'] / 2**20:.1f} MiB > {limit / 2**20:.1f} MiB"
+        assert all(loss == loss for loss in losses)
