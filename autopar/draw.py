@@ -21,13 +21,9 @@ LABELS = {"F": "forward", "B": "backward", "send": "send to next stage", "sync":
 
 def replay(plan: Plan) -> Simulation:
     """The plan's schedule, event by event, from the costs it carries."""
-    times = []
-    for s in plan.stages:
-        c = s.cost
-        times.append(StageTimes(c.get("forward_s", 0.0), c.get("backward_s", 0.0), c.get("send_s", 0.0),
-                                c.get("grad_sync_s", 0.0), c.get("state_bytes", 0.0),
-                                c.get("activation_bytes_per_microbatch", 0.0)))
-    return simulate(times, plan.num_microbatches, plan.schedule)
+    from autopar.planner import stage_times
+
+    return simulate([stage_times(s.cost) for s in plan.stages], plan.num_microbatches, plan.schedule)
 
 
 def draw(plan: Plan, memory_limit: float | None = None) -> Any:

@@ -108,6 +108,8 @@ class _Eval:
     activation_memory: float = 0.0
     weight_copies: float = 0.0  # 16-bit copies of weights autocast makes, per microbatch (`autopar.precision`)
     gathered: float = 0.0  # ZeRO-3: the whole parameters and their gradients during the step (FSDP2)
+    param_states: dict[str, float] = field(default_factory=dict)  # fqn -> its share of state_memory
+    grad_memory: float = 0.0  # the gradients' part of state_memory (allocated by the step's first backward)
     collectives: list[tuple] = field(default_factory=list)  # (node, kind, phase, bytes[, axis]); axis tp if absent
     letters: dict[str, str | None] = field(default_factory=dict)  # node -> the letter split on the tensor axis
     partial: dict[str, set[int]] = field(default_factory=dict)  # node -> inputs whose gradient it leaves partial
@@ -130,6 +132,7 @@ class StageSharding:
     solver: dict[str, Any]
     collectives: list[dict[str, Any]]
     needs: dict[str, list[str | None]] = field(default_factory=dict)  # see StagePlan.needs
+    param_states: dict[str, float] = field(default_factory=dict)  # fqn -> its part of memory["model_states"]
 
     @property
     def time(self) -> float:
@@ -491,7 +494,9 @@ class _Stage:
             if strategy.shard_states and partial and mesh.tp > 1 and not zero:
                 stage, over = 2, mesh.tp
             states = model_state_memory(numel, DTYPE_BYTES.get(info.dtype, 4), zero_stage=stage, dp=over)
-            ev.state_memory += states.total if trainable else states.params
+            ev.param_states[fqn] = states.total if trainable else states.params
+            ev.grad_memory += states.grads if trainable else 0.0
+            ev.state_memory += ev.param_states[fqn]
             if trainable and mesh.dp > 1 and zero:
                 # FSDP2 gathers a stage's parameters once (in the run's precision) and keeps them,
                 # with the unsharded gradients (fp32) they accumulate, until the reduce-scatter
@@ -733,12 +738,14 @@ def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bo
                 "activations": sum(e.activation_memory for e in per_anchor),
                 "weight_copies": sum(e.weight_copies for e in per_anchor),
                 "gathered": sum(e.gathered for e in per_anchor),
+                "gradients": sum(e.grad_memory for e in per_anchor),
                 "total": problem.memory(sol.choice), "limit": problem.memory_limit},
         solver={"status": sol.status, "objective": sol.objective, "gap": sol.gap, "time_s": sol.solve_time_s,
                 "variables": sol.num_variables, "constraints": sol.num_constraints,
                 "ilp_nodes": len(problem.node_costs), "anchors": len(anchors)},
         collectives=collectives,
         needs=needs,
+        param_states={f: b for e in per_anchor for f, b in e.param_states.items()},
     )
 
 

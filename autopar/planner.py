@@ -118,7 +118,8 @@ class Search:
                 if s > 1 and in_flight == in_flight_microbatches(self.schedule, s - 1, 0, m):
                     times[s, :, :, k], picks[(s, k)] = times[s - 1, :, :, k], picks[(s - 1, k)]
                     continue
-                memory = np.stack([t["states"] + in_flight * t["acts"] + t["transient"] for t in tables])
+                memory = np.stack([t["states"] + np.maximum(in_flight * t["acts"] + t["transient"], t["averaged"])
+                                   for t in tables])
                 masked = np.where(memory <= self.memory_limit, key, INF)
                 best = np.argmin(masked, axis=0)
                 chosen = np.take_along_axis(masked, best[None], axis=0)[0]
@@ -228,11 +229,12 @@ def plan_single_stage(search: Search) -> Plan:
         ops=best.ops, needs=best.needs, cost={"forward_s": c["compute_s"] * share + comm / 2,
                             "backward_s": c["compute_s"] * (1 - share) + comm / 2, "send_s": 0.0,
                             "grad_sync_s": c["grad_sync_s"] + compressed(best), "state_bytes": best.memory["model_states"],
-                            "activation_bytes_per_microbatch": best.memory["activations"] + best.memory["weight_copies"]
-                            + best.memory["gathered"]})
-    c = stage.cost
-    sim = simulate([StageTimes(c["forward_s"], c["backward_s"], 0.0, c["grad_sync_s"], c["state_bytes"],
-                               c["activation_bytes_per_microbatch"])], 1, search.schedule)
+                            **_memory_costs(best.memory["activations"] + best.memory["weight_copies"] + costs.loss_bytes
+                                            / best.logical_mesh[0], 2 * costs.loss_bytes / best.logical_mesh[0]
+                                            + best.memory["gathered"], best.memory["gradients"],
+                                            c["trainable_bytes"] if best.logical_mesh[0] > 1 and not any(
+                                                p[0] == "S(0)" for p in best.params.values()) else 0.0)})
+    sim = simulate([stage_times(stage.cost)], 1, search.schedule)
     limited = [] if best.solver["status"] == "optimal" else [
         {"stage": 0, "layers": [0, len(search.layers)], "gap": best.solver["gap"]}]
     return _plan(search, [stage], sim, 1, "auto", {"ilp_solves": len(logical_meshes(search.mesh)), "cache_hits": 0,
@@ -273,14 +275,26 @@ def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int]
             ops=ops, needs=needs, recompute=opt.recompute,
             cost={"forward_s": opt.forward_s, "backward_s": opt.backward_s, "send_s": opt.send_s,
                   "grad_sync_s": opt.grad_sync_s, "state_bytes": opt.state_bytes,
-                  "activation_bytes_per_microbatch": opt.activation_bytes, "transient_bytes": opt.transient_bytes}))
-        times.append(StageTimes(opt.forward_s, opt.backward_s, opt.send_s, opt.grad_sync_s, opt.state_bytes,
-                                opt.activation_bytes, opt.transient_bytes))
+                  **_memory_costs(opt.activation_bytes, opt.transient_bytes, opt.grad_bytes, opt.sync_bytes)}))
+        times.append(stage_times(stages[-1].cost))
         gap = search.costs.gap(search.atoms(i, j), shape, opt.logical_mesh, opt.lean)
         if gap is not None:
             limited.append({"stage": idx, "layers": [i, j], "gap": gap})
     sim = simulate(times, m, search.schedule)
     return _plan(search, stages, sim, m, name, {"method": name, **_time_limited(limited)})
+
+
+def _memory_costs(acts: float, transient: float, grads: float, averaged: float) -> dict[str, float]:
+    """A plan stage's memory terms beside its state bytes (what `stage_times` reads back)."""
+    return {"activation_bytes_per_microbatch": acts, "transient_bytes": transient, "grad_bytes": grads,
+            "sync_bytes": averaged}
+
+
+def stage_times(cost: dict[str, float]) -> StageTimes:
+    """The simulator's view of a plan stage, from the costs it carries (older plans lack some: 0)."""
+    c = {k: cost.get(k, 0.0) for k in ("forward_s", "backward_s", "send_s", "grad_sync_s", "state_bytes",
+                                       "activation_bytes_per_microbatch", "transient_bytes", "grad_bytes", "sync_bytes")}
+    return StageTimes(*c.values())
 
 
 def _time_limited(stages: list[dict]) -> dict:

@@ -23,6 +23,7 @@ from autopar.graph import OpGraph
 from autopar.ilp import InfeasibleError
 from autopar.intra_op import (
     BUCKET_BYTES,
+    DTYPE_BYTES,
     Rule,
     StageSharding,
     buckets,
@@ -49,9 +50,13 @@ class StageOption:
     state_bytes: float
     activation_bytes: float  # per microbatch in flight
     transient_bytes: float  # during one backward (recomputed activations)
+    grad_bytes: float = 0.0  # the gradients' part of state_bytes (absent until the step's first backward)
+    sync_bytes: float = 0.0  # flat copies of the gradients the data axis averages, at the end of backward
 
     def memory(self, in_flight: int) -> float:
-        return self.state_bytes + in_flight * self.activation_bytes + self.transient_bytes
+        """The peak with `in_flight` microbatches' activations held (an upper bound: the simulator
+        knows when gradients appear)."""
+        return self.state_bytes + max(in_flight * self.activation_bytes + self.transient_bytes, self.sync_bytes)
 
     @property
     def time(self) -> float:
@@ -76,6 +81,13 @@ class StageCosts:
 
     def __post_init__(self) -> None:
         self.atoms = self.graph.layer_list
+        # weights several atoms compute with (a GPT's tied embedding and output layer): each atom's
+        # result counts their states, a stage holding several of those atoms holds them once
+        users: dict[str, list[int]] = {}
+        for k, atom in enumerate(self.atoms):
+            for f in sorted({f for n in atom.nodes for f in self.graph.node(n).params}):
+                users.setdefault(f, []).append(k)
+        self.tied = {f: ks for f, ks in users.items() if len(ks) > 1}
         self.hashes = [layer_hash(self.graph, a.nodes) for a in self.atoms]
         self._subgraphs: dict[int, OpGraph] = {}
         self._first: dict[str, int] = {}  # structural hash -> the atom its results were solved on
@@ -84,9 +96,11 @@ class StageCosts:
         self._batch = next(n for n in self.graph if n.op == "input").outputs[0].shape[0]
         self.flops = [(a.flops_fwd, a.flops_bwd) for a in self.atoms]
         self._per_byte: dict = {}
-        # the loss runs on the model's output in the last stage: cross-entropy's log-probabilities and
-        # their gradient are each as large as the logits (a transient of one microbatch)
-        self.loss_bytes = 2.0 * sum(o.nbytes for name in self.graph.outputs for o in self.graph.graph.nodes[name]["op"].outputs)
+        # the loss runs on the model's output in the last stage, in fp32 (autocast's lists and the usual
+        # losses upcast): cross-entropy keeps its log-probabilities for backward (per microbatch in
+        # flight), and its backward makes two logits-sized gradients (a transient of one microbatch)
+        self.loss_bytes = float(sum(math.prod(o.shape) * max(4, DTYPE_BYTES.get(o.dtype, 4))
+                                    for name in self.graph.outputs for o in self.graph.graph.nodes[name]["op"].outputs))
 
     def compressed_per_byte(self, submesh: tuple[int, int], lm: tuple[int, int]) -> float:
         """Seconds a compressor adds (or, negative, saves) per trainable byte of a stage's data-axis
@@ -181,14 +195,16 @@ class StageCosts:
         self.range_sums((0, 0), submesh, lm, lean)  # fills the prefix sums
         prefix = self._prefix[(submesh, lm, lean)][bounds]  # [layer boundary, quantity]
         sums = prefix[None, :, :] - prefix[:, None, :]  # [i, j, quantity]
-        fwd, bwd, comm, sync, states, acts, trainable, weighted, latency, copies, gathered = np.moveaxis(sums, -1, 0)
+        fwd, bwd, comm, sync, states, acts, trainable, weighted, latency, copies, gathered, grads, averaged = \
+            np.moveaxis(sums, -1, 0)
+        states = states - self.tied_excess(bounds, submesh, lm, lean)
         comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
         with np.errstate(invalid="ignore", divide="ignore"):
             n_buckets = np.where(trainable > 0, np.maximum(1, np.ceil(trainable / BUCKET_BYTES)), 0)
             sync = sync + np.where(trainable > 0, weighted / np.where(trainable > 0, trainable, 1) * n_buckets, 0)
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m + copies
-        loss = np.where(bounds == len(self.atoms), self.loss_bytes / (lm[0] * m), 0.0)  # ranges ending the model
-        transient = loss[None, :] + gathered
+        loss = np.where(bounds == len(self.atoms), self.loss_bytes / (lm[0] * m), 0.0)[None, :]  # ranges ending the model
+        transient = 2 * loss + gathered
         if rc:  # keep each layer's input; one layer's activations (and the weight copies) at a time
             bwd = bwd + fwd
             inputs = np.concatenate([[0.0], np.cumsum([self.cut[a - 1] if a > 0 else 0.0 for a in bounds[:-1]])])
@@ -197,6 +213,7 @@ class StageCosts:
             largest = np.concatenate([np.zeros((len(bounds), 1)), np.maximum.accumulate(rows, axis=1)], axis=1)
             transient = transient + largest + copies
             acts = (inputs[None, :] - inputs[:, None]) / (lm[0] * m)
+        acts = acts + loss
         if self.compression is not None and lm[0] > 1:  # compressed after backward, not during it
             sync = bwd + sync + self.compressed_per_byte(submesh, lm) * trainable
         cut_after = np.array([self.cut[b - 1] if 0 < b < len(self.atoms) else 0.0 for b in bounds])
@@ -205,42 +222,48 @@ class StageCosts:
             * np.ones_like(acts)
         time = fwd + bwd + send
         time = np.where(np.isnan(time), np.inf, time)
-        return {"time": time, "backward": bwd, "sync": sync, "states": states, "acts": acts, "transient": transient}
+        return {"time": time, "backward": bwd, "sync": sync, "states": states, "acts": acts, "transient": transient,
+                "grads": grads, "averaged": averaged}
 
     def range_sums(self, atoms, submesh, lm, lean) -> np.ndarray | None:
         """Per-atom [fwd, bwd, comm, sync without latency, states, acts, trainable bytes,
         bucket latency × bytes, comm latency, 16-bit weight copies, ZeRO-3's gathered parameters and
-        gradients] summed over [a, b), from prefix sums."""
+        gradients, gradient bytes, bytes the data axis averages from flat copies] summed over [a, b),
+        from prefix sums."""
         key = (submesh, lm, lean)
         if key not in self._prefix:
             rows = []
             for k in range(len(self.atoms)):
                 p = self.atom(k, submesh, lm, lean)
                 if p is None:
-                    rows.append([np.nan] * 11)
+                    rows.append([np.nan] * 13)
                     continue
                 f, b = self.flops[k]
                 share = f / (f + b) if f + b else 0.5
                 c = p.cost  # the atom's bucket latency is replaced by the stage's (its buckets hold all its weights)
+                bucketed = lm[0] > 1 and not any(pl[0] == "S(0)" for pl in p.params.values())  # GradSync's copies
                 latency = c["bucket_latency_s"] * buckets(c["trainable_bytes"])
                 rows.append([c["compute_s"] * share, c["compute_s"] * (1 - share), c["comm_s"] + c["reshard_s"],
                              c["grad_sync_s"] - latency, p.memory["model_states"], p.memory["activations"],
                              c["trainable_bytes"], c["bucket_latency_s"] * c["trainable_bytes"], c["comm_latency_s"],
-                             p.memory.get("weight_copies", 0.0), p.memory.get("gathered", 0.0)])
-            self._prefix[key] = np.vstack([np.zeros(11), np.cumsum(np.array(rows), axis=0)])
+                             p.memory.get("weight_copies", 0.0), p.memory.get("gathered", 0.0),
+                             p.memory.get("gradients", 0.0), c["trainable_bytes"] if bucketed else 0.0])
+            self._prefix[key] = np.vstack([np.zeros(13), np.cumsum(np.array(rows), axis=0)])
         prefix = self._prefix[key]
         sums = prefix[atoms[1]] - prefix[atoms[0]]
         return None if np.isnan(sums).any() else sums
 
     def option_for(self, atoms, submesh, lm, lean, rc, sums: np.ndarray, m: int) -> StageOption:
-        fwd, bwd, comm, sync, states, acts, trainable, weighted_latency, latency, copies, gathered = (
+        fwd, bwd, comm, sync, states, acts, trainable, weighted_latency, latency, copies, gathered, grads, averaged = (
             float(x) for x in sums)
+        states -= float(self.tied_excess(np.array(atoms), submesh, lm, lean)[0, 1])
         comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
         if trainable:  # one bucket latency per 25 MB of the stage's weights (byte-weighted over its atoms)
             sync += weighted_latency / trainable * buckets(trainable)
         # autocast copies the weights once per microbatch and keeps them until its backward
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m + copies
-        transient = (self.loss_bytes / (lm[0] * m) if atoms[1] == len(self.atoms) else 0.0) + gathered
+        loss = self.loss_bytes / (lm[0] * m) if atoms[1] == len(self.atoms) else 0.0
+        transient = 2 * loss + gathered
         if rc:  # keep each layer's input per microbatch; recompute one layer at a time before its backward
             bwd += fwd
             starts = [a for a in (self.layer_starts or range(len(self.atoms))) if atoms[0] < a < atoms[1]]
@@ -248,13 +271,27 @@ class StageCosts:
             per_layer = [self.range_sums((a, b), submesh, lm, lean)[5] / m for a, b in zip(ends, ends[1:])]
             transient += max(per_layer) + copies
             acts = sum(self.cut[a - 1] for a in ends[:-1] if a > 0) / (lm[0] * m)
+        acts += loss
         if self.compression is not None and lm[0] > 1:  # compressed after backward, not during it
             sync = bwd + sync + self.compressed_per_byte(submesh, lm) * trainable
         last = atoms[1] - 1
         send = 0.0
         if last < len(self.atoms) - 1 and self.cut[last] > 0:  # each rank sends its slice (Megatron's scatter)
             send = p2p_time(self.cut[last] / (lm[0] * lm[1] * m), self._send_link(submesh))
-        return StageOption(lm, lean, rc, fwd, bwd, send, sync, states, acts, transient)
+        return StageOption(lm, lean, rc, fwd, bwd, send, sync, states, acts, transient, grads, averaged)
+
+    def tied_excess(self, bounds: np.ndarray, submesh: tuple[int, int], lm: tuple[int, int], lean: bool) -> np.ndarray:
+        """[i, j]: the state bytes counted more than once in atoms [bounds[i], bounds[j]) (tied
+        weights: all their atoms' shares but the largest)."""
+        excess = np.zeros((len(bounds), len(bounds)))
+        for f, ks in self.tied.items():
+            share = {k: getattr(self.atom(k, submesh, lm, lean), "param_states", {}).get(f, 0.0) for k in ks}
+            for i, a in enumerate(bounds):
+                for j in range(i + 1, len(bounds)):
+                    inside = [share[k] for k in ks if a <= k < bounds[j]]
+                    if len(inside) > 1:
+                        excess[i, j] += sum(inside) - max(inside)
+        return excess
 
     def _send_link(self, submesh: tuple[int, int]) -> Link:
         """Stages meet inside a host when theirs is not full; otherwise the host NIC, shared."""

@@ -1,10 +1,11 @@
-"""Predicted against measured memory: every layout `autopar bench` runs (recomputing ones included),
-each rank's peak of live tensor bytes in a step (`runtime.memory`, by category) beside the
-planner's prediction for its stage (states + activations in flight + transient).
+"""Predicted against measured memory: every layout `autopar bench` runs (recomputing and bf16
+ones included), each rank's peak of live tensor bytes in a step (`runtime.memory`, by category)
+beside the planner's prediction for its stage (states + activations in flight + transient).
 
     python benchmarks/memory_truth.py --model gpt-small --nproc 4 [--json]
+    python benchmarks/memory_truth.py --model benchmarks/rotary_decoder.py:llama_small
 
-fp32, AdamW; one warm-up step (the optimizer's state exists from then on), then the measured one.
+AdamW; one warm-up step (the optimizer's state exists from then on), then the measured one.
 """
 
 from __future__ import annotations
@@ -35,14 +36,17 @@ def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans
         torch.manual_seed(0)
         w = autopar.load_workload(model, batch=batch, device="cpu", dtype=torch.float32)
         pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=plan,
-                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
+                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4),
+                                 mixed_precision=plan.precision or "fp32")
         gen = torch.Generator().manual_seed(1)
         pm.step(*w.make_batch(w.batch, gen))
         _, measured = measured_step(pm, *w.make_batch(w.batch, gen))
         stage = getattr(pm, "stage_index", 0)
+        cost = plan.stages[stage].cost
         rows.append({"layout": plan.name, "microbatches": plan.num_microbatches, "recompute": plan.stages[stage].recompute,
-                     "stage": stage, "predicted": plan.stages[stage].cost["peak_bytes"],
-                     "predicted_states": plan.stages[stage].cost["state_bytes"], "measured": measured})
+                     "precision": plan.precision or "fp32", "stage": stage, "predicted": cost["peak_bytes"],
+                     "predicted_states": cost["state_bytes"], "predicted_transient": cost.get("transient_bytes", 0.0),
+                     "measured": measured})
         del pm
     gathered = [None] * world
     dist.all_gather_object(gathered, rows)
@@ -77,13 +81,16 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print("| layout | microbatches | stage | predicted MB | measured MB | measured / predicted | states predicted / measured |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    print("| layout | precision | stage | predicted MB | measured MB | measured / predicted | states MB predicted / "
+          "measured | activations + temporaries MB predicted / measured |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         m = r["measured"]
         states = m["parameters"] + m["gradients"] + m["optimizer"]
-        print(f"| {r['layout']} | {r['microbatches']} | {r['stage']} | {r['predicted'] / 1e6:.2f} | "
-              f"{m['total'] / 1e6:.2f} | {r['ratio']:.2f} | {r['predicted_states'] / max(states, 1):.2f} |")
+        rest = r["predicted"] - r["predicted_states"]
+        print(f"| {r['layout']} | {r['precision']} | {r['stage']} | {r['predicted'] / 1e6:.2f} | "
+              f"{m['total'] / 1e6:.2f} | {r['ratio']:.2f} | {r['predicted_states'] / 1e6:.1f} / {states / 1e6:.1f} | "
+              f"{rest / 1e6:.1f} / {(m['activations'] + m['temporaries']) / 1e6:.1f} |")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ class StageTimes:
     state_bytes: float = 0.0  # parameters, gradients, optimizer state
     activation_bytes: float = 0.0  # kept per microbatch between its forward and its backward
     transient_bytes: float = 0.0  # extra while one backward runs (recomputed activations)
+    grad_bytes: float = 0.0  # the part of state_bytes the step's first backward allocates (gradients)
+    sync_bytes: float = 0.0  # held at the end of backward: flat copies of the gradients being averaged
 
 
 @dataclass(frozen=True)
@@ -44,9 +46,11 @@ class Simulation:
 
 def schedule_order(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
     """The actions of one stage: GPipe all forwards then all backwards; 1F1B warms up with
-    `stages - stage - 1` forwards, then alternates one forward and one backward."""
+    `stages - stage - 1` forwards, then alternates one forward and one backward. 1F1B with fewer
+    microbatches than stages runs GPipe's order (torch's `Schedule1F1B` refuses it; the runtime
+    falls back), so every stage holds all of them."""
     m = num_microbatches
-    if schedule == "gpipe":
+    if schedule == "gpipe" or schedule == "1f1b" and m < num_stages:
         return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
     if schedule != "1f1b":
         raise ValueError(f"unknown schedule {schedule!r}: '1f1b' or 'gpipe'")
@@ -65,7 +69,8 @@ def simulate(stages: list[StageTimes], num_microbatches: int, schedule: str = "1
     pos = [0] * n
     events: list[Event] = []
     in_flight = [0] * n
-    peak = [st.state_bytes for st in stages]
+    backward_done = [False] * n  # gradients exist from the end of a stage's first backward on
+    peak = [st.state_bytes - st.grad_bytes for st in stages]
     remaining = sum(len(o) for o in orders)
     while remaining:
         progressed = False
@@ -80,20 +85,23 @@ def simulate(stages: list[StageTimes], num_microbatches: int, schedule: str = "1
             dur = stages[s].forward_s if kind == "F" else stages[s].backward_s
             free[s] = done[(kind, s, mb)] = start + dur
             events.append(Event(s, kind, mb, start, start + dur))
+            st = stages[s]
+            held = st.state_bytes - (0.0 if backward_done[s] else st.grad_bytes)
             if kind == "F":
                 in_flight[s] += 1
-                peak[s] = max(peak[s], stages[s].state_bytes + in_flight[s] * stages[s].activation_bytes)
+                peak[s] = max(peak[s], held + in_flight[s] * st.activation_bytes)
                 if s + 1 < n:
-                    events.append(Event(s, "send", mb, start + dur, start + dur + stages[s].send_s))
+                    events.append(Event(s, "send", mb, start + dur, start + dur + st.send_s))
             else:
-                peak[s] = max(peak[s], stages[s].state_bytes + in_flight[s] * stages[s].activation_bytes
-                              + stages[s].transient_bytes)
+                peak[s] = max(peak[s], held + in_flight[s] * st.activation_bytes + st.transient_bytes)
                 in_flight[s] -= 1
+                backward_done[s] = True
             pos[s] += 1
             remaining -= 1
             progressed = True
         if not progressed:
             raise RuntimeError("schedule deadlocked")  # a bug in schedule_order, never the user's input
+    peak = [max(p, st.state_bytes + st.sync_bytes) for p, st in zip(peak, stages)]
     ends = []
     for s, st in enumerate(stages):
         last = max((e for e in events if e.stage == s and e.kind == "B"), key=lambda e: e.end)
