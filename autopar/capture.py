@@ -27,6 +27,7 @@ from torch.utils._pytree import tree_leaves
 from autopar.errors import CaptureError
 from autopar.flops import FlopCounter
 from autopar.graph import OpGraph, OpNode, TensorInfo
+from autopar.saved import saved_outputs
 
 _WRAPPER_PREFIX = "inner."
 
@@ -183,6 +184,11 @@ def _build(
             for src in node.all_input_nodes:
                 if src.name in graph:
                     graph.add_edge(src.name, node.name, bytes=_consumed_bytes(src, node))
+    saved = saved_outputs(fx_graph, needs_grad)
+    if saved is not None:
+        for name in graph.nodes:
+            op = graph.nodes[name]["op"]
+            op.saved_outputs, op.saved_hidden = saved.get(name, (frozenset(), 0))
     _attribute(fx_graph, graph, param_of, params, "params")
     _attribute(fx_graph, graph, buffer_of, buffers, "buffers")
     _fill_layers(graph)

@@ -44,6 +44,10 @@ class OpNode:
     # activation inputs and saves for backward, and whether it copies the weights it reads
     cast_bytes: int = 0
     casts: bool = False
+    # what backward keeps of it (`autopar.saved`): its outputs it saves, and bytes saved that are no
+    # op's output; None: unknown, every output counts
+    saved_outputs: frozenset[int] | None = None
+    saved_hidden: int = 0
 
     @property
     def output_bytes(self) -> int:

@@ -428,10 +428,11 @@ class _Stage:
             ev.compute += compute_time((node.flops_fwd + node.flops_bwd) / (dp_share * tp_share),
                                        3 * (node.bytes_read + node.bytes_written) / (dp_share * tp_share),
                                        self.cluster.device, dtype)
-            for k, out in enumerate(node.outputs):
-                shared = mesh.tp if shard_dim(ev.out[name][k]) is not None else 1
-                ev.activation_memory += out.nbytes / (self._dp_share(name, k) * shared)
-            ev.activation_memory += node.cast_bytes / (dp_share * tp_share)
+            for k, out in enumerate(node.outputs):  # what backward keeps of it (all, when unknown)
+                if node.saved_outputs is None or k in node.saved_outputs:
+                    shared = mesh.tp if shard_dim(ev.out[name][k]) is not None else 1
+                    ev.activation_memory += out.nbytes / (self._dp_share(name, k) * shared)
+            ev.activation_memory += (node.cast_bytes + node.saved_hidden) / (dp_share * tp_share)
         if sig.kind == L.UNKNOWN and mesh.dp > 1:  # runs on whole tensors: gather the batch first
             for i, src in self._tensor_inputs(name):
                 if src and self._batch_of(src, self._out_index(name, src)) is not None:

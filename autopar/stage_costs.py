@@ -213,7 +213,10 @@ class StageCosts:
             largest = np.concatenate([np.zeros((len(bounds), 1)), np.maximum.accumulate(rows, axis=1)], axis=1)
             transient = transient + largest + copies
             acts = (inputs[None, :] - inputs[:, None]) / (lm[0] * m)
-        acts = acts + loss
+        else:  # a later stage keeps what it received until that microbatch's backward
+            acts = acts + np.array([self.cut[a - 1] if a > 0 else 0.0 for a in bounds])[:, None] / (lm[0] * m)
+        # the loss keeps its log-probabilities; in a pipeline the schedule keeps the logits as well
+        acts = acts + loss * np.where(bounds > 0, 2.0, 1.0)[:, None]
         if self.compression is not None and lm[0] > 1:  # compressed after backward, not during it
             sync = bwd + sync + self.compressed_per_byte(submesh, lm) * trainable
         cut_after = np.array([self.cut[b - 1] if 0 < b < len(self.atoms) else 0.0 for b in bounds])
@@ -271,7 +274,9 @@ class StageCosts:
             per_layer = [self.range_sums((a, b), submesh, lm, lean)[5] / m for a, b in zip(ends, ends[1:])]
             transient += max(per_layer) + copies
             acts = sum(self.cut[a - 1] for a in ends[:-1] if a > 0) / (lm[0] * m)
-        acts += loss
+        elif atoms[0] > 0:  # a later stage keeps what it received until that microbatch's backward
+            acts += self.cut[atoms[0] - 1] / (lm[0] * m)
+        acts += loss * (2 if atoms[0] > 0 else 1)  # log-probabilities; a pipeline's schedule keeps the logits
         if self.compression is not None and lm[0] > 1:  # compressed after backward, not during it
             sync = bwd + sync + self.compressed_per_byte(submesh, lm) * trainable
         last = atoms[1] - 1
