@@ -13,7 +13,7 @@ from typing import Any
 
 from autopar.plan import Plan
 from autopar.units import human_bytes, human_time
-from cost_models.simulator import Simulation, StageTimes, simulate
+from cost_models.simulator import Simulation, simulate
 
 COLOURS = {"F": "#4C78A8", "B": "#F58518", "send": "#9D9D9D", "sync": "#54A24B"}
 LABELS = {"F": "forward", "B": "backward", "send": "send to next stage", "sync": "gradient reduction (data axis)"}
@@ -116,7 +116,7 @@ def _memory(ax: Any, plan: Plan, sim: Simulation, limit: float | None) -> None:
     x = range(len(plan.stages))
     ax.bar(x, states, color="#B279A2", label="parameters, gradients, optimizer state")
     ax.bar(x, [p - s for p, s in zip(peaks, states)], bottom=states, color="#FF9DA6",
-           label="activations in flight")
+           label="activations in flight, transients")
     if limit:
         ax.axhline(limit, color="red", linestyle="--", linewidth=1, label=f"device limit {human_bytes(limit)}")
     ax.set_xticks(list(x), [f"stage {i}" for i in x], fontsize=8)

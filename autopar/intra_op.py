@@ -500,9 +500,10 @@ class _Stage:
             ev.state_memory += ev.param_states[fqn]
             if trainable and mesh.dp > 1 and zero:
                 # FSDP2 gathers a stage's parameters once (in the run's precision) and keeps them,
-                # with the unsharded gradients (fp32) they accumulate, until the reduce-scatter
+                # with the unsharded gradients they accumulate (same dtype) and the reduce-scatter's
+                # input buffer (in the parameters' own dtype, fp32 under mixed precision)
                 width = PRECISIONS[self.graph.precision].itemsize if self.graph.precision else DTYPE_BYTES.get(info.dtype, 4)
-                ev.gathered += numel * (width + DTYPE_BYTES.get(info.dtype, 4))
+                ev.gathered += numel * (2 * width + DTYPE_BYTES.get(info.dtype, 4))
         if self.graph.node(name).casts and not zero:  # ZeRO-3 gathers 16-bit weights: nothing to copy
             ev.weight_copies += local * PRECISIONS[self.graph.precision].itemsize / DTYPE_BYTES.get(info.dtype, 4)
         for axis, kind, phase, n, link in syncs:

@@ -68,6 +68,8 @@ class Search:
             rule = dataclasses.replace(rule, zero=False) if rule is not None else REPLICATED_GRADIENTS
         cluster = cluster.with_mesh(*mesh)
         graph = graph or capture(workload.model, workload.example_inputs)
+        if precision is not None and graph.precision not in (None, precision):
+            raise AutoparError(f"the graph was retyped for {graph.precision}: pass the captured one to price {precision}")
         if precision is not None and graph.precision != precision:
             graph = with_precision(graph, workload.model, precision)
         limit = cluster.device.memory_bytes * (1 - RESERVE) if memory_limit is None else memory_limit
@@ -93,9 +95,14 @@ class Search:
                       key=lambda o: (o.time + max(0.0, o.grad_sync_s - o.backward_s) / m, o.lean, o.recompute))
         table: list[StageOption | None] = [None] * (depth + 1)
         for s in range(1, depth + 1):
-            in_flight = in_flight_microbatches(self.schedule, s, 0, m)
-            table[s] = next((o for o in opts if o.memory(in_flight) <= self.memory_limit), None)
+            table[s] = next((o for o in opts if o.memory(self.in_flight(s, m, depth)) <= self.memory_limit), None)
         return table
+
+    def in_flight(self, s: int, m: int, depth: int) -> int:
+        """Microbatches a stage with s stages from the end holds (the DP does not know the
+        pipeline's length: with fewer microbatches than the deepest one it may build, 1F1B runs
+        GPipe's order and every stage holds all of them)."""
+        return m if self.schedule == "1f1b" and m < depth else in_flight_microbatches(self.schedule, s, 0, m)
 
 
     def times(self, shapes: list[tuple[int, int]], m: int, depth: int) -> tuple[np.ndarray, dict]:
@@ -114,8 +121,8 @@ class Search:
             time = np.stack([t["time"] for t in tables])
             key = time + np.maximum(0.0, np.stack([t["sync"] - t["backward"] for t in tables])) / m
             for s in range(1, depth + 1):
-                in_flight = in_flight_microbatches(self.schedule, s, 0, m)
-                if s > 1 and in_flight == in_flight_microbatches(self.schedule, s - 1, 0, m):
+                in_flight = self.in_flight(s, m, depth)
+                if s > 1 and in_flight == self.in_flight(s - 1, m, depth):
                     times[s, :, :, k], picks[(s, k)] = times[s - 1, :, :, k], picks[(s - 1, k)]
                     continue
                 memory = np.stack([t["states"] + np.maximum(in_flight * t["acts"] + t["transient"], t["averaged"])
@@ -293,8 +300,8 @@ def _memory_costs(acts: float, transient: float, grads: float, averaged: float) 
 def stage_times(cost: dict[str, float]) -> StageTimes:
     """The simulator's view of a plan stage, from the costs it carries (older plans lack some: 0)."""
     c = {k: cost.get(k, 0.0) for k in ("forward_s", "backward_s", "send_s", "grad_sync_s", "state_bytes",
-                                       "activation_bytes_per_microbatch", "transient_bytes", "grad_bytes", "sync_bytes")}
-    return StageTimes(*c.values())
+                                       "transient_bytes", "grad_bytes", "sync_bytes")}
+    return StageTimes(**c, activation_bytes=cost.get("activation_bytes_per_microbatch", 0.0))
 
 
 def _time_limited(stages: list[dict]) -> dict:

@@ -20,13 +20,12 @@ from typing import Any
 import torch
 from torch import fx, nn
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from autopar.errors import AutoparError
 from autopar.graph import OpGraph
 
 PRECISIONS = {"bf16": torch.bfloat16, "fp16": torch.float16}
-NAMES = ("bf16", "fp16", "fp32")
 
 
 def parse_precision(value: str | None) -> str | None:
@@ -34,7 +33,7 @@ def parse_precision(value: str | None) -> str | None:
     if value is None or value == "fp32":
         return None
     if value not in PRECISIONS:
-        raise AutoparError(f"mixed precision must be one of {', '.join(NAMES)}, got {value!r}")
+        raise AutoparError(f"mixed precision must be bf16, fp16 or fp32, got {value!r}")
     return value
 
 
@@ -59,24 +58,29 @@ def with_precision(graph: OpGraph, model: nn.Module, precision: str) -> OpGraph:
         if op is None or not isinstance(node.target, torch._ops.OpOverload) \
                 or not torch._C._dispatch_has_kernel_for_dispatch_key(node.target.name(), key):
             continue
-        out_dtype = _dtype(node.meta.get("val"))
-        op.casts = any(i.op == "placeholder" and i.name in params for i in _through_views(node))
+        out_dtype = _dtype(next((t for t in tree_leaves(node.meta.get("val")) if isinstance(t, torch.Tensor)), None))
+        weights = {i for i in _through_views(node) if i.op == "placeholder" and i.name in params}
+        op.casts = bool(weights)
+        if out_dtype is None:
+            continue
+        # inputs reached through views of a weight are the weight's copy (`casts`), not an activation's
         op.cast_bytes = sum(_nbytes(i.meta.get("val"), out_dtype) for i in node.all_input_nodes
-                            if not (i.op == "placeholder" and i.name in params) and _dtype(i.meta.get("val")) not in
-                            (None, out_dtype) and _dtype(i.meta.get("val")).is_floating_point)
+                            if not weights.intersection(_through_views(i) + [i]) and _dtype(i.meta.get("val"))
+                            not in (None, out_dtype) and _dtype(i.meta.get("val")).is_floating_point)
     priced.precision, priced.captured_fingerprint = precision, graph.fingerprint()
     return priced
 
 
-def retyped(graph: fx.Graph, precision: str) -> fx.Graph:
+def retyped(graph: fx.Graph, precision: str, device: str | None = None) -> fx.Graph:
     """A copy of `graph` whose nodes' `val` are as autocast computes them (fake tensors: no
     memory, no FLOPs); an op the replay cannot run (a higher-order op's body) keeps its captured
-    dtype. The pipeline runtime reads what crosses its stage boundaries from it."""
+    dtype. `device`: whose autocast op lists (default: CUDA's where there is one). The pipeline
+    runtime reads what crosses its stage boundaries from it, for its own device."""
     copy = fx.Graph()
     copy.output(copy.graph_copy(graph, {}))
     if graph.owning_module is not None:  # higher-order ops' bodies are its attributes
         fx.GraphModule(graph.owning_module, copy)
-    device, dtype = autocast_device(), PRECISIONS[precision]
+    device, dtype = device or autocast_device(), PRECISIONS[precision]
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     values: dict[str, Any] = {}
 

@@ -49,7 +49,7 @@ class StageOption:
     grad_sync_s: float
     state_bytes: float
     activation_bytes: float  # per microbatch in flight
-    transient_bytes: float  # during one backward (recomputed activations)
+    transient_bytes: float  # during one backward: recomputed activations, the loss's gradients, ZeRO-3's gathered weights
     grad_bytes: float = 0.0  # the gradients' part of state_bytes (absent until the step's first backward)
     sync_bytes: float = 0.0  # flat copies of the gradients the data axis averages, at the end of backward
 
@@ -290,7 +290,8 @@ class StageCosts:
         weights: all their atoms' shares but the largest)."""
         excess = np.zeros((len(bounds), len(bounds)))
         for f, ks in self.tied.items():
-            share = {k: getattr(self.atom(k, submesh, lm, lean), "param_states", {}).get(f, 0.0) for k in ks}
+            share = {k: getattr(self._cache.get((self.hashes[k], submesh, lm, lean)), "param_states", {}).get(f, 0.0)
+                     for k in ks}  # solved by range_sums already (read without counting a hit)
             for i, a in enumerate(bounds):
                 for j in range(i + 1, len(bounds)):
                     inside = [share[k] for k in ks if a <= k < bounds[j]]

@@ -22,7 +22,7 @@ class StageTimes:
     grad_sync_s: float  # once per step, after the stage's last backward starts
     state_bytes: float = 0.0  # parameters, gradients, optimizer state
     activation_bytes: float = 0.0  # kept per microbatch between its forward and its backward
-    transient_bytes: float = 0.0  # extra while one backward runs (recomputed activations)
+    transient_bytes: float = 0.0  # extra while one backward runs (recomputed activations, loss gradients, gathered weights)
     grad_bytes: float = 0.0  # the part of state_bytes the step's first backward allocates (gradients)
     sync_bytes: float = 0.0  # held at the end of backward: flat copies of the gradients being averaged
 

@@ -123,7 +123,8 @@ class MemoryLimitExceeded(AutoparError):
 
 def hold_to(pm: Any, limit: float) -> None:
     """Keep the run within `limit` bytes of tensors per rank, as its plan promised: the first
-    step is measured (`TensorBytes`: steps after it repeat its shapes) and, when some rank's peak
+    step is measured (`TensorBytes`; later steps repeat its shapes, though an fp16 step its loss
+    scale skips creates no optimizer state) and, when some rank's peak
     passed the limit, every rank raises `MemoryLimitExceeded` naming that rank's stage and the
     category furthest over the plan's prediction (the measurement: `pm.first_step_tensor_bytes`). On CUDA the allocator is capped at the limit
     as well, for every step (its reserve counts: a little more than the tensors)."""

@@ -171,7 +171,8 @@ class ParallelModel:
             ep = export_as_planned(self.model, tuple(micro), tuple(example_inputs))  # before sharding: plain tensors
             self.graph = ShardedGraph(self.model, plan.stages[0], mesh["tp"] if self.tp > 1 else None, ep,
                                       layers=[layer["nodes"] for layer in plan.layers])
-            refuse_failing(self.graph, tuple(micro))
+            with self.precision.autocast():  # as the steps will run it
+                refuse_failing(self.graph, tuple(micro))
         # what trains: the model, or the graph holding its parameters (DTensors with a tensor axis)
         self.trained: nn.Module = self.graph if self.graph is not None else self.model
         self.sync: GradSync | None = None

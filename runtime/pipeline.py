@@ -140,7 +140,7 @@ class PipelineModel:
         if plan.precision is not None:  # what crosses a boundary has the dtype autocast gives it
             from autopar.precision import retyped
 
-            values = {n.name: n.meta.get("val") for n in retyped(ep.graph, plan.precision).nodes}
+            values = {n.name: n.meta.get("val") for n in retyped(ep.graph, plan.precision, device.type).nodes}
         else:
             values = {n.name: n.meta.get("val") for n in ep.graph.nodes}
         example = {**values, **dict(zip(user, [x for x in micro if isinstance(x, torch.Tensor)]))}

@@ -50,17 +50,15 @@ class MixedPrecision:
             with _quiet():
                 self.scaler.unscale_(optimizer)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> bool:
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
         """Step unless fp16 gradients overflowed on some rank (then every rank skips it and the
-        scale halves); whether it stepped."""
+        scale halves)."""
         if self.scaler is None:
             optimizer.step()
-            return True
-        before = self.scaler.get_scale()
+            return
         with _quiet():
             self.scaler.step(optimizer)
         self.scaler.update()
-        return self.scaler.get_scale() >= before
 
     def autocasting(self, forward: Callable) -> Callable:
         """`forward` under autocast (the model's own dtype: `forward` itself)."""

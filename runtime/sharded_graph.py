@@ -253,7 +253,7 @@ class ShardedGraph(nn.Module):
         inputs = tuple(x for x in inputs if isinstance(x, torch.Tensor))  # None and flags: constants of the export
         inputs = tuple(slice_batch(x, *self.slice_inputs[i]) if i in self.slice_inputs else x
                        for i, x in enumerate(inputs))
-        env: dict[fx.Node, Any] = dict(zip(self.inputs, inputs))
+        env: dict[fx.Node, Any] = {**self.fixed, **dict(zip(self.inputs, inputs))}  # outputs may be constants
         if self.stage.recompute and torch.is_grad_enabled():  # each layer runs again before its backward
             run = forwards(self._segment)
         else:  # replicated values wrapped once for the whole part (see module docstring)

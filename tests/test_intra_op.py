@@ -96,9 +96,9 @@ def test_lower_memory_limit_shards_parameters_then_fails_clearly():
     graph = mlp_graph(4096, 16384, 512)
     free = shard_stage(graph, HOST, (1, 8), (8, 1))
     assert all(p[0] == "R" for p in free.params.values())  # plenty of memory: plain data parallelism
-    tight = shard_stage(graph, HOST, (1, 8), (8, 1), memory_limit=free.memory["total"] * 0.7)
+    tight = shard_stage(graph, HOST, (1, 8), (8, 1), memory_limit=free.memory["total"] * 0.9)
     assert any(p[0] == "S(0)" for p in tight.params.values())  # ZeRO-3 where memory needs it
-    assert tight.memory["total"] <= free.memory["total"] * 0.7
+    assert tight.memory["total"] <= free.memory["total"] * 0.9
     assert tight.time > free.time  # and it costs communication
     with pytest.raises(InfeasibleError, match=r"needs \d+\.\d\d GiB per device") as err:
         shard_stage(graph, HOST, (1, 8), (8, 1), memory_limit=free.memory["total"] * 0.05)

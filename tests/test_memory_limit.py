@@ -1,5 +1,6 @@
 """A plan predicted to fit runs within its limit, on 4 gloo ranks: gpt-small planned under a
-limit that forces ZeRO-3 and recomputation (data-parallel layouts only) trains with
+limit that forces recomputation (data-parallel layouts only; ZeRO-3, whose FSDP2 unit is a whole
+stage, saves nothing on 4 ranks: see the README) trains with
 every rank's measured peak of tensors under the limit; a plan that promises less than it uses is
 stopped after its first step with one message naming the stage and the category."""
 
@@ -17,7 +18,7 @@ CASES = [("holds",), ("overflows",)]
 
 def _plan():
     """One stage of 4 microbatches, data parallelism only (the tensor axis off: the layout whose
-    memory ZeRO and recomputation are there to save), at 90 % of what it takes without a limit."""
+    memory ZeRO and recomputation are there to save), at 95 % of what it takes without a limit."""
     from autopar.intra_op import Rule
     from autopar.planner import Search, plan_auto
     from cost_models import get_cluster
@@ -27,7 +28,7 @@ def _plan():
     data_only = Rule(letters=lambda *_: {None})
     shape = {"stages": 1, "num_microbatches": 4}
     free = plan_auto(Search.start(w, cluster, (1, WORLD), rule=data_only), **shape).estimate.peak_memory_bytes
-    limit = 0.9 * free
+    limit = 0.95 * free
     plan = plan_auto(Search.start(w, cluster, (1, WORLD), rule=data_only, memory_limit=limit), **shape)
     return w, plan, limit
 
@@ -45,8 +46,7 @@ def _train(rank, world, case):
         losses = [pm.step(*w.make_batch(w.batch, gen)) for _ in range(2)]
     except autopar.AutoparError as exc:
         return str(exc)
-    zero = [all(p[0] == "S(0)" for p in s.params.values()) for s in plan.stages]
-    return losses, pm.first_step_tensor_bytes, limit, zero, [s.recompute for s in plan.stages]
+    return losses, pm.first_step_tensor_bytes, limit, [s.recompute for s in plan.stages]
 
 
 @pytest.mark.parametrize("case", [c for c, in CASES])
@@ -58,7 +58,7 @@ def test_a_plan_runs_within_its_memory_limit(tmp_path, case):
         assert any(k in results[0] for k in ("model states", "activations", "temporaries"))
         return
     assert not any(isinstance(r, str) for r in results), results[0]
-    for losses, measured, limit, zero, recompute in results:
-        assert all(zero) and all(recompute), "the limit should force ZeRO-3 and recomputation"
+    for losses, measured, limit, recompute in results:
+        assert all(recompute), "the limit should force recomputation"
         assert measured["total"] <= limit, f"{measured['total'] / 2**20:.1f} MiB > {limit / 2**20:.1f} MiB"
         assert all(loss == loss for loss in losses)
