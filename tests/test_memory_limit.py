@@ -1,4 +1,4 @@
-"""A plan predicted to fit runs within its limit, on 4 gloo ranks: gpt-small planned under a
+"""A plan predicted to fit runs within its limit, on 2 and 4 gloo ranks: gpt-small planned under a
 limit that forces recomputation (data-parallel layouts only; ZeRO-3, whose FSDP2 unit is a whole
 stage, saves nothing on 4 ranks: see the README) trains with
 every rank's measured peak of tensors under the limit; a plan that promises less than it uses is
@@ -12,11 +12,10 @@ import torch
 import autopar
 from tests.distributed import shared_ranks
 
-WORLD = 4
 CASES = [("holds",), ("overflows",)]
 
 
-def _plan():
+def _plan(world):
     """One stage of 4 microbatches, data parallelism only (the tensor axis off: the layout whose
     memory ZeRO and recomputation are there to save), at 95 % of what it takes without a limit."""
     from autopar.intra_op import Rule
@@ -24,18 +23,18 @@ def _plan():
     from cost_models import get_cluster
 
     w = autopar.load_workload("gpt-small", batch=32, device="cpu")
-    cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=WORLD)
+    cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)
     data_only = Rule(letters=lambda *_: {None})
     shape = {"stages": 1, "num_microbatches": 4}
-    free = plan_auto(Search.start(w, cluster, (1, WORLD), rule=data_only), **shape).estimate.peak_memory_bytes
+    free = plan_auto(Search.start(w, cluster, (1, world), rule=data_only), **shape).estimate.peak_memory_bytes
     limit = 0.95 * free
-    plan = plan_auto(Search.start(w, cluster, (1, WORLD), rule=data_only, memory_limit=limit), **shape)
+    plan = plan_auto(Search.start(w, cluster, (1, world), rule=data_only, memory_limit=limit), **shape)
     return w, plan, limit
 
 
 def _train(rank, world, case):
     torch.manual_seed(0)
-    w, plan, limit = _plan()
+    w, plan, limit = _plan(world)
     if case == "overflows":  # the same plan, promising a third of what it uses
         plan = dataclasses.replace(plan, estimate=dataclasses.replace(plan.estimate, peak_memory_bytes=1.0))
         limit /= 3
@@ -49,9 +48,10 @@ def _train(rank, world, case):
     return losses, pm.first_step_tensor_bytes, limit, [s.recompute for s in plan.stages]
 
 
+@pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("case", [c for c, in CASES])
-def test_a_plan_runs_within_its_memory_limit(tmp_path, case):
-    results = shared_ranks(_train, WORLD, CASES, (case,), tmp_path)
+def test_a_plan_runs_within_its_memory_limit(tmp_path, world, case):
+    results = shared_ranks(_train, world, CASES, (case,), tmp_path)
     if case == "overflows":
         assert len(set(results)) == 1  # every rank stops, with the same message
         assert "over the memory limit" in results[0] and "(stage " in results[0]
