@@ -112,6 +112,10 @@ def parallelize(
         resolved = dataclasses.replace(resolved, dp_gradient={
             **resolved.dp_gradient, "compression": resolved.dp_gradient.get("compression") if compression == "auto"
             else compression, "delay": delay})
+    if (resolved.dp_gradient.get("compression") or resolved.dp_gradient.get("delay")) and resolved.precision == "fp16":
+        raise AutoparError("fp16 scales the loss, and compressors and delayed averaging keep gradients across steps "
+                           "(error feedback, averages in flight), where a scaled or overflowed one would stay: use bf16 "
+                           "mixed precision with compression or delayed averaging")
     if (resolved.dp_gradient.get("compression") or resolved.dp_gradient.get("delay")) and zero3(resolved):
         raise AutoparError("compression and delayed averaging work on replicated gradients; this plan shards them "
                            "over the data axis (ZeRO-3): use a plan without S(0) parameters")

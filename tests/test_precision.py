@@ -69,14 +69,19 @@ def _setup(name):
 
 
 def _train(rank, world, name, layout):
-    if layout == "mismatch":
-        w, _ = _setup(name)
-        try:
-            autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=_plan(w, world, "2,1,1"),
-                                optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), mixed_precision="fp32")
-        except AutoparError as exc:
-            return str(exc)
-        return None
+    if layout == "mismatch":  # another precision than the plan's; fp16 with a compressor
+        said = []
+        for precision, compression in (("fp32", None), ("fp16", "powersgd:2")):
+            w, _ = _setup(name)
+            plan = dataclasses.replace(_plan(w, world, "2,1,1"), precision=precision if precision != "fp32" else "bf16")
+            try:
+                autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=plan,
+                                    optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), mixed_precision=precision,
+                                    compression=compression)
+                said.append(None)
+            except AutoparError as exc:
+                said.append(str(exc))
+        return said
     runs = {}
     for precision in (None, "bf16", "fp16"):
         w, batches = _setup(name)
@@ -98,8 +103,10 @@ def _train(rank, world, name, layout):
 def test_mixed_precision_trains_as_planned(tmp_path, world, name, layout):
     results = shared_ranks(_train, world, CASES[world], (name, layout), tmp_path)
     if layout == "mismatch":
-        assert results[0] == ("this plan was priced for bf16, the run asks for the model's own dtype (fp32): "
-                              "run it with --mixed-precision bf16, or re-plan with --mixed-precision fp32")
+        mismatch, fp16_compressed = results[0]
+        assert mismatch == ("this plan was priced for bf16, the run asks for the model's own dtype (fp32): "
+                            "run it with --mixed-precision bf16, or re-plan with --mixed-precision fp32")
+        assert fp16_compressed.startswith("fp16 scales the loss")
         return
     for priced, runs in results:
         assert priced == "bf16"
