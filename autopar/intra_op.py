@@ -139,6 +139,16 @@ class StageSharding:
         return self.cost["total_s"]
 
 
+def gathered_bytes(graph: OpGraph, fqn: str, shards: int) -> float:
+    """What FSDP2 holds of a ZeRO-3 parameter while its unit is gathered: the whole parameter (in
+    the run's precision), its unsharded gradient (same dtype) and the reduce-scatter's input
+    buffer (the parameter's own dtype, fp32 under mixed precision); `shards`: its tensor-axis split."""
+    info = graph.params[fqn]
+    own = DTYPE_BYTES.get(info.dtype, 4)
+    width = PRECISIONS[graph.precision].itemsize if graph.precision else own
+    return math.prod(info.shape) / shards * (2 * width + own)
+
+
 class _Stage:
     """Everything the ILP needs about one stage graph on one mesh."""
 
@@ -499,11 +509,7 @@ class _Stage:
             ev.grad_memory += states.grads if trainable else 0.0
             ev.state_memory += ev.param_states[fqn]
             if trainable and mesh.dp > 1 and zero:
-                # FSDP2 gathers a stage's parameters once (in the run's precision) and keeps them,
-                # with the unsharded gradients they accumulate (same dtype) and the reduce-scatter's
-                # input buffer (in the parameters' own dtype, fp32 under mixed precision)
-                width = PRECISIONS[self.graph.precision].itemsize if self.graph.precision else DTYPE_BYTES.get(info.dtype, 4)
-                ev.gathered += numel * (2 * width + DTYPE_BYTES.get(info.dtype, 4))
+                ev.gathered += gathered_bytes(self.graph, fqn, shards)
         if self.graph.node(name).casts and not zero:  # ZeRO-3 gathers 16-bit weights: nothing to copy
             ev.weight_copies += local * PRECISIONS[self.graph.precision].itemsize / DTYPE_BYTES.get(info.dtype, 4)
         for axis, kind, phase, n, link in syncs:
@@ -675,7 +681,9 @@ def shard_stage(
     for a in anchors:
         c = stage.cls[a]
         problem.node_costs[var[c]] += np.array([e.time for e in evals[c]])
-        problem.node_memory[var[c]] += np.array([e.state_memory + e.activation_memory + e.weight_copies + e.gathered
+        # ZeRO-3's gathered parameters are not summed: FSDP2 gathers a layer at a time (`gathered`
+        # is priced per stage: `StageCosts.gathered_per_layer`, `planner.plan_single_stage`)
+        problem.node_memory[var[c]] += np.array([e.state_memory + e.activation_memory + e.weight_copies
                                                  for e in evals[c]])
     for name, costs in stage.output_costs(evals).items():
         problem.node_costs[var[stage.group(name)]] += costs

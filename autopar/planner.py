@@ -14,12 +14,13 @@ from autopar.errors import AutoparError
 from autopar.graph import OpGraph
 from autopar.ilp import InfeasibleError
 from autopar.inter_op import INF, microbatch_counts, stage_dp, submesh_shapes
-from autopar.intra_op import REPLICATED_GRADIENTS, Rule, best_sharding, logical_meshes
+from autopar.intra_op import REPLICATED_GRADIENTS, Rule, best_sharding, gathered_bytes, logical_meshes
 from autopar.layering import Layer, cluster_layers
 from autopar.models import Workload
 from autopar.plan import Estimate, Plan, StagePlan
 from autopar.precision import with_precision
-from autopar.stage_costs import StageCosts, StageOption
+from autopar.stage_costs import StageCosts, StageOption, gathered_peak
+from autopar.placement import shard_dim
 from autopar.units import human_bytes
 from cost_models import ClusterSpec
 from cost_models.compression import AUTO, parse
@@ -215,9 +216,16 @@ def plan_single_stage(search: Search) -> Plan:
     """Every device in one stage, one microbatch: the whole graph's ILP on each logical mesh."""
     costs, g = search.costs, search.graph
     share = g.flops_fwd / (g.flops_fwd + g.flops_bwd) if g.flops_fwd + g.flops_bwd else 0.5
+    def transient(r, loss: float = 0.0) -> float:  # ZeRO-3 gathers a layer at a time (the ILP leaves it out)
+        return gathered_peak(_gathered_per_layer(search, r.params, r.logical_mesh[1]), g.precision, loss)
+
     try:
         best, results, _ = best_sharding(search.graph, search.cluster, search.mesh, search.memory_limit,
                                          costs.time_limit_s, rule=costs.rule)
+        if best.memory["total"] + transient(best) > search.memory_limit:  # again, keeping room for any layer
+            room = transient(dataclasses.replace(best, params={f: ["S(0)", "R"] for f in g.params}, logical_mesh=(1, 1)))
+            best, results, _ = best_sharding(search.graph, search.cluster, search.mesh, search.memory_limit - room,
+                                             costs.time_limit_s, rule=costs.rule)
     except InfeasibleError as exc:
         raise InfeasibleError(f"{search.workload.name} (batch {search.workload.batch}) {exc}", exc.least_memory) from None
 
@@ -237,8 +245,9 @@ def plan_single_stage(search: Search) -> Plan:
                             "backward_s": c["compute_s"] * (1 - share) + comm / 2, "send_s": 0.0,
                             "grad_sync_s": c["grad_sync_s"] + compressed(best), "state_bytes": best.memory["model_states"],
                             **_memory_costs(best.memory["activations"] + best.memory["weight_copies"] + costs.loss_bytes
-                                            / best.logical_mesh[0], 2 * costs.loss_bytes / best.logical_mesh[0]
-                                            + best.memory["gathered"], best.memory["gradients"],
+                                            / best.logical_mesh[0], transient(best, 2 * costs.loss_bytes
+                                                                             / best.logical_mesh[0]),
+                                            best.memory["gradients"],
                                             c["trainable_bytes"] if best.logical_mesh[0] > 1 and not any(
                                                 p[0] == "S(0)" for p in best.params.values()) else 0.0)})
     sim = simulate([stage_times(stage.cost)], 1, search.schedule)
@@ -289,6 +298,22 @@ def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int]
             limited.append({"stage": idx, "layers": [i, j], "gap": gap})
     sim = simulate(times, m, search.schedule)
     return _plan(search, stages, sim, m, name, {"method": name, **_time_limited(limited)})
+
+
+def _gathered_per_layer(search: Search, params: dict[str, list[str]], tp: int) -> np.ndarray:
+    """ZeRO-3's gathered bytes per layer of a whole-graph sharding (`params`: the plan's
+    placements; a weight counts in the first layer that uses it)."""
+    seen: set[str] = set()
+    out = []
+    for layer in search.layers:
+        total = 0.0
+        for fqn in (f for name in layer.nodes for f in search.graph.node(name).params):
+            if fqn in params and fqn in search.graph.trainable and fqn not in seen:
+                seen.add(fqn)
+                if params[fqn][0] == "S(0)":
+                    total += gathered_bytes(search.graph, fqn, tp if shard_dim(params[fqn][1]) is not None else 1)
+        out.append(total)
+    return np.array(out)
 
 
 def _memory_costs(acts: float, transient: float, grads: float, averaged: float) -> dict[str, float]:

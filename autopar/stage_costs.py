@@ -32,8 +32,26 @@ from autopar.intra_op import (
     shard_stage,
 )
 from autopar.layering import cut_bytes
+from autopar.precision import PRECISIONS
 from cost_models import ClusterSpec, Link, axis_link, p2p_time
 from cost_models.compression import Spec, dense_time, sync_time
+
+
+def gathered_peak(per_layer: np.ndarray, precision: str | None, loss: float = 0.0,
+                  acts: np.ndarray | None = None) -> float:
+    """The transient of a one-stage plan whose parameters FSDP2 gathers a layer at a time
+    (ZeRO-3): during layer l's backward, its gathered bytes (`intra_op.gathered_bytes`,
+    `per_layer`) and the parameters of layer l - 1, gathered ahead (backward prefetch: width of
+    the 2·width + 4 bytes), while the activations of the layers after l are freed already
+    (`acts`, per layer; None: none counted as freed). `loss`: the loss's backward (its two
+    logits-sized gradients), before any layer's; the last layer's backward still holds one."""
+    width = PRECISIONS[precision].itemsize if precision else 4
+    per_layer = np.asarray(per_layer, dtype=float)
+    at = per_layer + np.concatenate([[0.0], per_layer[:-1] * width / (2 * width + 4)])
+    if acts is not None:
+        at -= np.concatenate([np.cumsum(acts[::-1])[::-1][1:], [0.0]])
+    at[-1] += loss / 2
+    return max(float(at.max()), loss)
 
 
 @dataclass(frozen=True)
@@ -205,6 +223,8 @@ class StageCosts:
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m + copies
         loss = np.where(bounds == len(self.atoms), self.loss_bytes / (lm[0] * m), 0.0)[None, :]  # ranges ending the model
         transient = 2 * loss + gathered
+        if bounds[0] == 0 and bounds[-1] == len(self.atoms):  # the whole model in one stage
+            transient[0, -1] = self.one_stage_transient(prefix, bounds, 2 * loss[0, -1], m, rc)
         if rc:  # keep each layer's input; one layer's activations (and the weight copies) at a time
             bwd = bwd + fwd
             inputs = np.concatenate([[0.0], np.cumsum([self.cut[a - 1] if a > 0 else 0.0 for a in bounds[:-1]])])
@@ -267,6 +287,9 @@ class StageCosts:
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m + copies
         loss = self.loss_bytes / (lm[0] * m) if atoms[1] == len(self.atoms) else 0.0
         transient = 2 * loss + gathered
+        if tuple(atoms) == (0, len(self.atoms)):  # the whole model in one stage
+            bounds = np.array(sorted({0, *(self.layer_starts or range(len(self.atoms))), len(self.atoms)}))
+            transient = self.one_stage_transient(self._prefix[(submesh, lm, lean)][bounds], bounds, 2 * loss, m, rc)
         if rc:  # keep each layer's input per microbatch; recompute one layer at a time before its backward
             bwd += fwd
             starts = [a for a in (self.layer_starts or range(len(self.atoms))) if atoms[0] < a < atoms[1]]
@@ -284,6 +307,18 @@ class StageCosts:
         if last < len(self.atoms) - 1 and self.cut[last] > 0:  # each rank sends its slice (Megatron's scatter)
             send = p2p_time(self.cut[last] / (lm[0] * lm[1] * m), self._send_link(submesh))
         return StageOption(lm, lean, rc, fwd, bwd, send, sync, states, acts, transient, grads, averaged)
+
+    def one_stage_transient(self, prefix: np.ndarray, bounds: np.ndarray, loss: float, m: int, rc: bool) -> float:
+        """`gathered_peak` over the layers of a one-stage plan (ZeRO-3: `runtime.parallel.shard_data_axis`);
+        `prefix`: the prefix sums' rows at `bounds`. A recomputing stage frees little as its
+        backward goes (layer inputs), so nothing is counted as freed. In a pipeline torch's
+        schedules keep every layer gathered until the last backward: the stage's sum is right there."""
+        starts = {0, *(self.layer_starts or range(len(self.atoms)))}
+        ends = [i for i, b in enumerate(bounds) if b in starts or i == len(bounds) - 1]
+        if len(ends) < 2:
+            return loss
+        per_layer = np.diff(prefix[ends], axis=0)
+        return gathered_peak(per_layer[:, 10], self.graph.precision, loss, None if rc else per_layer[:, 5] / m)
 
     def tied_excess(self, bounds: np.ndarray, submesh: tuple[int, int], lm: tuple[int, int], lean: bool) -> np.ndarray:
         """[i, j]: the state bytes counted more than once in atoms [bounds[i], bounds[j]) (tied

@@ -77,7 +77,9 @@ def step_of(path: str | Path) -> int:
 
 def _names(pm: Any) -> dict[str, str]:
     """Name of each trained parameter in its module -> its name in the user's model."""
-    return {n: n.replace("__", ".") for n, _ in pm.trained.named_parameters()}
+    if hasattr(pm.trained, "model_names"):  # a ShardedGraph
+        return pm.trained.model_names()
+    return {n: n for n, _ in pm.trained.named_parameters()}
 
 
 def _state(pm: Any, saving: bool) -> tuple[dict[str, Any], dict[str, str]]:
@@ -91,7 +93,9 @@ def _state(pm: Any, saving: bool) -> tuple[dict[str, Any], dict[str, str]]:
     state.update({f"buffer.{n}": b for n, b in pm.state_buffers.items()})  # running statistics, loaded in place
     torch_keys = {}
     for key, value in get_optimizer_state_dict(pm.trained, pm.optimizer, options=_FLAT).items():
-        kind, name, field = key.split(".", 2)  # "state.<param>.exp_avg", "param_groups.<param>.lr"
+        kind, rest = key.split(".", 1)  # "state.<param>.exp_avg", "param_groups.<param>.lr" (<param> may hold dots)
+        name = next((n for n in names if rest.startswith(n + ".")), rest.split(".", 1)[0])
+        field = rest[len(name) + 1:]
         if names.get(name, name) not in skip:
             ours = f"optim.{kind}.{names.get(name, name)}.{field}"
             state[ours], torch_keys[ours] = value, key

@@ -34,7 +34,7 @@ def _storage(t: torch.Tensor) -> tuple[int, torch.UntypedStorage] | None:
         return None  # no memory: DTensor propagates shardings on fake tensors
     try:
         s = t.untyped_storage()
-        return (s.data_ptr(), s) if s.nbytes() else None
+        return (s._cdata, s) if s.nbytes() else None  # the storage itself: FSDP2 resizes one in place
     except (RuntimeError, NotImplementedError):  # no storage of its own (a functional collective's pending result)
         return None
 
@@ -44,7 +44,9 @@ class TensorBytes(TorchDispatchMode):
 
     def __init__(self, held: list[torch.Tensor]) -> None:
         super().__init__()
-        self.live: dict[int, int] = {}  # storage data_ptr -> bytes
+        # storage -> itself, read at each op: FSDP2 frees a gathered parameter by resizing its
+        # storage to nothing (and gathers into it again), which no op reports
+        self.live: dict[int, weakref.ref] = {}
         self.peak, self.at_peak = 0, {}
         self.saved: set[int] = set()
         for t in held:  # what exists before the step: parameters, optimizer state, buffers
@@ -57,13 +59,14 @@ class TensorBytes(TorchDispatchMode):
         if found is None or found[0] in self.live:
             return
         key, storage = found
-        self.live[key] = storage.nbytes()
+        self.live[key] = weakref.ref(storage)
         weakref.finalize(storage, self.live.pop, key, None)
 
     def _note(self) -> None:
-        total = sum(self.live.values())
+        sizes = {key: s.nbytes() for key, ref in list(self.live.items()) if (s := ref()) is not None}
+        total = sum(sizes.values())
         if total > self.peak:
-            self.peak, self.at_peak = total, dict(self.live)
+            self.peak, self.at_peak = total, sizes
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
         found = _storage(t)

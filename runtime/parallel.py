@@ -45,6 +45,18 @@ def zero3(plan: Any) -> bool:
     return any(p[0] == "S(0)" for s in plan.stages for p in s.params.values())
 
 
+def shard_data_axis(module: nn.Module, mesh: Any, precision: str | None) -> None:
+    """ZeRO-3 through FSDP2: each layer's unit (`ShardedGraph.units`) gathered for its forward and
+    again for its backward, then freed, so a step holds about one layer's whole parameters; the
+    rest (weights several layers share) in the root unit. Units take their inputs as they come
+    (autocast decides the dtypes), the root casts the stage's inputs as FSDP2 does."""
+    from torch.distributed.fsdp import fully_shard
+
+    for unit in getattr(module, "units", ()):
+        fully_shard(unit, mesh=mesh, **fsdp_policy(precision, cast_inputs=False))
+    fully_shard(module, mesh=mesh, **fsdp_policy(precision))
+
+
 def check_batch(inputs: Any, plan: Any, dp: int | None = None) -> None:
     """The batch a step gets must be the one the plan was made for (it fixes the shapes): the
     global batch, or with `dp` a data-parallel slice of it (`step(..., local=True)`)."""
@@ -166,20 +178,19 @@ class ParallelModel:
         self.model = model.to(device)
         self.precision = mixed_precision(plan.precision, device)
         self.graph: ShardedGraph | None = None
-        if self.tp > 1 or plan.stages[0].recompute:  # the exported graph: placements, layers to recompute
+        sharded = zero3(plan) and self.dp > 1
+        if self.tp > 1 or plan.stages[0].recompute or sharded:  # the graph: placements, layers (to recompute, to shard)
             micro = _split(_split(example_inputs, self.dp, 0), plan.num_microbatches, 0)
             ep = export_as_planned(self.model, tuple(micro), tuple(example_inputs))  # before sharding: plain tensors
             self.graph = ShardedGraph(self.model, plan.stages[0], mesh["tp"] if self.tp > 1 else None, ep,
-                                      layers=[layer["nodes"] for layer in plan.layers])
+                                      layers=[layer["nodes"] for layer in plan.layers], units=sharded)
             with self.precision.autocast():  # as the steps will run it
                 refuse_failing(self.graph, tuple(micro))
         # what trains: the model, or the graph holding its parameters (DTensors with a tensor axis)
         self.trained: nn.Module = self.graph if self.graph is not None else self.model
         self.sync: GradSync | None = None
-        if zero3(plan) and self.dp > 1:
-            from torch.distributed.fsdp import fully_shard
-
-            fully_shard(self.trained, mesh=mesh["dp"], **fsdp_policy(plan.precision))
+        if sharded:
+            shard_data_axis(self.trained, mesh["dp"], plan.precision)
         elif self.dp > 1:
             self.sync = data_sync(list(self.trained.parameters()), self.group, plan)
         self.state_buffers = self.graph.state_buffers if self.graph is not None else persistent(self.model)
@@ -215,9 +226,15 @@ class ParallelModel:
             stats = self.sync.reset_stats()
             self._bytes["dp"] = [stats.bytes_raw, stats.bytes_sent]
             self._issued = [{"axis": "dp", "kind": kind, "bytes": nbytes} for kind, nbytes in stats.collectives]
-        elif zero3(self.plan) and self.dp > 1:  # FSDP2: reduce-scatter of each gradient, all-gather of each parameter, per microbatch
-            nbytes = sum(p.to_local().numel() * p.to_local().element_size() * self.dp for p in self.trained.parameters())
-            self._bytes["dp"] = [nbytes * (2 * m + 1), nbytes * (2 * m + 1)]
+        elif zero3(self.plan) and self.dp > 1:  # FSDP2, per microbatch: a reduce-scatter of each gradient, an
+            # all-gather of each layer's parameters for its forward and its backward, one of the root's
+            def whole(params: Any) -> int:
+                return sum(p.to_local().numel() * p.to_local().element_size() * self.dp for p in params)
+
+            root = whole(self.trained.parameters(recurse=False))
+            layers = whole(p for unit in self.trained.units for p in unit.parameters())
+            nbytes = m * (2 * root + 3 * layers)
+            self._bytes["dp"] = [nbytes, nbytes]
         if self.max_grad_norm is not None:
             self.precision.unscale(self.optimizer)
             params = list(self.trained.parameters())
@@ -238,8 +255,8 @@ class ParallelModel:
             last = i == m - 1
             if self.sync is not None:
                 self.sync.sync = last
-            elif zero3(self.plan) and self.dp > 1:
-                self.trained.set_requires_gradient_sync(last)
+            # ZeRO-3 reduce-scatters every microbatch's gradients (FSDP2's default): skipping it would
+            # keep every layer's whole gradient between microbatches, the memory ZeRO-3 is there to save
             args = micro_in[i] if isinstance(micro_in[i], (tuple, list)) else (micro_in[i],)
             with self.precision.autocast():  # forward and loss (the model's dtype: nothing)
                 if self.graph is None:

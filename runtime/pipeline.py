@@ -35,7 +35,7 @@ from runtime.cross_mesh import batch_dims
 from runtime.fan_out import FanOutSchedule, peers, receive, send
 from runtime.grad_sync import GradSync, local as local_part
 from runtime.loop import clip, evaluating, squared_grad_norm
-from runtime.precision import fsdp_policy, mixed_precision
+from runtime.precision import mixed_precision
 from runtime.parallel import (
     UnsupportedPlan,
     _split,
@@ -45,6 +45,7 @@ from runtime.parallel import (
     on_device,
     positional,
     refuse_failing,
+    shard_data_axis,
     zero3,
 )
 from runtime.sharded_graph import ShardedGraph, cut
@@ -132,8 +133,9 @@ class PipelineModel:
             twice = export_as_planned(model, tuple(torch.cat([x, x]) if isinstance(x, torch.Tensor) else x
                                                    for x in micro), tuple(example_inputs))
         stage_plan = plan.stages[self.stage_index]
+        sharded = zero3(plan) and self.dp > 1  # the stage shards its parameters over the data axis (FSDP2)
         self.module = ShardedGraph(model, stage_plan, g.tp_mesh, ep, part,
-                                   layers=[plan.layers[k]["nodes"] for k in range(*stage_plan.layers)])
+                                   layers=[plan.layers[k]["nodes"] for k in range(*stage_plan.layers)], units=sharded)
         self.trained = self.module  # what the optimizer steps (and checkpoints save), by model names
         self.precision = mixed_precision(plan.precision, device)
         self.module.forward = self.precision.autocasting(self.module.forward)
@@ -186,10 +188,8 @@ class PipelineModel:
                                  output_args=outputs, group=self.pp_group)
             self.schedule = kind(stage, self.m, loss_fn=loss_m, scale_grads=False)
         self.sync = None
-        if zero3(plan) and self.dp > 1:  # the stage shards its parameters over the data axis (FSDP2)
-            from torch.distributed.fsdp import fully_shard
-
-            fully_shard(self.module, mesh=g.dp_mesh, **fsdp_policy(plan.precision))
+        if sharded:
+            shard_data_axis(self.module, g.dp_mesh, plan.precision)
         elif self.dp > 1:
             self.sync = data_sync(list(self.module.parameters()), self.dp_group, plan)
         stage.sync = self.sync  # buckets launch during the last microbatch's backward
@@ -210,13 +210,15 @@ class PipelineModel:
         gradients (every rank creates every group, in order), and None when every copy is placed
         alike on stages of one logical mesh (a group per position: local shards add up as they are),
         else this stage's size (one group of all their ranks, each adding its whole gradient / size)."""
-        placed = {n: str(getattr(p, "placements", "")) for n, p in self.module.named_parameters()}
+        names = self.module.model_names()
+        placed = {names[n]: str(getattr(p, "placements", "")) for n, p in self.module.named_parameters()}
         per_rank: list[dict[str, str]] = [None] * dist.get_world_size()
         dist.all_gather_object(per_rank, placed)
         holders = [per_rank[g.offsets[s]] for s in range(self.pp)]
         # weights a lower stage holds too: checkpoints save them from that stage alone
-        self.copies = {n.replace("__", ".") for n in holders[self.stage_index]
+        self.copies = {n for n in holders[self.stage_index]
                        if any(n in holders[s] for s in range(self.stage_index))}
+        by_model = {model: here for here, model in names.items()}
         out = []
         for name in sorted({n for h in holders for n in h}):
             stages = [s for s in range(self.pp) if name in holders[s]]
@@ -231,7 +233,7 @@ class PipelineModel:
             for ranks in groups:
                 group = dist.new_group(ranks)
                 if dist.get_rank() in ranks:
-                    out.append((self.module.get_parameter(name), group, share))
+                    out.append((self.module.get_parameter(by_model[name]), group, share))
         return out
 
     @guarded
@@ -284,7 +286,8 @@ class PipelineModel:
             ).redistribute(grad.device_mesh, grad.placements)
         if self.max_grad_norm is not None:  # a weight several stages hold counts once, in the lowest
             self.precision.unscale(self.optimizer)
-            own = [p for n, p in self.module.named_parameters() if n.replace("__", ".") not in self.copies]
+            names = self.module.model_names()
+            own = [p for n, p in self.module.named_parameters() if names[n] not in self.copies]
             self.last_grad_norm = clip(list(self.module.parameters()), squared_grad_norm(own),
                                        self._sizes[self.stage_index], self.max_grad_norm, self.device)
         scale = self.precision.loss_scale  # the losses the schedule kept are scaled by it

@@ -90,10 +90,11 @@ def mixed_precision(name: str | None, device: torch.device) -> MixedPrecision:
     return MixedPrecision(name, device.type, scaler)
 
 
-def fsdp_policy(name: str | None) -> dict[str, Any]:
+def fsdp_policy(name: str | None, cast_inputs: bool = True) -> dict[str, Any]:
     """`fully_shard` keyword arguments: 16-bit gathered parameters, fp32 gradient reduction."""
     if name is None:
         return {}
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    return {"mp_policy": MixedPrecisionPolicy(param_dtype=PRECISIONS[name], reduce_dtype=torch.float32)}
+    return {"mp_policy": MixedPrecisionPolicy(param_dtype=PRECISIONS[name], reduce_dtype=torch.float32,
+                                              cast_forward_inputs=cast_inputs)}

@@ -47,14 +47,11 @@ def segments(nodes: list[fx.Node], layers: list[list[str]], kept: set[fx.Node], 
     return out
 
 
-def forwards(run: Any) -> Any:
-    """`run(segment, *values)` under a checkpoint: its activations are recomputed in backward."""
+def checkpointed(run: Any, *values: Any) -> Any:
+    """`run(*values)` under a checkpoint: its activations are recomputed in backward. The whole
+    segment again: stopping early interrupts `run` with an exception, which the runtime would
+    report as the op failing."""
     from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
-    def checkpointed(segment: Segment, *values: Any) -> Any:
-        # the whole segment again: stopping early interrupts `run` with an exception, which the
-        # runtime would report as the op failing
-        with set_checkpoint_early_stop(False):
-            return checkpoint(run, segment, *values, use_reentrant=False)
-
-    return checkpointed
+    with set_checkpoint_early_stop(False):
+        return checkpoint(run, *values, use_reentrant=False)

@@ -15,7 +15,9 @@ independently; the plan only splits such ops along letters present in all their 
 from __future__ import annotations
 
 import operator
+import weakref
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -33,7 +35,7 @@ from torch.distributed.tensor import (
 from autopar.capture import _WRAPPER_PREFIX
 from runtime.buffers import persistent
 from runtime.cross_mesh import gather_batch, slice_batch
-from runtime.recompute import Segment, forwards, segments
+from runtime.recompute import Segment, checkpointed, segments
 
 _CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
 # attention on CPU: no DTensor rule (DTensor would try propagating through its decomposition, which
@@ -178,6 +180,19 @@ def cut(graph: fx.Graph, plan: Any, user_inputs: list[str], output: str) -> list
                  carried[s] if s < last else [output]) for s in range(last + 1)]
 
 
+class Layer(nn.Module):
+    """One layer's parameters, and a forward that runs its segment of the graph: the module FSDP2's
+    hooks gather the parameters around (ZeRO-3 per layer, as torchtitan shards each block)."""
+
+    def __init__(self, graph: ShardedGraph, segment: Segment) -> None:
+        super().__init__()
+        self.segment = segment
+        self._graph = weakref.ref(graph)  # not a submodule: the graph holds this one
+
+    def forward(self, *values: Any) -> tuple:
+        return self._graph()._segment(self.segment, *values)
+
+
 class ShardedGraph(nn.Module):
     """Runs (part of) `model`'s exported graph with the tensor-axis placements of one plan stage.
 
@@ -186,10 +201,11 @@ class ShardedGraph(nn.Module):
     the tensor axis — or, for a whole graph whose plan leaves the output split by batch, this
     rank's samples of it (`output_shard`; the loss is then computed per shard). Without a mesh
     (tp = 1) the ops run on plain tensors. `layers`: the node names of each of the stage's layers,
-    the units it recomputes when the plan says so (`runtime.recompute`)."""
+    the units it recomputes when the plan says so (`runtime.recompute`); with `units` each layer's
+    own parameters live in a submodule of `units`, the unit of FSDP2 under ZeRO-3 (`_homes`)."""
 
     def __init__(self, model: nn.Module, stage: Any, mesh: DeviceMesh | None, ep: Any, part: Part | None = None,
-                 layers: list[list[str]] | None = None) -> None:
+                 layers: list[list[str]] | None = None, units: bool = False) -> None:
         super().__init__()
         self.mesh, self.stage = mesh, stage
         self.graph = ep.graph_module.graph
@@ -216,16 +232,11 @@ class ShardedGraph(nn.Module):
         buffers = dict(model.named_buffers(remove_duplicate=False))
         canonical = {id(p): n for n, p in model.named_parameters()}
         self.fixed: dict[fx.Node, Any] = {}  # placeholder -> buffer or constant
-        owner: dict[int, str] = {}  # parameter -> its name here (FQN with dots as "__")
-        self.param_of: dict[fx.Node, str] = {}  # placeholder -> parameter name here
+        params: dict[fx.Node, nn.Parameter] = {}
         for node in used:
             fqn = fqns.get(node.name)
             if fqn in named:
-                p = named[fqn]
-                if id(p) not in owner:
-                    owner[id(p)] = canonical[id(p)].replace(".", "__")
-                    self.register_parameter(owner[id(p)], p)  # what the stage, optimizer and FSDP see
-                self.param_of[node] = owner[id(p)]
+                params[node] = named[fqn]
             elif fqn is not None:
                 self.fixed[node] = buffers[fqn]
             elif node.name in sig.inputs_to_lifted_tensor_constants:
@@ -244,8 +255,42 @@ class ShardedGraph(nn.Module):
         # at a boundary with a stage of another logical mesh: position -> (batch dim, dp group)
         self.slice_inputs: dict[int, tuple[int | None, Any]] = {}
         self.gather_outputs: dict[int, tuple[int | None, Any]] = {}
-        given = set(self.fixed) | set(self.param_of)
+        given = set(self.fixed) | set(params)
         self.segments = segments(self.nodes, layers or [], set(self.outputs) | set(self.updates), given)
+        self.units = nn.ModuleList()  # with `units`: a module per layer holding its own parameters
+        self._unit_at: dict[int, Layer] = {}  # segment index -> its unit
+        self._wrapped: dict[fx.Node, DTensor] | None = None  # during a forward without recomputation
+        home = self._homes(params, units)
+        self.param_of: dict[fx.Node, tuple[nn.Module, str]] = {}  # placeholder -> (module, name) holding it
+        for node, p in params.items():  # graph order: every rank registers the parameters in the same order
+            name = canonical[id(p)].replace(".", "__")  # the model's FQN, dots as "__"
+            if not hasattr(home[id(p)], name):
+                home[id(p)].register_parameter(name, p)  # what the stage, optimizer and FSDP see
+            self.param_of[node] = (home[id(p)], name)
+
+    def _homes(self, params: dict[fx.Node, nn.Parameter], units: bool) -> dict[int, nn.Module]:
+        """The module each parameter is registered in: here, or with `units` (ZeRO-3) the unit of the
+        one layer that uses it, which FSDP2 gathers for that layer's forward and backward and frees
+        after. A weight several layers use (a tied embedding and output layer) stays here, in the
+        root unit, gathered for the whole step."""
+        home: dict[int, nn.Module] = {id(p): self for p in params.values()}
+        if not units:
+            return home
+        segment_of = {n: i for i, s in enumerate(self.segments) for n in s.nodes}
+        users: dict[int, set[int]] = {}
+        for node, p in params.items():
+            users.setdefault(id(p), set()).update(segment_of[u] for u in node.users if u in segment_of)
+        for i, segment in enumerate(self.segments):
+            own = [pid for pid, where in users.items() if where == {i}]
+            if own:
+                self._unit_at[i] = Layer(self, segment)
+                self.units.append(self._unit_at[i])
+                home.update(dict.fromkeys(own, self._unit_at[i]))
+        return home
+
+    def model_names(self) -> dict[str, str]:
+        """Each parameter's name here (as `named_parameters` gives it) -> its name in the user's model."""
+        return {n: n.rpartition(".")[2].replace("__", ".") for n, _ in self.named_parameters()}
 
     # ---- running ---------------------------------------------------------------------------
 
@@ -254,13 +299,18 @@ class ShardedGraph(nn.Module):
         inputs = tuple(slice_batch(x, *self.slice_inputs[i]) if i in self.slice_inputs else x
                        for i, x in enumerate(inputs))
         env: dict[fx.Node, Any] = {**self.fixed, **dict(zip(self.inputs, inputs))}  # outputs may be constants
-        if self.stage.recompute and torch.is_grad_enabled():  # each layer runs again before its backward
-            run = forwards(self._segment)
-        else:  # replicated values wrapped once for the whole part (see module docstring)
-            shared: dict[fx.Node, DTensor] = {}
-            run = lambda segment, *values: self._segment(segment, *values, wrapped=shared)  # noqa: E731
-        for segment in self.segments:
-            env.update(zip(segment.outputs, run(segment, *(env[n] for n in segment.inputs))))
+        recompute = self.stage.recompute and torch.is_grad_enabled()  # each layer runs again before its backward
+        # without recomputation, replicated values are wrapped once for the whole part (not passed
+        # as an argument: FSDP2's hooks would copy it)
+        self._wrapped = None if recompute else {}
+        try:
+            for i, segment in enumerate(self.segments):
+                unit = self._unit_at.get(i)
+                run = unit if unit is not None else partial(self._segment, segment)
+                values = [env[n] for n in segment.inputs]
+                env.update(zip(segment.outputs, checkpointed(run, *values) if recompute else run(*values)))
+        finally:
+            self._wrapped = None
         with torch.no_grad():
             for node, buffer in self.updates.items():
                 buffer.copy_(env[node].full_tensor() if isinstance(env[node], DTensor) else env[node])
@@ -271,13 +321,13 @@ class ShardedGraph(nn.Module):
         outs = [gather_batch(x, *self.gather_outputs[i]) if i in self.gather_outputs else x for i, x in enumerate(outs)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def _segment(self, segment: Segment, *values: Any, wrapped: dict | None = None) -> tuple:
+    def _segment(self, segment: Segment, *values: Any) -> tuple:
         """The nodes of one segment on the values it reads; the values later ones read."""
         env: dict[fx.Node, Any] = dict(self.fixed)
-        for node, name in self.param_of.items():  # read each call: FSDP swaps in gathered parameters
-            env[node] = getattr(self, name)
+        for node, (module, name) in self.param_of.items():  # read each call: FSDP swaps in gathered parameters
+            env[node] = getattr(module, name)
         env.update(zip(segment.inputs, values))
-        wrapped = {} if wrapped is None else wrapped
+        wrapped = {} if self._wrapped is None else self._wrapped
         for node in segment.nodes:
             try:
                 env[node] = self._run(node, env, wrapped)
@@ -293,8 +343,9 @@ class ShardedGraph(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """This part's parameters, whole (gathered over the tensor and data axes), by the model's names.
         A collective: every rank of the part calls it."""
-        return {name.replace("__", "."): (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
-                for name, p in sorted(self.named_parameters())}
+        names = self.model_names()
+        return {names[name]: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+                for name, p in sorted(self.named_parameters(), key=lambda item: names[item[0]])}
 
     def _plain(self, out: Any) -> Any:
         if isinstance(out, DTensor):
