@@ -76,6 +76,7 @@ class Rule:
     # (signature, op, its batch letters) -> the letters allowed; None: any
     letters: Callable[[L.Signature, OpNode, set[str]], set[str | None]] | None
     zero: bool = True  # whether ZeRO-3 may be chosen on the data axis
+    zero_only: bool = False  # ZeRO-3 wherever it may be: every weight sharded over the data axis (FSDP)
     # ZeRO-2 along the tensor axis: a weight replicated on it, whose gradient it all-reduces (the
     # axis is data-parallel for that weight, as in DeepSpeed-MoE), keeps 1/tp of its gradient
     # and optimizer state; the all-reduce becomes reduce-scatter + all-gather, the same bytes.
@@ -108,6 +109,8 @@ class _Eval:
     activation_memory: float = 0.0
     weight_copies: float = 0.0  # 16-bit copies of weights autocast makes, per microbatch (`autopar.precision`)
     gathered: float = 0.0  # ZeRO-3: the whole parameters and their gradients during the step (FSDP2)
+    zero_gather: float = 0.0  # ZeRO-3's all-gathers' bytes (forward and backward), part of `comm`: per microbatch
+    zero_scatter: float = 0.0  # ZeRO-3's gradient reduce-scatter, again for every microbatch
     param_states: dict[str, float] = field(default_factory=dict)  # fqn -> its share of state_memory
     grad_memory: float = 0.0  # the gradients' part of state_memory (allocated by the step's first backward)
     collectives: list[tuple] = field(default_factory=list)  # (node, kind, phase, bytes[, axis]); axis tp if absent
@@ -317,6 +320,7 @@ class _Stage:
             letters = [c for c in letters if c in allowed] or [None]
         has_params = anchor in self.owning_groups
         zeros = [False, True] if has_params and self.mesh.dp > 1 and (rule is None or rule.zero) else [False]
+        zeros = [True] if rule is not None and rule.zero_only and True in zeros else zeros
         return [Strategy(c, z, rule.shard_states if rule is not None else True) for c in letters for z in zeros]
 
     def _sizes(self, name: str) -> dict[str, int]:
@@ -497,6 +501,8 @@ class _Stage:
                 for phase in ("forward", "backward"):
                     ev.comm += collective_time("all_gather", local, mesh.dp, mesh.dp_link)
                     ev.collectives.append((name, "all_gather", phase, local, "dp"))
+                ev.zero_gather += 2 * collective_time("all_gather", local, mesh.dp, dp_bw)  # α: in comm_latency_s
+                ev.zero_scatter += collective_time("reduce_scatter", local, mesh.dp, mesh.dp_link)
                 syncs.append(("dp", "reduce_scatter", "gradient", mesh.dp, dp_bw))
             elif trainable and mesh.dp > 1:
                 syncs.append(("dp", "all_reduce", "gradient", mesh.dp, dp_bw))
@@ -743,7 +749,8 @@ def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bo
         cost={"compute_s": compute, "comm_s": comm, "reshard_s": max(0.0, total - latency - compute - comm - grad_sync),
               "grad_sync_s": grad_sync + latency, "total_s": total,
               "bucket_latency_s": per_bucket, "trainable_bytes": trainable_bytes,
-              "comm_latency_s": _latency_of(stage.mesh, collectives)},
+              "comm_latency_s": _latency_of(stage.mesh, collectives),
+              "zero_gather_s": sum(e.zero_gather for e in per_anchor), "zero_scatter_s": sum(e.zero_scatter for e in per_anchor)},
         memory={"model_states": sum(e.state_memory for e in per_anchor),
                 "activations": sum(e.activation_memory for e in per_anchor),
                 "weight_copies": sum(e.weight_copies for e in per_anchor),

@@ -9,6 +9,8 @@ so it is priced, simulated and run exactly like a searched plan.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 from autopar import letters as L
@@ -81,11 +83,13 @@ class Layout:
         return Layout(*parts[:3], parts[3] if len(parts) == 4 else None, recompute)
 
 
-def manual_search(search: Search) -> Search:
-    """The same graph and cluster with Megatron's sharding rule; layers are the model's modules."""
+def manual_search(search: Search, zero3: bool = False) -> Search:
+    """The same graph and cluster with Megatron's sharding rule (with `zero3`, every weight also
+    sharded over the data axis, as FSDP does); layers are the model's modules."""
     atoms = search.graph.layer_list
     layers = [Layer(a.name, (i, i + 1), a.nodes, a.flops_fwd + a.flops_bwd) for i, a in enumerate(atoms)]
-    costs = StageCosts(search.graph, search.cluster, MEGATRON, search.costs.time_limit_s, search.costs.compression)
+    rule = dataclasses.replace(MEGATRON, zero=True, zero_only=True) if zero3 else MEGATRON
+    costs = StageCosts(search.graph, search.cluster, rule, search.costs.time_limit_s, search.costs.compression)
     return Search(search.workload, search.cluster, search.mesh, search.graph, layers, costs,
                   search.memory_limit, search.schedule)
 

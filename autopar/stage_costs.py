@@ -213,16 +213,19 @@ class StageCosts:
         self.range_sums((0, 0), submesh, lm, lean)  # fills the prefix sums
         prefix = self._prefix[(submesh, lm, lean)][bounds]  # [layer boundary, quantity]
         sums = prefix[None, :, :] - prefix[:, None, :]  # [i, j, quantity]
-        fwd, bwd, comm, sync, states, acts, trainable, weighted, latency, copies, gathered, grads, averaged = \
-            np.moveaxis(sums, -1, 0)
+        fwd, bwd, comm, sync, states, acts, trainable, weighted, latency, copies, gathered, grads, averaged, \
+            gather, scatter = np.moveaxis(sums, -1, 0)
         states = states - self.tied_excess(bounds, submesh, lm, lean)
         comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
         with np.errstate(invalid="ignore", divide="ignore"):
             n_buckets = np.where(trainable > 0, np.maximum(1, np.ceil(trainable / BUCKET_BYTES)), 0)
             sync = sync + np.where(trainable > 0, weighted / np.where(trainable > 0, trainable, 1) * n_buckets, 0)
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m + copies
+        fwd = fwd + gather / 2 * (1 - 1 / m)  # ZeRO-3 gathers again for every microbatch's forward: `option_for`
+        if bounds[0] == 0 and bounds[-1] == len(self.atoms):
+            bwd[0, -1] += (gather[0, -1] / 2 + scatter[0, -1]) * (1 - 1 / m)
         loss = np.where(bounds == len(self.atoms), self.loss_bytes / (lm[0] * m), 0.0)[None, :]  # ranges ending the model
-        transient = 2 * loss + gathered
+        transient = 2 * loss + gathered * self._held_in_pipeline
         if bounds[0] == 0 and bounds[-1] == len(self.atoms):  # the whole model in one stage
             transient[0, -1] = self.one_stage_transient(prefix, bounds, 2 * loss[0, -1], m, rc)
         if rc:  # keep each layer's input; one layer's activations (and the weight copies) at a time
@@ -251,7 +254,8 @@ class StageCosts:
     def range_sums(self, atoms, submesh, lm, lean) -> np.ndarray | None:
         """Per-atom [fwd, bwd, comm, sync without latency, states, acts, trainable bytes,
         bucket latency × bytes, comm latency, 16-bit weight copies, ZeRO-3's gathered parameters and
-        gradients, gradient bytes, bytes the data axis averages from flat copies] summed over [a, b),
+        gradients, gradient bytes, bytes the data axis averages from flat copies, ZeRO-3's all-gather
+        (bytes) and reduce-scatter times] summed over [a, b),
         from prefix sums."""
         key = (submesh, lm, lean)
         if key not in self._prefix:
@@ -259,7 +263,7 @@ class StageCosts:
             for k in range(len(self.atoms)):
                 p = self.atom(k, submesh, lm, lean)
                 if p is None:
-                    rows.append([np.nan] * 13)
+                    rows.append([np.nan] * 15)
                     continue
                 f, b = self.flops[k]
                 share = f / (f + b) if f + b else 0.5
@@ -270,23 +274,30 @@ class StageCosts:
                              c["grad_sync_s"] - latency, p.memory["model_states"], p.memory["activations"],
                              c["trainable_bytes"], c["bucket_latency_s"] * c["trainable_bytes"], c["comm_latency_s"],
                              p.memory.get("weight_copies", 0.0), p.memory.get("gathered", 0.0),
-                             p.memory.get("gradients", 0.0), c["trainable_bytes"] if bucketed else 0.0])
-            self._prefix[key] = np.vstack([np.zeros(13), np.cumsum(np.array(rows), axis=0)])
+                             p.memory.get("gradients", 0.0), c["trainable_bytes"] if bucketed else 0.0,
+                             c.get("zero_gather_s", 0.0), c.get("zero_scatter_s", 0.0)])
+            self._prefix[key] = np.vstack([np.zeros(15), np.cumsum(np.array(rows), axis=0)])
         prefix = self._prefix[key]
         sums = prefix[atoms[1]] - prefix[atoms[0]]
         return None if np.isnan(sums).any() else sums
 
     def option_for(self, atoms, submesh, lm, lean, rc, sums: np.ndarray, m: int) -> StageOption:
-        fwd, bwd, comm, sync, states, acts, trainable, weighted_latency, latency, copies, gathered, grads, averaged = (
-            float(x) for x in sums)
+        (fwd, bwd, comm, sync, states, acts, trainable, weighted_latency, latency, copies, gathered, grads, averaged,
+         gather, scatter) = (float(x) for x in sums)
         states -= float(self.tied_excess(np.array(atoms), submesh, lm, lean)[0, 1])
         comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
         if trainable:  # one bucket latency per 25 MB of the stage's weights (byte-weighted over its atoms)
             sync += weighted_latency / trainable * buckets(trainable)
         # autocast copies the weights once per microbatch and keeps them until its backward
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m + copies
+        # ZeRO-3 gathers the parameters again for every microbatch's forward; in one stage for its
+        # backward too, and reduce-scatters every microbatch's gradients (`runtime.parallel`). torch's
+        # pipeline schedules keep them gathered through the backwards and reduce once, after the last
+        fwd += gather / 2 * (1 - 1 / m)
+        if tuple(atoms) == (0, len(self.atoms)):
+            bwd += (gather / 2 + scatter) * (1 - 1 / m)
         loss = self.loss_bytes / (lm[0] * m) if atoms[1] == len(self.atoms) else 0.0
-        transient = 2 * loss + gathered
+        transient = 2 * loss + gathered * self._held_in_pipeline
         if tuple(atoms) == (0, len(self.atoms)):  # the whole model in one stage
             bounds = np.array(sorted({0, *(self.layer_starts or range(len(self.atoms))), len(self.atoms)}))
             transient = self.one_stage_transient(self._prefix[(submesh, lm, lean)][bounds], bounds, 2 * loss, m, rc)
@@ -307,6 +318,15 @@ class StageCosts:
         if last < len(self.atoms) - 1 and self.cut[last] > 0:  # each rank sends its slice (Megatron's scatter)
             send = p2p_time(self.cut[last] / (lm[0] * lm[1] * m), self._send_link(submesh))
         return StageOption(lm, lean, rc, fwd, bwd, send, sync, states, acts, transient, grads, averaged)
+
+    @property
+    def _held_in_pipeline(self) -> float:
+        """The part of ZeRO-3's gathered bytes a pipeline stage holds at once: torch's schedules
+        keep every unit's parameters and unsharded gradients from the first backward on and
+        reduce-scatter after the last, one unit at a time (its buffer is left out: the stage's
+        activations are freed by then)."""
+        width = PRECISIONS[self.graph.precision].itemsize if self.graph.precision else 4
+        return 2 * width / (2 * width + 4)
 
     def one_stage_transient(self, prefix: np.ndarray, bounds: np.ndarray, loss: float, m: int, rc: bool) -> float:
         """`gathered_peak` over the layers of a one-stage plan (ZeRO-3: `runtime.parallel.shard_data_axis`);

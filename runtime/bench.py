@@ -5,8 +5,9 @@ All layouts run in one start of the ranks (each gets a fresh model with the same
 warm-up steps then timed ones; a step's time is the slowest rank's, and a layout's the median
 over its timed steps, then one more step counts its tensors (`runtime.memory`): the peak of
 the rank that holds most, beside the plan's predicted peak. Layouts differ in (dp, tp, pp) and
-microbatches; each (dp, tp, pp) runs once more recomputing its activations, and once more in bf16
-mixed precision (planned for it), at its most microbatches (`runtime.recompute`, `runtime.precision`).
+microbatches; each (dp, tp, pp) runs once more recomputing its activations, once more in bf16
+mixed precision (planned for it), and with a data axis once more with ZeRO-3, at its most
+microbatches (`runtime.recompute`, `runtime.precision`, `runtime.parallel.shard_data_axis`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from runtime.backend import free_port
 
 def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, precision: str | None = None) -> list[Any]:
     """The searched plan first, then every valid hand-written layout × microbatch count (in
-    `precision`), and per (dp, tp, pp) its most microbatches recomputing, and in bf16."""
+    `precision`), and per (dp, tp, pp) its most microbatches recomputing, in bf16, and with ZeRO-3."""
     import dataclasses
 
     from autopar.manual import Layout, check, manual_plan, manual_search
@@ -41,6 +42,7 @@ def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, pre
     view = manual_search(search)
     half = manual_search(Search.start(w, cluster, (1, nproc), graph=search.graph, precision="bf16")) \
         if precision is None else None
+    sharded = manual_search(search, zero3=True)
     for tp in (t for t in range(1, nproc + 1) if nproc % t == 0):
         for pp in (p for p in range(1, nproc // tp + 1) if (nproc // tp) % p == 0):
             valid = [Layout(nproc // (tp * pp), tp, pp, m, False) for m in (1, 2, 4, 8)]
@@ -51,6 +53,9 @@ def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, pre
             if valid and half is not None:
                 plan = manual_plan(half, valid[-1])
                 plans.append(dataclasses.replace(plan, name=f"{plan.name} bf16"))
+            if valid and valid[-1].dp > 1:  # ZeRO-3 (FSDP2, a unit per layer)
+                plan = manual_plan(sharded, valid[-1])
+                plans.append(dataclasses.replace(plan, name=f"{plan.name} zero3"))
     return plans
 
 

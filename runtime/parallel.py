@@ -50,8 +50,13 @@ def shard_data_axis(module: nn.Module, mesh: Any, precision: str | None) -> None
     again for its backward, then freed, so a step holds about one layer's whole parameters; the
     rest (weights several layers share) in the root unit. Units take their inputs as they come
     (autocast decides the dtypes), the root casts the stage's inputs as FSDP2 does."""
+    import warnings
+
     from torch.distributed.fsdp import fully_shard
 
+    # the graph's values are never changed in place (export is functional): a view returned from a
+    # unit keeps FSDP2's pre-backward hook
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     for unit in getattr(module, "units", ()):
         fully_shard(unit, mesh=mesh, **fsdp_policy(precision, cast_inputs=False))
     fully_shard(module, mesh=mesh, **fsdp_policy(precision))

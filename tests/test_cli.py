@@ -300,6 +300,7 @@ def test_bench_runs_every_layout_and_ranks_the_predictions(capsys):
     assert result["auto_name"] == names[0] == "auto" and len(names) >= 8  # with 1,1,2,1: fewer microbatches than stages
     assert any(name.endswith("+recompute") for name in names)  # recomputing layouts run too
     assert {r["precision"] for r in result["layouts"]} == {"fp32", "bf16"}  # and mixed-precision ones
+    assert any(name.endswith(" zero3") for name in names)  # and ZeRO-3 ones
     assert all(r["predicted_step_time_s"] > 0 and r["measured_step_time_s"] > 0 for r in result["layouts"])
     assert all(r["predicted_peak_bytes"] > 0 and r["measured_peak_bytes"] > 0 for r in result["layouts"])
     assert -1 <= result["spearman"] <= 1 and result["auto_vs_fastest"] >= 1
