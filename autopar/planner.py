@@ -17,10 +17,10 @@ from autopar.inter_op import INF, microbatch_counts, stage_dp, submesh_shapes
 from autopar.intra_op import REPLICATED_GRADIENTS, Rule, best_sharding, gathered_bytes, logical_meshes
 from autopar.layering import Layer, cluster_layers
 from autopar.models import Workload
+from autopar.placement import shard_dim
 from autopar.plan import Estimate, Plan, StagePlan
 from autopar.precision import with_precision
 from autopar.stage_costs import StageCosts, StageOption, gathered_peak
-from autopar.placement import shard_dim
 from autopar.units import human_bytes
 from cost_models import ClusterSpec
 from cost_models.compression import AUTO, parse
@@ -216,6 +216,7 @@ def plan_single_stage(search: Search) -> Plan:
     """Every device in one stage, one microbatch: the whole graph's ILP on each logical mesh."""
     costs, g = search.costs, search.graph
     share = g.flops_fwd / (g.flops_fwd + g.flops_bwd) if g.flops_fwd + g.flops_bwd else 0.5
+
     def transient(r, loss: float = 0.0) -> float:  # ZeRO-3 gathers a layer at a time (the ILP leaves it out)
         return gathered_peak(_gathered_per_layer(search, r.params, r.logical_mesh[1]), g.precision, loss)
 

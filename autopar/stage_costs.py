@@ -225,7 +225,7 @@ class StageCosts:
         if bounds[0] == 0 and bounds[-1] == len(self.atoms):
             bwd[0, -1] += (gather[0, -1] / 2 + scatter[0, -1]) * (1 - 1 / m)
         loss = np.where(bounds == len(self.atoms), self.loss_bytes / (lm[0] * m), 0.0)[None, :]  # ranges ending the model
-        transient = 2 * loss + gathered * self._held_in_pipeline
+        transient = 2 * loss + gathered * self.held_in_pipeline(lm[0])
         if bounds[0] == 0 and bounds[-1] == len(self.atoms):  # the whole model in one stage
             transient[0, -1] = self.one_stage_transient(prefix, bounds, 2 * loss[0, -1], m, rc)
         if rc:  # keep each layer's input; one layer's activations (and the weight copies) at a time
@@ -297,7 +297,7 @@ class StageCosts:
         if tuple(atoms) == (0, len(self.atoms)):
             bwd += (gather / 2 + scatter) * (1 - 1 / m)
         loss = self.loss_bytes / (lm[0] * m) if atoms[1] == len(self.atoms) else 0.0
-        transient = 2 * loss + gathered * self._held_in_pipeline
+        transient = 2 * loss + gathered * self.held_in_pipeline(lm[0])
         if tuple(atoms) == (0, len(self.atoms)):  # the whole model in one stage
             bounds = np.array(sorted({0, *(self.layer_starts or range(len(self.atoms))), len(self.atoms)}))
             transient = self.one_stage_transient(self._prefix[(submesh, lm, lean)][bounds], bounds, 2 * loss, m, rc)
@@ -319,14 +319,13 @@ class StageCosts:
             send = p2p_time(self.cut[last] / (lm[0] * lm[1] * m), self._send_link(submesh))
         return StageOption(lm, lean, rc, fwd, bwd, send, sync, states, acts, transient, grads, averaged)
 
-    @property
-    def _held_in_pipeline(self) -> float:
+    def held_in_pipeline(self, dp: int) -> float:
         """The part of ZeRO-3's gathered bytes a pipeline stage holds at once: torch's schedules
         keep every unit's parameters and unsharded gradients from the first backward on and
         reduce-scatter after the last, one unit at a time (its buffer is left out: the stage's
-        activations are freed by then)."""
+        activations are freed by then); the sharded gradients the states count only appear then."""
         width = PRECISIONS[self.graph.precision].itemsize if self.graph.precision else 4
-        return 2 * width / (2 * width + 4)
+        return (2 * width - 4 / dp) / (2 * width + 4)
 
     def one_stage_transient(self, prefix: np.ndarray, bounds: np.ndarray, loss: float, m: int, rc: bool) -> float:
         """`gathered_peak` over the layers of a one-stage plan (ZeRO-3: `runtime.parallel.shard_data_axis`);
