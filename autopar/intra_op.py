@@ -80,12 +80,13 @@ class Rule:
     # ZeRO-2 along the tensor axis: a weight replicated on it, whose gradient it all-reduces (the
     # axis is data-parallel for that weight, as in DeepSpeed-MoE), keeps 1/tp of its gradient
     # and optimizer state; the all-reduce becomes reduce-scatter + all-gather, the same bytes.
-    # The unconstrained search (no rule) always does this: it saves memory at no cost in time
+    # Only layouts priced for comparison set it (DeepSpeed-MoE): the runtime does not shard those
+    # states, so the searches that plan runs (no rule, `REPLICATED_GRADIENTS`) do not promise it
     shard_states: bool = False
 
 
 # the free search with gradients replicated on the data axis, which compressors need
-REPLICATED_GRADIENTS = Rule(letters=None, zero=False, shard_states=True)
+REPLICATED_GRADIENTS = Rule(letters=None, zero=False)
 
 
 @dataclass(frozen=True)
@@ -321,7 +322,7 @@ class _Stage:
         has_params = anchor in self.owning_groups
         zeros = [False, True] if has_params and self.mesh.dp > 1 and (rule is None or rule.zero) else [False]
         zeros = [True] if rule is not None and rule.zero_only and True in zeros else zeros
-        return [Strategy(c, z, rule.shard_states if rule is not None else True) for c in letters for z in zeros]
+        return [Strategy(c, z, rule is not None and rule.shard_states) for c in letters for z in zeros]
 
     def _sizes(self, name: str) -> dict[str, int]:
         if name not in self._size_cache:
