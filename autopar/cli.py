@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from autopar.errors import AutoparError
+from autopar.jsonio import write_json
 from autopar.units import human, human_bytes, human_time, span
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -220,7 +221,7 @@ def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
 
 
 def cmd_calibrate(args: argparse.Namespace, out: Console) -> Any:
-    from cost_models import calibration_file
+    from cost_models import calibration_file, collective_time
     from runtime.calibrate import calibrate, cluster_spec
 
     if args.nproc < 2:
@@ -232,20 +233,31 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> Any:
     path = args.out or str(calibration_file())
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     spec.save(path)
+    link, shared = spec.intra_host, max(1.0, args.nproc / (spec.cores_per_host or args.nproc))
+    rows = [{"ranks": n, "collective": kind, "bytes": nbytes, "measured_s": t,
+             "fitted_s": collective_time(kind, nbytes, n, link) * max(1.0, n / (spec.cores_per_host or n))}
+            for n, fits in measured["links"].items() for kind, fit in fits.items()
+            for nbytes, t in zip(fit["sizes"], fit["times"])]
     if args.json:
         return {"cluster": spec.to_dict(), "path": path, "conv2d_flops": measured["device"]["conv2d_flops"],
-                "links": {str(n): {k: {"latency": v["latency"], "seconds_per_byte": v["seconds_per_byte"]}
-                                   for k, v in fits.items()} for n, fits in measured["links"].items()}}
-    dev = measured["device"]
-    out.print("matmul " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in dev["matmul_flops"].items())
-              + "; conv2d " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in dev["conv2d_flops"].items())
-              + f"; memory {dev['memory_bandwidth'] / 1e9:.1f} GB/s")
-    table = Table(title=f"collectives on {args.nproc} local ranks (fitted to the ring formulas)")
-    for col in ("ranks", "collective", "α (latency)", "bandwidth (1/β)"):
+                "overlap": measured["overlap"], "collectives": rows}
+    dev = spec.device
+    out.print("matmul " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in dev.peak_flops.items())
+              + f" (half of it at {dev.matmul_half_flops / 1e6:.2f} MFLOP); conv2d "
+              + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in measured["device"]["conv2d_flops"].items())
+              + f"; memory {dev.memory_bandwidth / 1e9:.1f} GB/s")
+    out.print(f"per op: {human_time(dev.op_overhead_s)}, on DTensors {human_time(dev.sharded_op_overhead_s)} more; "
+              f"{args.nproc} ranks on {spec.cores_per_host} cores (each at 1/{shared:g} when all compute); "
+              f"an all-reduce hides {link.overlap:.0%} behind computation")
+    table = Table(title=f"collectives on {args.nproc} local ranks: measured, and the ring formulas with "
+                        f"α {human_time(link.latency)}, {link.bandwidth / 1e9:.2f} GB/s fitted to all of them")
+    for col in ("ranks", "collective", "bytes", "measured", "fitted"):
         table.add_column(col, justify="right")
-    for n, fits in measured["links"].items():
-        for kind, fit in fits.items():
-            table.add_row(str(n), kind, human_time(fit["latency"]), f"{1 / fit['seconds_per_byte'] / 1e9:.2f} GB/s")
+    for r in rows:
+        if r["bytes"] in (min(x["bytes"] for x in rows if x["ranks"] == r["ranks"] and x["collective"] == r["collective"]),
+                          max(x["bytes"] for x in rows if x["ranks"] == r["ranks"] and x["collective"] == r["collective"])):
+            table.add_row(str(r["ranks"]), r["collective"], human_bytes(r["bytes"]), human_time(r["measured_s"]),
+                          human_time(r["fitted_s"]))
     out.print(table)
     out.print(f"written to {path}" + (" (cpu-local reads it)" if path == str(calibration_file()) else
                                       f" (use it with --cluster {path})"))
@@ -264,7 +276,12 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> Any:
     bar, step = _progress(f"benchmarking {args.model}")
     with bar:
         result = bench(args.model, args.nproc, cluster, args.batch, args.warmup, args.steps, step,
-                       args.mixed_precision)
+                       args.mixed_precision, breakdown=args.breakdown is not None)
+    if args.breakdown:
+        os.makedirs(args.breakdown, exist_ok=True)
+        for r in result["layouts"]:
+            write_json(os.path.join(args.breakdown, r["name"].replace(" ", "_").replace(",", "-") + ".json"),
+                       {"model": args.model, "cluster": cluster.name, **r})
     if args.json:
         return result
     table = Table(title=f"{args.model} on {args.nproc} local ranks: predicted ({cluster.name}) and measured "
@@ -423,6 +440,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, help="global batch (default: the model's suite default)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per layout (default 2)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per layout, median taken (default 5)")
+    p.add_argument("--breakdown", metavar="DIR", help="time one more step per layout op by op and phase by phase "
+                   "and write DIR/LAYOUT.json: measured per rank beside the prediction per stage")
     _precision_flag(p)
     p = command("calibrate", cmd_calibrate, "measure this machine's ranks: matmul, memory, collectives (α, β)")
     p.add_argument("--nproc", type=int, default=2, help="local ranks to measure (default 2)")

@@ -13,17 +13,10 @@ from typing import Any
 
 from autopar.plan import Plan
 from autopar.units import human_bytes, human_time
-from cost_models.simulator import Simulation, simulate
+from cost_models.simulator import Simulation
 
 COLOURS = {"F": "#4C78A8", "B": "#F58518", "send": "#9D9D9D", "sync": "#54A24B"}
 LABELS = {"F": "forward", "B": "backward", "send": "send to next stage", "sync": "gradient reduction (data axis)"}
-
-
-def replay(plan: Plan) -> Simulation:
-    """The plan's schedule, event by event, from the costs it carries."""
-    from autopar.planner import stage_times
-
-    return simulate([stage_times(s.cost) for s in plan.stages], plan.num_microbatches, plan.schedule)
 
 
 def draw(plan: Plan, memory_limit: float | None = None) -> Any:
@@ -33,6 +26,8 @@ def draw(plan: Plan, memory_limit: float | None = None) -> Any:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
+
+    from autopar.planner import replay
 
     sim = replay(plan)
     n = len(plan.stages)

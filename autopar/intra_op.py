@@ -47,6 +47,7 @@ from cost_models import (
     axis_link,
     collective_time,
     compute_time,
+    fixed_time,
     model_state_memory,
 )
 
@@ -104,6 +105,7 @@ class _Eval:
     need: dict[str, list[str | None]] = field(default_factory=dict)  # node -> tp placement it needs per input
     params: dict[str, str] = field(default_factory=dict)  # fqn -> tp placement
     compute: float = 0.0
+    fixed: float = 0.0  # the part of `compute` that does not shrink with the batch: per op, per microbatch
     comm: float = 0.0
     grad_sync: float = 0.0
     state_memory: float = 0.0
@@ -438,11 +440,21 @@ class _Stage:
         tp_share = mesh.tp if split else 1
         batched = any(d is not None for d in self.batch[name]) or self._batch_letters(name)
         dp_share = mesh.dp if batched and sig.kind != L.UNKNOWN else 1
-        if not node.is_view:
-            dtype = node.outputs[0].dtype if node.outputs else "float32"
+        # every op is issued forward and, when a gradient flows through it, again in backward; on
+        # DTensors (split on the tensor axis, or reading split inputs) at DTensor's cost
+        ops = 1 + self._grad(name)
+        sharded = mesh.tp > 1 and (split or any(p not in (None, R) for p in ev.need.get(name, ())))
+        device = self.cluster.device
+        dtype = node.outputs[0].dtype if node.outputs else "float32"
+        matmuls = (1 + 2 * self._grad(name)) if node.flops_fwd and not node.is_view else 0  # and both gradients
+        fixed = fixed_time(device, dtype, ops, matmuls, sharded)
+        ev.fixed += 0.0 if device.asynchronous else fixed  # paid again by every microbatch
+        if node.is_view:
+            ev.compute += fixed
+        else:
             ev.compute += compute_time((node.flops_fwd + node.flops_bwd) / (dp_share * tp_share),
                                        3 * (node.bytes_read + node.bytes_written) / (dp_share * tp_share),
-                                       self.cluster.device, dtype)
+                                       device, dtype, ops=ops, matmuls=matmuls, sharded=sharded)
             for k, out in enumerate(node.outputs):  # what backward keeps of it (all, when unknown)
                 if node.saved_outputs is None or k in node.saved_outputs:
                     shared = mesh.tp if shard_dim(ev.out[name][k]) is not None else 1
@@ -739,8 +751,12 @@ def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bo
     grad_sync = sum(e.grad_sync for e in per_anchor)
     per_bucket = _bucket_latency(stage, per_anchor)
     # what this rank synchronises: its own shard of each trainable weight (buckets hold local gradients)
-    trainable_bytes = sum(stage.graph.params[f].nbytes / (stage.mesh.tp if shard_dim(params[f][1]) is not None else 1)
-                          for f in stage.graph.trainable if f in params)
+    def trainable_shard(f: str, zero: bool = True) -> float:
+        tp = stage.mesh.tp if shard_dim(params[f][1]) is not None else 1
+        dp = stage.mesh.dp if zero and params[f][0] == "S(0)" else 1
+        return stage.graph.params[f].nbytes / (tp * dp)
+
+    trainable_bytes = sum(trainable_shard(f, zero=False) for f in stage.graph.trainable if f in params)
     latency = per_bucket * buckets(trainable_bytes)
     total = problem.objective(sol.choice) + latency
     return StageSharding(
@@ -751,7 +767,15 @@ def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bo
               "grad_sync_s": grad_sync + latency, "total_s": total,
               "bucket_latency_s": per_bucket, "trainable_bytes": trainable_bytes,
               "comm_latency_s": _latency_of(stage.mesh, collectives),
-              "zero_gather_s": sum(e.zero_gather for e in per_anchor), "zero_scatter_s": sum(e.zero_scatter for e in per_anchor)},
+              "zero_gather_s": sum(e.zero_gather for e in per_anchor), "zero_scatter_s": sum(e.zero_scatter for e in per_anchor),
+              "fixed_s": sum(e.fixed for e in per_anchor),
+              # the optimizer's step: fp32 elements and tensors this rank updates (ZeRO-3: its shard)
+              "optimizer_elements": sum(trainable_shard(f) / DTYPE_BYTES.get(stage.graph.params[f].dtype, 4)
+                                        for f in stage.graph.trainable if f in params),
+              "optimizer_tensors": sum(1 for f in stage.graph.trainable if f in params),
+              # DTensors (on the tensor axis every parameter; under ZeRO-3, FSDP2's)
+              "optimizer_dtensors": sum(1 for f in stage.graph.trainable if f in params
+                                        and (stage.mesh.tp > 1 or params[f][0] == "S(0)"))},
         memory={"model_states": sum(e.state_memory for e in per_anchor),
                 "activations": sum(e.activation_memory for e in per_anchor),
                 "weight_copies": sum(e.weight_copies for e in per_anchor),

@@ -25,7 +25,7 @@ from autopar.units import human_bytes
 from cost_models import ClusterSpec
 from cost_models.compression import AUTO, parse
 from cost_models.memory import in_flight_microbatches
-from cost_models.simulator import StageTimes, simulate
+from cost_models.simulator import Hosts, Simulation, StageTimes, simulate
 
 RESERVE = 0.1  # of device memory kept for the allocator, workspaces and fragmentation
 DP_TOLERANCE = 0.01  # the stage DP's total is within 1 % of its optimum (stage_dp's t_max grid)
@@ -75,7 +75,7 @@ class Search:
             graph = with_precision(graph, workload.model, precision)
         limit = cluster.device.memory_bytes * (1 - RESERVE) if memory_limit is None else memory_limit
         return Search(workload, cluster, mesh, graph, cluster_layers(graph),
-                      StageCosts(graph, cluster, rule, time_limit_s, spec), limit, schedule)
+                      StageCosts(graph, cluster, rule, time_limit_s, spec, world=mesh[0] * mesh[1]), limit, schedule)
 
     def compressed(self, compression: str | None) -> Search:
         """The same search with the data axis priced through `compression` (None: dense)."""
@@ -93,7 +93,7 @@ class Search:
         that fits with the microbatches that stage keeps in flight (index 0 unused)."""
         # the gradient reduction overlaps the last backward (as the simulator replays it)
         opts = sorted(self.costs.options(self.atoms(i, j), shape, m, logical, recompute),
-                      key=lambda o: (o.time + max(0.0, o.grad_sync_s - o.backward_s) / m, o.lean, o.recompute))
+                      key=lambda o: (o.time + (o.grad_sync_s + o.optimizer_s) / m, o.lean, o.recompute))
         table: list[StageOption | None] = [None] * (depth + 1)
         for s in range(1, depth + 1):
             table[s] = next((o for o in opts if o.memory(self.in_flight(s, m, depth)) <= self.memory_limit), None)
@@ -120,7 +120,7 @@ class Search:
                 continue
             tables = [self.costs.variant_table(bounds, shape, v, m) for v in variants]
             time = np.stack([t["time"] for t in tables])
-            key = time + np.maximum(0.0, np.stack([t["sync"] - t["backward"] for t in tables])) / m
+            key = time + np.stack([t["sync"] + t["optimizer"] for t in tables]) / m  # once per step
             for s in range(1, depth + 1):
                 in_flight = self.in_flight(s, m, depth)
                 if s > 1 and in_flight == self.in_flight(s - 1, m, depth):
@@ -230,11 +230,13 @@ def plan_single_stage(search: Search) -> Plan:
     except InfeasibleError as exc:
         raise InfeasibleError(f"{search.workload.name} (batch {search.workload.batch}) {exc}", exc.least_memory) from None
 
+    def backward(r) -> float:
+        return r.cost["compute_s"] * (1 - share) + (r.cost["comm_s"] + r.cost["reshard_s"]) / 2
+
     def compressed(r) -> float:  # what a compressor adds to (or saves from) the data axis, after backward
         if costs.compression is None or r.logical_mesh[0] == 1:
             return 0.0
-        backward = r.cost["compute_s"] * (1 - share) + (r.cost["comm_s"] + r.cost["reshard_s"]) / 2
-        return backward + costs.compressed_per_byte(search.mesh, r.logical_mesh) * r.cost["trainable_bytes"]
+        return backward(r) + costs.compressed_per_byte(search.mesh, r.logical_mesh) * r.cost["trainable_bytes"]
 
     if costs.compression is not None:
         best = min(results, key=lambda r: (float(f"{r.time + compressed(r):.6g}"), -r.logical_mesh[0]))
@@ -244,14 +246,18 @@ def plan_single_stage(search: Search) -> Plan:
         layers=(0, len(search.layers)), submesh=search.mesh, logical_mesh=best.logical_mesh, params=best.params,
         ops=best.ops, needs=best.needs, cost={"forward_s": c["compute_s"] * share + comm / 2,
                             "backward_s": c["compute_s"] * (1 - share) + comm / 2, "send_s": 0.0,
-                            "grad_sync_s": c["grad_sync_s"] + compressed(best), "state_bytes": best.memory["model_states"],
+                            "grad_sync_s": float(costs.exposed_sync(c["grad_sync_s"], backward(best), search.mesh,
+                                                                    best.logical_mesh, c["trainable_bytes"])),
+                            "optimizer_s": float(costs.optimizer_s(c["optimizer_elements"], c["optimizer_tensors"],
+                                                                  c["optimizer_dtensors"])),
+                            "state_bytes": best.memory["model_states"],
                             **_memory_costs(best.memory["activations"] + best.memory["weight_copies"] + costs.loss_bytes
                                             / best.logical_mesh[0], transient(best, 2 * costs.loss_bytes
                                                                              / best.logical_mesh[0]),
                                             best.memory["gradients"],
                                             c["trainable_bytes"] if best.logical_mesh[0] > 1 and not any(
                                                 p[0] == "S(0)" for p in best.params.values()) else 0.0)})
-    sim = simulate([stage_times(stage.cost)], 1, search.schedule)
+    sim = simulate([stage_times(stage.cost)], 1, search.schedule, hosts(search.cluster, [stage.devices]))
     limited = [] if best.solver["status"] == "optimal" else [
         {"stage": 0, "layers": [0, len(search.layers)], "gap": best.solver["gap"]}]
     return _plan(search, [stage], sim, 1, "auto", {"ilp_solves": len(logical_meshes(search.mesh)), "cache_hits": 0,
@@ -291,14 +297,29 @@ def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int]
             layers=(i, j), submesh=shape, logical_mesh=opt.logical_mesh, params=dict(sorted(params.items())),
             ops=ops, needs=needs, recompute=opt.recompute,
             cost={"forward_s": opt.forward_s, "backward_s": opt.backward_s, "send_s": opt.send_s,
-                  "grad_sync_s": opt.grad_sync_s, "state_bytes": opt.state_bytes,
+                  "grad_sync_s": opt.grad_sync_s, "optimizer_s": opt.optimizer_s, "state_bytes": opt.state_bytes,
                   **_memory_costs(opt.activation_bytes, opt.transient_bytes, opt.grad_bytes, opt.sync_bytes)}))
         times.append(stage_times(stages[-1].cost))
         gap = search.costs.gap(search.atoms(i, j), shape, opt.logical_mesh, opt.lean)
         if gap is not None:
             limited.append({"stage": idx, "layers": [i, j], "gap": gap})
-    sim = simulate(times, m, search.schedule)
+    sim = simulate(times, m, search.schedule, hosts(search.cluster, [s.devices for s in stages]))
     return _plan(search, stages, sim, m, name, {"method": name, **_time_limited(limited)})
+
+
+def hosts(cluster: ClusterSpec, devices: list[int]) -> Hosts | None:
+    """The simulator's view of a host whose ranks share fewer cores (None: each has its own)."""
+    cores = cluster.cores_per_host
+    if cores is None or cores >= cluster.devices_per_host:
+        return None
+    return Hosts(tuple(devices), cluster.devices_per_host, cores)
+
+
+def replay(plan: Plan) -> Simulation:
+    """The simulation a plan's estimate came from, from the plan alone."""
+    shared = plan.search.get("hosts")
+    where = Hosts(tuple(s.devices for s in plan.stages), *shared) if shared else None
+    return simulate([stage_times(s.cost) for s in plan.stages], plan.num_microbatches, plan.schedule, where)
 
 
 def _gathered_per_layer(search: Search, params: dict[str, list[str]], tp: int) -> np.ndarray:
@@ -325,8 +346,8 @@ def _memory_costs(acts: float, transient: float, grads: float, averaged: float) 
 
 def stage_times(cost: dict[str, float]) -> StageTimes:
     """The simulator's view of a plan stage, from the costs it carries (older plans lack some: 0)."""
-    c = {k: cost.get(k, 0.0) for k in ("forward_s", "backward_s", "send_s", "grad_sync_s", "state_bytes",
-                                       "transient_bytes", "grad_bytes", "sync_bytes")}
+    c = {k: cost.get(k, 0.0) for k in ("forward_s", "backward_s", "send_s", "grad_sync_s", "optimizer_s",
+                                       "state_bytes", "transient_bytes", "grad_bytes", "sync_bytes")}
     return StageTimes(**c, activation_bytes=cost.get("activation_bytes_per_microbatch", 0.0))
 
 
@@ -353,4 +374,6 @@ def _plan(search: Search, stages: list[StagePlan], sim, m: int, name: str, info:
         stages=stages, num_microbatches=m, schedule=search.schedule, precision=search.graph.precision,
         dp_gradient={"zero_stage": 3 if zero else 0,
                      "compression": search.costs.compression.text if search.costs.compression else None, "delay": 0},
-        estimate=estimate, search={"method": name, **info}, name=name)
+        estimate=estimate, name=name,
+        search={"method": name, **info, **({"hosts": [sim.hosts.devices_per_host, sim.hosts.cores_per_host]}
+                                            if sim.hosts else {})})

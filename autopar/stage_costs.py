@@ -33,8 +33,11 @@ from autopar.intra_op import (
 )
 from autopar.layering import cut_bytes
 from autopar.precision import PRECISIONS
-from cost_models import ClusterSpec, Link, axis_link, p2p_time
+from cost_models import ClusterSpec, Link, axis_link, optimizer_time, p2p_time
+from cost_models.comm import all_reduce_time
 from cost_models.compression import Spec, dense_time, sync_time
+
+COLUMNS = 20  # of `StageCosts.range_sums`
 
 
 def gathered_peak(per_layer: np.ndarray, precision: str | None, loss: float = 0.0,
@@ -70,6 +73,7 @@ class StageOption:
     transient_bytes: float  # during one backward: recomputed activations, the loss's gradients, ZeRO-3's gathered weights
     grad_bytes: float = 0.0  # the gradients' part of state_bytes (absent until the step's first backward)
     sync_bytes: float = 0.0  # flat copies of the gradients the data axis averages, at the end of backward
+    optimizer_s: float = 0.0  # once per step, after the gradients are averaged (and the loss's all-reduce)
 
     def memory(self, in_flight: int) -> float:
         """The peak with `in_flight` microbatches' activations held (an upper bound: the simulator
@@ -96,6 +100,7 @@ class StageCosts:
     # the atoms the planner's layers start at: a recomputing stage keeps each layer's input and
     # recomputes one layer at a time (`runtime.recompute`); None: every atom is a layer
     layer_starts: list[int] | None = None
+    world: int = 1  # ranks of the job: the loss is all-reduced over all of them every step
 
     def __post_init__(self) -> None:
         self.atoms = self.graph.layer_list
@@ -135,6 +140,14 @@ class StageCosts:
                      - dense_time(shapes, lm[0], link))
             self._per_byte[key] = extra / max(1, 4 * sum(math.prod(s) for s in shapes))
         return self._per_byte[key]
+
+    def exposed_sync(self, sync, backward, submesh: tuple[int, int], lm: tuple[int, int], trainable):
+        """The part of a stage's gradient synchronisation its last backward (`backward`, one
+        microbatch's) does not hide: the data axis's link's `overlap` of it. A compressor runs
+        after backward (its rounds depend on the data): nothing hides, and it adds its own cost."""
+        if self.compression is not None and lm[0] > 1:
+            return sync + self.compressed_per_byte(submesh, lm) * trainable
+        return np.maximum(0.0, sync - axis_link(self.cluster, lm, 0, submesh).overlap * backward)
 
     def atom(self, k: int, submesh: tuple[int, int], logical: tuple[int, int], lean: bool) -> StageSharding | None:
         key = (self.hashes[k], submesh, logical, lean)
@@ -214,13 +227,14 @@ class StageCosts:
         prefix = self._prefix[(submesh, lm, lean)][bounds]  # [layer boundary, quantity]
         sums = prefix[None, :, :] - prefix[:, None, :]  # [i, j, quantity]
         fwd, bwd, comm, sync, states, acts, trainable, weighted, latency, copies, gathered, grads, averaged, \
-            gather, scatter = np.moveaxis(sums, -1, 0)
+            gather, scatter, fixed_f, fixed_b, elements, tensors, dtensors = np.moveaxis(sums, -1, 0)
         states = states - self.tied_excess(bounds, submesh, lm, lean)
         comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
         with np.errstate(invalid="ignore", divide="ignore"):
             n_buckets = np.where(trainable > 0, np.maximum(1, np.ceil(trainable / BUCKET_BYTES)), 0)
             sync = sync + np.where(trainable > 0, weighted / np.where(trainable > 0, trainable, 1) * n_buckets, 0)
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m + copies
+        fwd, bwd = fwd + fixed_f * (1 - 1 / m), bwd + fixed_b * (1 - 1 / m)  # every microbatch issues every op
         fwd = fwd + gather / 2 * (1 - 1 / m)  # ZeRO-3 gathers again for every microbatch's forward: `option_for`
         if bounds[0] == 0 and bounds[-1] == len(self.atoms):
             bwd[0, -1] += (gather[0, -1] / 2 + scatter[0, -1]) * (1 - 1 / m)
@@ -240,8 +254,7 @@ class StageCosts:
             acts = acts + np.array([self.cut[a - 1] if a > 0 else 0.0 for a in bounds])[:, None] / (lm[0] * m)
         # the loss keeps its log-probabilities; in a pipeline the schedule keeps the logits as well
         acts = acts + loss * np.where(bounds > 0, 2.0, 1.0)[:, None]
-        if self.compression is not None and lm[0] > 1:  # compressed after backward, not during it
-            sync = bwd + sync + self.compressed_per_byte(submesh, lm) * trainable
+        sync = self.exposed_sync(sync, bwd, submesh, lm, trainable)
         cut_after = np.array([self.cut[b - 1] if 0 < b < len(self.atoms) else 0.0 for b in bounds])
         link = self._send_link(submesh)
         send = np.where(cut_after > 0, link.latency + cut_after / (lm[0] * lm[1] * m) / link.bandwidth, 0.0)[None, :] \
@@ -249,13 +262,14 @@ class StageCosts:
         time = fwd + bwd + send
         time = np.where(np.isnan(time), np.inf, time)
         return {"time": time, "backward": bwd, "sync": sync, "states": states, "acts": acts, "transient": transient,
-                "grads": grads, "averaged": averaged}
+                "grads": grads, "averaged": averaged, "optimizer": self.optimizer_s(elements, tensors, dtensors)}
 
     def range_sums(self, atoms, submesh, lm, lean) -> np.ndarray | None:
         """Per-atom [fwd, bwd, comm, sync without latency, states, acts, trainable bytes,
         bucket latency × bytes, comm latency, 16-bit weight copies, ZeRO-3's gathered parameters and
         gradients, gradient bytes, bytes the data axis averages from flat copies, ZeRO-3's all-gather
-        (bytes) and reduce-scatter times] summed over [a, b),
+        (bytes) and reduce-scatter times, the fixed per-op time of forward and of backward, the
+        optimizer's elements, tensors and DTensors] summed over [a, b),
         from prefix sums."""
         key = (submesh, lm, lean)
         if key not in self._prefix:
@@ -263,7 +277,7 @@ class StageCosts:
             for k in range(len(self.atoms)):
                 p = self.atom(k, submesh, lm, lean)
                 if p is None:
-                    rows.append([np.nan] * 15)
+                    rows.append([np.nan] * COLUMNS)
                     continue
                 f, b = self.flops[k]
                 share = f / (f + b) if f + b else 0.5
@@ -275,21 +289,25 @@ class StageCosts:
                              c["trainable_bytes"], c["bucket_latency_s"] * c["trainable_bytes"], c["comm_latency_s"],
                              p.memory.get("weight_copies", 0.0), p.memory.get("gathered", 0.0),
                              p.memory.get("gradients", 0.0), c["trainable_bytes"] if bucketed else 0.0,
-                             c.get("zero_gather_s", 0.0), c.get("zero_scatter_s", 0.0)])
-            self._prefix[key] = np.vstack([np.zeros(15), np.cumsum(np.array(rows), axis=0)])
+                             c.get("zero_gather_s", 0.0), c.get("zero_scatter_s", 0.0),
+                             c.get("fixed_s", 0.0) * share, c.get("fixed_s", 0.0) * (1 - share),
+                             c.get("optimizer_elements", 0.0), c.get("optimizer_tensors", 0.0),
+                             c.get("optimizer_dtensors", 0.0)])
+            self._prefix[key] = np.vstack([np.zeros(COLUMNS), np.cumsum(np.array(rows), axis=0)])
         prefix = self._prefix[key]
         sums = prefix[atoms[1]] - prefix[atoms[0]]
         return None if np.isnan(sums).any() else sums
 
     def option_for(self, atoms, submesh, lm, lean, rc, sums: np.ndarray, m: int) -> StageOption:
         (fwd, bwd, comm, sync, states, acts, trainable, weighted_latency, latency, copies, gathered, grads, averaged,
-         gather, scatter) = (float(x) for x in sums)
+         gather, scatter, fixed_f, fixed_b, elements, tensors, dtensors) = (float(x) for x in sums)
         states -= float(self.tied_excess(np.array(atoms), submesh, lm, lean)[0, 1])
         comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
         if trainable:  # one bucket latency per 25 MB of the stage's weights (byte-weighted over its atoms)
             sync += weighted_latency / trainable * buckets(trainable)
         # autocast copies the weights once per microbatch and keeps them until its backward
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m + copies
+        fwd, bwd = fwd + fixed_f * (1 - 1 / m), bwd + fixed_b * (1 - 1 / m)  # every microbatch issues every op
         # ZeRO-3 gathers the parameters again for every microbatch's forward; in one stage for its
         # backward too, and reduce-scatters every microbatch's gradients (`runtime.parallel`). torch's
         # pipeline schedules keep them gathered through the backwards and reduce once, after the last
@@ -311,13 +329,19 @@ class StageCosts:
         elif atoms[0] > 0:  # a later stage keeps what it received until that microbatch's backward
             acts += self.cut[atoms[0] - 1] / (lm[0] * m)
         acts += loss * (2 if atoms[0] > 0 else 1)  # log-probabilities; a pipeline's schedule keeps the logits
-        if self.compression is not None and lm[0] > 1:  # compressed after backward, not during it
-            sync = bwd + sync + self.compressed_per_byte(submesh, lm) * trainable
+        sync = float(self.exposed_sync(sync, bwd, submesh, lm, trainable))
         last = atoms[1] - 1
         send = 0.0
         if last < len(self.atoms) - 1 and self.cut[last] > 0:  # each rank sends its slice (Megatron's scatter)
             send = p2p_time(self.cut[last] / (lm[0] * lm[1] * m), self._send_link(submesh))
-        return StageOption(lm, lean, rc, fwd, bwd, send, sync, states, acts, transient, grads, averaged)
+        return StageOption(lm, lean, rc, fwd, bwd, send, sync, states, acts, transient, grads, averaged,
+                           float(self.optimizer_s(elements, tensors, dtensors)))
+
+    def optimizer_s(self, elements, tensors, dtensors):
+        """The optimizer's step on a stage's shard of the weights, and the all-reduce of the loss
+        over every rank that ends each step (a latency)."""
+        return optimizer_time(elements, tensors, self.cluster.device, dtensors) \
+            + all_reduce_time(8.0, self.world, self.cluster.intra_host)
 
     def held_in_pipeline(self, dp: int) -> float:
         """The part of ZeRO-3's gathered bytes a pipeline stage holds at once: torch's schedules

@@ -3,7 +3,7 @@ of sizes and a `ClusterSpec`."""
 
 from cost_models.cluster import ClusterSpec, DeviceSpec, Link
 from cost_models.comm import Collective, axis_link, collective_time, p2p_link, p2p_time
-from cost_models.compute import compute_time
+from cost_models.compute import compute_time, fixed_time, optimizer_time
 from cost_models.memory import (
     MemoryBreakdown,
     fits,
@@ -25,6 +25,8 @@ __all__ = [
     "collective_time",
     "compute_time",
     "fits",
+    "fixed_time",
+    "optimizer_time",
     "get_cluster",
     "in_flight_microbatches",
     "model_state_memory",

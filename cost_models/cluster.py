@@ -26,6 +26,9 @@ GiB = 2**30
 class Link:
     bandwidth: float  # bytes/s in one direction
     latency: float  # seconds per message (α)
+    # the part of a gradient all-reduce that hides behind the backward running beside it: 1 on
+    # GPUs (NCCL's kernels and copy engines), about 0 where gloo reduces on the cores backward needs
+    overlap: float = 1.0
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -35,6 +38,16 @@ class DeviceSpec:
     memory_bytes: int
     memory_bandwidth: float  # bytes/s
     efficiency: float = 0.5  # fraction of peak a large matmul reaches; calibration measures it
+    # a matmul of f FLOPs runs at f / (f + matmul_half_flops) of that: small ones fall short
+    matmul_half_flops: float = 0.0
+    # host time to issue one op (forward or backward: dispatch, autograd); it adds to the op's
+    # time, or on an `asynchronous` device (a GPU) bounds it from below (the kernel-launch floor)
+    op_overhead_s: float = 0.0
+    sharded_op_overhead_s: float = 0.0  # more per op on DTensors (sharding propagation)
+    asynchronous: bool = False
+    # Adam's step: bytes moved per parameter (fused: read 4 fp32 tensors, write 3) and ops per tensor
+    optimizer_bytes: float = 28.0
+    optimizer_ops: float = 0.0
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype`; a dtype the sheet does not list runs at the float32 rate."""
@@ -50,6 +63,9 @@ class ClusterSpec:
     intra_host: Link  # per device, e.g. NVLink
     inter_host: Link  # per host NIC, shared by the host's devices
     description: str = ""
+    # ranks of a host that compute at once (CPU cores with a thread each); None: every device.
+    # More ranks than that share them: each runs at cores / busy ranks (`cost_models.simulator`)
+    cores_per_host: int | None = None
 
     @property
     def num_devices(self) -> int:
@@ -94,13 +110,19 @@ def _parse_cluster(data: Any, source: str) -> ClusterSpec:
     if schema != "autopar.cluster/1":
         raise ClusterSpecError(f"{source}: unknown schema {schema!r}, expected 'autopar.cluster/1'")
 
-    def number(obj: dict, key: str, where: str, integer: bool = False) -> Any:
+    def number(obj: dict, key: str, where: str, integer: bool = False, zero: bool = False, at_most: float = math.inf
+               ) -> Any:
         value = obj.get(key) if isinstance(obj, dict) else None
         ok = isinstance(value, int) if integer else isinstance(value, (int, float))
-        if isinstance(value, bool) or not ok or not math.isfinite(value) or value <= 0:
-            kind = "a positive integer" if integer else "a positive, finite number"
-            raise ClusterSpecError(f"{source}: {where}{key} must be {kind}, got {value!r}")
+        if isinstance(value, bool) or not ok or not math.isfinite(value) or value < 0 or value > at_most \
+                or (value == 0 and not zero):
+            kind = "a positive integer" if integer else f"a {'non-negative' if zero else 'positive'}, finite number"
+            raise ClusterSpecError(f"{source}: {where}{key} must be {kind}"
+                                   f"{f' of at most {at_most:g}' if at_most < math.inf else ''}, got {value!r}")
         return value
+
+    def optional(obj: dict, key: str, where: str, default: float, at_most: float = math.inf) -> float:
+        return float(number(obj, key, where, zero=True, at_most=at_most)) if key in obj else default
 
     def known(obj: dict, keys: set[str], where: str) -> None:
         unknown = sorted(set(obj) - keys)
@@ -127,21 +149,30 @@ def _parse_cluster(data: Any, source: str) -> ClusterSpec:
         memory_bytes=number(dev, "memory_bytes", "device.", integer=True),
         memory_bandwidth=float(number(dev, "memory_bandwidth", "device.")),
         efficiency=float(number(dev, "efficiency", "device.")) if "efficiency" in dev else 0.5,
+        matmul_half_flops=optional(dev, "matmul_half_flops", "device.", 0.0),
+        op_overhead_s=optional(dev, "op_overhead_s", "device.", 0.0, at_most=1.0),
+        sharded_op_overhead_s=optional(dev, "sharded_op_overhead_s", "device.", 0.0, at_most=1.0),
+        asynchronous=bool(dev.get("asynchronous", False)),
+        optimizer_bytes=optional(dev, "optimizer_bytes", "device.", 28.0, at_most=1e4),
+        optimizer_ops=optional(dev, "optimizer_ops", "device.", 0.0, at_most=1e4),
     )
     if device.efficiency > 1:
         raise ClusterSpecError(f"{source}: device.efficiency must be in (0, 1], got {device.efficiency}")
     for key in ("intra_host", "inter_host"):
-        known(section(key), {"bandwidth", "latency"}, f"{key}.")
+        known(section(key), {"bandwidth", "latency", "overlap"}, f"{key}.")
     links = {
         key: Link(bandwidth=float(number(section(key), "bandwidth", f"{key}.")),
-                  latency=float(number(section(key), "latency", f"{key}.")))
+                  latency=float(number(section(key), "latency", f"{key}.")),
+                  overlap=optional(section(key), "overlap", f"{key}.", 1.0, at_most=1.0))
         for key in ("intra_host", "inter_host")
     }
+    cores = data.get("cores_per_host")
     return ClusterSpec(
         name=str(data.get("name", Path(source).stem)),
         num_hosts=number(data, "num_hosts", "", integer=True),
         devices_per_host=number(data, "devices_per_host", "", integer=True),
         device=device,
         description=str(data.get("description", "")),
+        cores_per_host=None if cores is None else number(data, "cores_per_host", "", integer=True),
         **links,
     )

@@ -81,7 +81,8 @@ def axis_link(cluster: ClusterSpec, logical: tuple[int, ...], axis: int, submesh
         return cluster.intra_host
     busiest = max(sum(host in g for g in crossing) for host in range(hosts))
     nic_share = cluster.inter_host.bandwidth / busiest
-    return Link(bandwidth=min(cluster.intra_host.bandwidth, nic_share), latency=cluster.inter_host.latency)
+    return Link(bandwidth=min(cluster.intra_host.bandwidth, nic_share), latency=cluster.inter_host.latency,
+                overlap=cluster.inter_host.overlap)
 
 
 def p2p_link(cluster: ClusterSpec, same_host: bool) -> Link:

@@ -60,9 +60,10 @@ def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, pre
 
 
 def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans: list[str], warmup: int,
-          steps: int, out: str) -> None:
+          steps: int, out: str, breakdown: bool) -> None:
     import autopar
     from autopar.plan import Plan
+    from runtime.breakdown import measuring, summarise
     from runtime.memory import measured_step
 
     torch.set_num_threads(1)
@@ -73,7 +74,7 @@ def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans
         w = autopar.load_workload(model, batch=batch, device="cpu", dtype=torch.float32)
         plan = Plan.from_json(text)
         pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=plan,
-                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=1e-3), mixed_precision=plan.precision or "fp32")
+                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), mixed_precision=plan.precision or "fp32")
         gen = torch.Generator().manual_seed(1)
         measured = []
         for i in range(warmup + steps):
@@ -85,10 +86,20 @@ def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans
             dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
             if i >= warmup:
                 measured.append(float(slowest))
+        parts = None
+        if breakdown:  # one more step, its ops and phases timed (apart: the timing costs time)
+            inputs, target = w.make_batch(w.batch, gen)
+            dist.barrier()
+            with measuring() as mode:
+                start = time.perf_counter()
+                pm.step(inputs, target)
+                wall = time.perf_counter() - start
+            parts = [None] * world
+            dist.all_gather_object(parts, summarise(mode, wall))
         _, tensors = measured_step(pm, *w.make_batch(w.batch, gen))
         peak = torch.tensor([tensors["total"]], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        times.append((statistics.median(measured), float(peak)))
+        times.append((statistics.median(measured), float(peak), parts))
     if rank == 0:
         torch.save(times, out)
     dist.barrier()
@@ -110,8 +121,35 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(ra, rb)[0, 1]) if len(a) > 1 else 1.0
 
 
+def predicted_breakdown(plan: Any) -> list[dict[str, float]]:
+    """Per stage, the plan's prediction in the terms `runtime.breakdown` measures, from the
+    simulator's replay (durations as replayed: ranks sharing cores run slower): forward and
+    backward of all microbatches, the exposed data-axis synchronisation, the optimizer, and the
+    time the pipeline leaves the stage idle or sending."""
+    from autopar.planner import replay
+
+    sim = replay(plan)
+    out = []
+    for k, stage in enumerate(plan.stages):
+        mine = [e for e in sim.events if e.stage == k]
+
+        def spent(kind: str) -> float:
+            return sum(e.end - e.start for e in mine if e.kind == kind)
+
+        sync, optimizer = stage.cost.get("grad_sync_s", 0.0), stage.cost.get("optimizer_s", 0.0)
+        last = max(e.end for e in mine if e.kind == "B")
+        end = max(e.end for e in mine if e.kind in ("B", "sync"))
+        tail = spent("sync")
+        out.append({"step_s": sim.step_time_s, "forward_s": spent("F"), "backward_s": spent("B"),
+                    "dp_sync_s": tail * sync / (sync + optimizer) if sync + optimizer else 0.0,
+                    "optimizer_s": tail * optimizer / (sync + optimizer) if sync + optimizer else 0.0,
+                    "pipeline_s": max(0.0, last - spent("F") - spent("B")), "other_s": sim.step_time_s - end})
+    return out
+
+
 def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup: int = 2, steps: int = 5,
-          progress: Callable[[str], None] | None = None, precision: str | None = None) -> dict[str, Any]:
+          progress: Callable[[str], None] | None = None, precision: str | None = None,
+          breakdown: bool = False) -> dict[str, Any]:
     from autopar.precision import parse_precision
 
     precision = parse_precision(precision)
@@ -123,14 +161,18 @@ def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup
         progress(f"running {len(plans)} layouts on {nproc} ranks")
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "times.pt")
-        mp.spawn(_rank, args=(nproc, port, model, batch, [p.to_json() for p in plans], warmup, steps, out),
+        mp.spawn(_rank, args=(nproc, port, model, batch, [p.to_json() for p in plans], warmup, steps, out, breakdown),
                  nprocs=nproc, join=True)
         measured = torch.load(out, weights_only=False)
     rows = [{"name": p.name, "num_microbatches": p.num_microbatches, "precision": p.precision or "fp32",
              "recompute": any(s.recompute for s in p.stages),
              "predicted_step_time_s": p.estimate.step_time_s, "measured_step_time_s": t,
              "predicted_peak_bytes": p.estimate.peak_memory_bytes, "measured_peak_bytes": peak}
-            for p, (t, peak) in zip(plans, measured)]
+            for p, (t, peak, _) in zip(plans, measured)]
+    if breakdown:  # per rank measured; per stage predicted (rank r runs stage `stage_of[r]`)
+        for row, p, (_, _, parts) in zip(rows, plans, measured):
+            row["breakdown"] = {"measured": parts, "predicted": predicted_breakdown(p),
+                                "stage_of": [k for k, s in enumerate(p.stages) for _ in range(s.devices)]}
     fastest = min(r["measured_step_time_s"] for r in rows)
     return {"model": model, "nproc": nproc, "cluster": cluster.name, "layouts": rows,
             "spearman": spearman([r["predicted_step_time_s"] for r in rows], [r["measured_step_time_s"] for r in rows]),

@@ -2,11 +2,13 @@
 
 A device here is what one rank runs on (a CPU core with one thread under gloo, a GPU under NCCL).
 Measured: matmul throughput per dtype (the best of a few sizes: what large matmuls reach, so the
-spec's efficiency is 1), a convolution's throughput per dtype (reported), memory bandwidth (a large copy),
-and for every group size 2 … N the time of all-reduce and all-gather across message sizes, with
-α (latency) and β (seconds per byte) fitted by least squares to the ring formulas of
-`cost_models.comm`. The link of the spec is the fit of the largest group (its ranks share the host
-the way a plan's would).
+spec's efficiency is 1) and how far small matmuls fall short of it (`matmul_half_flops`), a
+convolution's throughput per dtype (reported), memory bandwidth (a large copy), the fixed cost of
+an op (a chain of tiny ones, forward and backward) and of an op on DTensors, how much of an
+all-reduce hides behind computation (`Link.overlap`), and for every group size 2 … N the time of
+all-reduce and all-gather across message sizes; α (latency) and β (seconds per byte) are fitted
+to the ring formulas of `cost_models.comm` over all of them, with ranks beyond the host's cores
+sharing them (`ClusterSpec.cores_per_host`).
 """
 
 from __future__ import annotations
@@ -38,8 +40,32 @@ def _timed(fn: Callable[[], Any], repeats: int) -> float:
     return statistics.median(times)
 
 
+def _chain_overhead(x: torch.Tensor, n: int = 200) -> float:
+    """Seconds per op of a chain of `n` tiny element-wise ops, forward and backward each: the host's
+    fixed cost of issuing an op (dispatch, autograd), which no FLOP or byte count holds."""
+    def run() -> None:
+        y = x
+        for _ in range(n):
+            y = y * 1.0
+        y.sum().backward()
+
+    return _timed(run, repeats=5) / (2 * n + 2)
+
+
+def _matmul_curve(device: torch.device, sync: Callable[[], Any], peak: float, overhead: float) -> float:
+    """FLOPs at which an fp32 matmul reaches half of `peak`: small matmuls take `(f + f½) / peak`
+    plus the op's fixed cost (fitted over sizes 32 … 256: the median of `t · peak − f`)."""
+    excess = []
+    for n in (32, 48, 64, 96, 128, 192, 256):
+        a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+        t = _timed(lambda a=a, b=b: (a @ b, sync()), repeats=20)
+        excess.append((t - overhead) * peak - 2 * n**3)
+    return max(0.0, float(np.median(excess)))
+
+
 def measure_device(device: torch.device) -> dict[str, Any]:
-    """FLOP/s of matmuls per dtype and of a convolution, and memory bandwidth, on one rank's device."""
+    """FLOP/s of matmuls per dtype and of a convolution, how small matmuls fall short of it, the
+    fixed cost per op, and memory bandwidth, on one rank's device."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     flops: dict[str, float] = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
@@ -59,14 +85,84 @@ def measure_device(device: torch.device) -> dict[str, Any]:
         conv[str(dtype).removeprefix("torch.")] = 2 * 8 * 64 * 32 * 32 * 64 * 9 / t
     big = torch.empty(16 * 2**20, device=device)  # 64 MiB
     t = _timed(lambda: (big.clone(), sync()), repeats=3)
-    return {"matmul_flops": flops, "conv2d_flops": conv, "memory_bandwidth": 2 * big.numel() * 4 / t}
+    bandwidth = 2 * big.numel() * 4 / t
+    overhead = _chain_overhead(torch.zeros(16, device=device, requires_grad=True))
+    return {"matmul_flops": flops, "conv2d_flops": conv, "memory_bandwidth": bandwidth, "op_overhead_s": overhead,
+            "matmul_half_flops": _matmul_curve(device, sync, flops["float32"], overhead),
+            **_optimizer(device, sync, bandwidth, overhead)}
 
 
-def _fit(sizes: list[int], times: list[float], n: int, kind: str) -> tuple[float, float]:
-    """α, β from t = a·α + b·B·β: all-reduce a = 2(n−1), b = 2(n−1)/n; all-gather (B gathered) n−1, (n−1)/n."""
-    a, b = (2 * (n - 1), 2 * (n - 1) / n) if kind == "all_reduce" else (n - 1, (n - 1) / n)
-    slope, intercept = np.polyfit(np.array(sizes, dtype=float), np.array(times), 1)
-    return max(float(intercept) / a, 1e-7), max(float(slope) / b, 1e-13)
+def _optimizer(device: torch.device, sync: Callable[[], Any], bandwidth: float, overhead: float) -> dict[str, float]:
+    """torch's AdamW as it runs here (single-tensor on CPU, foreach on GPUs): its ops per tensor
+    (32 tiny tensors) and bytes moved per element (one tensor of 4 Mi elements)."""
+    def step_time(shapes: list[int]) -> float:
+        params = [torch.zeros(n, device=device, requires_grad=True) for n in shapes]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        return _timed(lambda: (opt.step(), sync()), repeats=5)
+
+    per_tensor = step_time([16] * 32) / 32
+    per_element = max(0.0, step_time([2**22]) - per_tensor) / 2**22
+    return {"optimizer_ops": per_tensor / overhead, "optimizer_bytes": per_element * bandwidth}
+
+
+def _sharded_overhead(device: torch.device, plain: float, mesh: Any) -> float:
+    """What an op on DTensors (split over every rank: no communication) costs beyond a plain one:
+    DTensor's sharding propagation, paid by every op the tensor axis runs."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    x = DTensor.from_local(torch.zeros(16, device=device, requires_grad=True), mesh, [Shard(0)], run_check=False)
+    return max(0.0, _chain_overhead(x, n=50) - plain)
+
+
+def _overlap(device: torch.device, nbytes: int = 2**22) -> dict[str, float]:
+    """How much of an all-reduce of every rank hides behind computation running at the same time:
+    1 when the two take no longer than the longer alone (GPUs: the copy engines and NCCL's own
+    kernels), 0 when they add up (gloo's reduction on the cores the computation needs)."""
+    flat = torch.zeros(nbytes // 4, device=device)
+    a = torch.randn(256, 256, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def compute() -> None:
+        for _ in range(40):
+            a @ a
+        sync()
+
+    def both() -> None:
+        work = dist.all_reduce(flat, async_op=True)
+        compute()
+        work.wait()
+
+    alone_c = _timed(compute, repeats=3)
+    alone_a = _timed(lambda: dist.all_reduce(flat), repeats=3)
+    together = _timed(both, repeats=3)
+    hidden = (alone_c + alone_a - together) / min(alone_c, alone_a)
+    return {"compute_s": alone_c, "all_reduce_s": alone_a, "together_s": together,
+            "overlap": float(min(1.0, max(0.0, hidden)))}
+
+
+def _ring(kind: str, n: int) -> tuple[float, float]:
+    """(a, b) of the ring formula t = a·α + b·B·β: all-reduce 2(n−1), 2(n−1)/n; all-gather (B
+    gathered) n−1, (n−1)/n (`cost_models.comm`)."""
+    return (2 * (n - 1), 2 * (n - 1) / n) if kind == "all_reduce" else (n - 1, (n - 1) / n)
+
+
+def fit_link(links: dict[int, dict[str, Any]], cores: int) -> tuple[float, float]:
+    """α and β of the ring formulas over every measured group size, collective and message size,
+    with the ranks of a group sharing `cores` (a group larger than the cores takes n / cores as
+    long: `cost_models.comm.shared`): least squares on relative error, so that the small
+    messages of the tensor axis weigh as much as the large ones of gradient buckets."""
+    rows, times = [], []
+    for n, fits in links.items():
+        share = max(1.0, n / cores)
+        for kind, fit in fits.items():
+            a, b = _ring(kind, n)
+            for nbytes, t in zip(fit["sizes"], fit["times"]):
+                rows.append([a * share / t, b * nbytes * share / t])
+                times.append(1.0)
+    (alpha, beta), *_ = np.linalg.lstsq(np.array(rows), np.array(times), rcond=None)
+    return max(float(alpha), 1e-7), max(float(beta), 1e-13)
 
 
 def _rank(rank: int, world: int, port: int, out: str, backend: str) -> None:
@@ -74,6 +170,13 @@ def _rank(rank: int, world: int, port: int, out: str, backend: str) -> None:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     result: dict[str, Any] = {"device": measure_device(device) if rank == 0 else None, "links": {}}
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(device.type, (world,))
+    sharded = _sharded_overhead(device, result["device"]["op_overhead_s"], mesh) if rank == 0 else None
+    dist.barrier()
+    result["device"] = result["device"] and {**result["device"], "sharded_op_overhead_s": sharded}
+    result["overlap"] = _overlap(device)
     for n in range(2, world + 1):
         group = dist.new_group(list(range(n)))
         if rank >= n:
@@ -89,9 +192,7 @@ def _rank(rank: int, world: int, port: int, out: str, backend: str) -> None:
                     parts = [torch.empty_like(x) for _ in range(n)]
                     t = _timed(lambda x=x, parts=parts, g=group: dist.all_gather(parts, x, group=g), repeats=5)
                 times.append(t)
-            sizes = [s * n for s in SIZES] if kind == "all_gather" else SIZES
-            alpha, beta = _fit(sizes, times, n, kind)
-            fits[kind] = {"latency": alpha, "seconds_per_byte": beta, "sizes": sizes, "times": times}
+            fits[kind] = {"sizes": [s * n for s in SIZES] if kind == "all_gather" else SIZES, "times": times}
         result["links"][n] = fits
     if rank == 0:
         torch.save(result, out)
@@ -113,20 +214,31 @@ def calibrate(nproc: int, progress: Callable[[str], None] | None = None) -> dict
         return torch.load(out, weights_only=False)
 
 
+def host_cores(nproc: int) -> int:
+    """Ranks of this host that can compute at once: its cores (one thread per rank), or with GPUs
+    every rank."""
+    return nproc if torch.cuda.is_available() else min(nproc, len(os.sched_getaffinity(0)))
+
+
 def cluster_spec(measured: dict[str, Any], nproc: int, name: str = "cpu-local") -> Any:
     """The ClusterSpec of what was measured: one host of `nproc` devices."""
     from cost_models import ClusterSpec, DeviceSpec, Link
 
     dev = measured["device"]
-    largest = measured["links"][max(measured["links"])]["all_reduce"]
-    link = Link(bandwidth=1 / largest["seconds_per_byte"], latency=largest["latency"])
+    cores = host_cores(nproc)
+    alpha, beta = fit_link(measured["links"], cores)
+    link = Link(bandwidth=1 / beta, latency=alpha, overlap=measured["overlap"]["overlap"])
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, nproc)
-    if torch.cuda.is_available():
+    gpu = torch.cuda.is_available()
+    if gpu:
         memory = torch.cuda.get_device_properties(0).total_memory
     return ClusterSpec(
-        name=name, num_hosts=1, devices_per_host=nproc,
-        device=DeviceSpec(name="cuda-gpu" if torch.cuda.is_available() else "cpu-core",
+        name=name, num_hosts=1, devices_per_host=nproc, cores_per_host=cores,
+        device=DeviceSpec(name="cuda-gpu" if gpu else "cpu-core",
                           peak_flops=dev["matmul_flops"], memory_bytes=int(memory),
-                          memory_bandwidth=dev["memory_bandwidth"], efficiency=1.0),
+                          memory_bandwidth=dev["memory_bandwidth"], efficiency=1.0,
+                          op_overhead_s=dev["op_overhead_s"], sharded_op_overhead_s=dev["sharded_op_overhead_s"],
+                          matmul_half_flops=dev["matmul_half_flops"], asynchronous=gpu,
+                          optimizer_ops=dev["optimizer_ops"], optimizer_bytes=dev["optimizer_bytes"]),
         intra_host=link, inter_host=link,
-        description=f"this machine, {nproc} ranks, calibrated {time.strftime('%Y-%m-%d')}")
+        description=f"this machine, {nproc} ranks on {cores} cores, calibrated {time.strftime('%Y-%m-%d')}")

@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from cost_models.simulator import schedule_order
+from runtime.breakdown import phase
 
 
 @dataclass(frozen=True)
@@ -68,13 +69,15 @@ class FanOutSchedule:
         for forward, i in self.order:
             if forward:
                 inputs = chunks[i] if self.first else receive(self.inputs, self.peers.act_from)
-                out = self.module(*inputs)
-                outs = out if isinstance(out, tuple) else (out,)
+                with phase("forward"):
+                    out = self.module(*inputs)
+                    outs = out if isinstance(out, tuple) else (out,)
+                    if self.last:
+                        loss = self.loss_fn(out, targets[i])
+                        outs = (loss,)
                 if self.last:
-                    loss = self.loss_fn(out, targets[i])
                     if losses is not None:
                         losses.append(loss.detach())
-                    outs = (loss,)
                 else:
                     sends += send(outs, self.peers.act_to)
                 saved[i] = (inputs, outs)
@@ -90,7 +93,8 @@ class FanOutSchedule:
                 grads = receive(self.outputs, self.peers.grad_from, grad=False)
             pairs = [(o, g) for o, g in zip(outs, grads) if o.requires_grad]
             if pairs:
-                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+                with phase("backward"):
+                    torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
             if not self.first:
                 sends += send(tuple(x.grad if x.grad is not None else torch.zeros_like(x)
                                     for x in inputs if x.is_floating_point()), self.peers.grad_to)

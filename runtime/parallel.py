@@ -19,6 +19,7 @@ from torch import nn
 
 from autopar.capture import first_tensor
 from runtime.buffers import AveragedBuffers, persistent
+from runtime.breakdown import phase
 from runtime.comm_count import CollectiveBytes
 from runtime.export import export_as_planned
 from runtime.failures import guarded
@@ -227,7 +228,8 @@ class ParallelModel:
         if self.tp > 1:
             self._bytes["tp"] = [counter.nbytes, counter.nbytes]
         if self.sync is not None:
-            self.sync.finish()
+            with phase("dp_sync"):
+                self.sync.finish()
             stats = self.sync.reset_stats()
             self._bytes["dp"] = [stats.bytes_raw, stats.bytes_sent]
             self._issued = [{"axis": "dp", "kind": kind, "bytes": nbytes} for kind, nbytes in stats.collectives]
@@ -240,12 +242,13 @@ class ParallelModel:
             layers = whole(p for unit in self.trained.units for p in unit.parameters())
             nbytes = m * (2 * root + 3 * layers)
             self._bytes["dp"] = [nbytes, nbytes]
-        if self.max_grad_norm is not None:
-            self.precision.unscale(self.optimizer)
-            params = list(self.trained.parameters())
-            self.last_grad_norm = clip(params, squared_grad_norm(params), dist.get_world_size(), self.max_grad_norm,
-                                       self.device)
-        self.precision.step(self.optimizer)
+        with phase("optimizer"):
+            if self.max_grad_norm is not None:
+                self.precision.unscale(self.optimizer)
+                params = list(self.trained.parameters())
+                self.last_grad_norm = clip(params, squared_grad_norm(params), dist.get_world_size(),
+                                           self.max_grad_norm, self.device)
+            self.precision.step(self.optimizer)
         if self.sync is not None:
             self.sync.after_step()
         if self.buffer_sync is not None:
@@ -263,7 +266,7 @@ class ParallelModel:
             # ZeRO-3 reduce-scatters every microbatch's gradients (FSDP2's default): skipping it would
             # keep every layer's whole gradient between microbatches, the memory ZeRO-3 is there to save
             args = micro_in[i] if isinstance(micro_in[i], (tuple, list)) else (micro_in[i],)
-            with self.precision.autocast():  # forward and loss (the model's dtype: nothing)
+            with phase("forward"), self.precision.autocast():  # forward and loss (the model's dtype: nothing)
                 if self.graph is None:
                     loss = self.loss_fn(first_tensor(self.model(*args)), micro_target[i]) / m
                     reported = loss
@@ -273,7 +276,8 @@ class ParallelModel:
                 else:
                     loss = self.loss_fn(self.graph(*args), micro_target[i]) / m
                     reported = loss / self.tp
-            self.precision.scale(loss).backward()
+            with phase("backward"):
+                self.precision.scale(loss).backward()
             total += reported.detach().double()
 
     def predict(self, inputs: Any) -> torch.Tensor:

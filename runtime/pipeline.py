@@ -27,6 +27,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.tensor import DTensor, Replicate
 
 from autopar.capture import first_tensor
+from runtime.breakdown import phase
 from runtime.buffers import AveragedBuffers
 from runtime.comm_count import CollectiveBytes
 from runtime.export import export_as_planned
@@ -104,10 +105,15 @@ class SyncingStage(PipelineStage):
 
     sync: GradSync | None = None
 
+    def forward_one_chunk(self, *args, **kwargs):
+        with phase("forward"):
+            return super().forward_one_chunk(*args, **kwargs)
+
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward: bool = False):
         if self.sync is not None:
             self.sync.sync = last_backward
-        return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        with phase("backward"):
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
 
 
 class PipelineModel:
@@ -256,7 +262,7 @@ class PipelineModel:
         if first and last:
             raise UnsupportedPlan("a one-stage plan runs without the pipeline")
         counter = CollectiveBytes() if self.tp > 1 else contextlib.nullcontext()
-        with counter:  # the tensor axis's collectives, issued by DTensor
+        with counter, phase("schedule"):  # the tensor axis's collectives, issued by DTensor
             if first:
                 self.schedule.step(*args)
             elif last:  # the outputs (logits of every microbatch) are not kept: only the losses
@@ -267,7 +273,8 @@ class PipelineModel:
         if self.tp > 1:
             self._bytes["tp"] = [counter.nbytes, counter.nbytes]
         if self.sync:  # before the tied sum: finish() writes the averages back
-            self.sync.finish()
+            with phase("dp_sync"):
+                self.sync.finish()
             stats = self.sync.reset_stats()
             self._bytes["dp"] = [stats.bytes_raw, stats.bytes_sent]
             self.overlapped = stats.overlapped
@@ -284,14 +291,15 @@ class PipelineModel:
             weight.grad = whole if not isinstance(grad, DTensor) else DTensor.from_local(
                 whole, grad.device_mesh, [Replicate()] * grad.device_mesh.ndim, run_check=False,
             ).redistribute(grad.device_mesh, grad.placements)
-        if self.max_grad_norm is not None:  # a weight several stages hold counts once, in the lowest
-            self.precision.unscale(self.optimizer)
-            names = self.module.model_names()
-            own = [p for n, p in self.module.named_parameters() if names[n] not in self.copies]
-            self.last_grad_norm = clip(list(self.module.parameters()), squared_grad_norm(own),
-                                       self._sizes[self.stage_index], self.max_grad_norm, self.device)
-        scale = self.precision.loss_scale  # the losses the schedule kept are scaled by it
-        self.precision.step(self.optimizer)
+        with phase("optimizer"):
+            if self.max_grad_norm is not None:  # a weight several stages hold counts once, in the lowest
+                self.precision.unscale(self.optimizer)
+                names = self.module.model_names()
+                own = [p for n, p in self.module.named_parameters() if names[n] not in self.copies]
+                self.last_grad_norm = clip(list(self.module.parameters()), squared_grad_norm(own),
+                                           self._sizes[self.stage_index], self.max_grad_norm, self.device)
+            scale = self.precision.loss_scale  # the losses the schedule kept are scaled by it
+            self.precision.step(self.optimizer)
         if self.sync:
             self.sync.after_step()
         if self.buffer_sync is not None:
