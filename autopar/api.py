@@ -40,6 +40,8 @@ def parallelize(
     max_grad_norm: float | None = None,
     mixed_precision: str | None = None,
     memory_limit: float | None = None,
+    tune: int = 0,
+    example_target: torch.Tensor | None = None,
 ):
     """The model under a plan, ready to `step(inputs, target)` on the global batch.
 
@@ -58,6 +60,10 @@ def parallelize(
     None: the plan's precision (fp32 when planning here). A plan priced for another is refused.
     `memory_limit` (bytes of tensors per rank): the search plans within it, a plan predicted to
     exceed it is refused, and the run is held to it (`runtime.memory.hold_to`).
+    `tune` (K > 0, searching only): the K best predicted plans of distinct layouts each run a few
+    steps on this job's ranks, on `example_inputs` and `example_target` (a real batch), and the
+    measured fastest is kept; `plan.search["tuned"]` holds every candidate's predicted and measured
+    step time. The model's weights are left as they were.
     """
     from runtime import default_backend, local_device
     from runtime.parallel import ParallelModel, UnsupportedPlan, positional, zero3
@@ -87,16 +93,22 @@ def parallelize(
     graph = capture(model, args)
     batch = next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
     chosen: list[Any] = [None]
+    if tune and (plan is not None or compression or delay or example_target is None):
+        raise AutoparError("tune=K measures the free search's best layouts on a real batch: pass example_target, "
+                           "and no plan, compression or delay")
     if rank == 0:
         try:
-            chosen = [_resolve(plan, model, args, batch, graph, cluster, (hosts, per_host), compression, delay,
-                               precision, memory_limit)]
+            chosen = [_candidates(model, args, batch, graph, cluster, (hosts, per_host), precision, memory_limit, tune)
+                      if tune else _resolve(plan, model, args, batch, graph, cluster, (hosts, per_host), compression,
+                                            delay, precision, memory_limit)]
         except AutoparError as exc:  # every rank reports it, none waits for a plan that never comes
             chosen = [exc]
     dist.broadcast_object_list(chosen, src=0)
     if isinstance(chosen[0], AutoparError):
         raise AutoparError(str(chosen[0]))
     resolved = chosen[0]
+    if tune:
+        resolved = _tuned(resolved, model, args, example_target, loss_fn, optimizer, max_grad_norm)
     resolved.check_graph(graph.fingerprint())
     if mixed_precision is not None:
         resolved.check_precision(precision)
@@ -162,18 +174,7 @@ def _resolve(plan, model, args, batch, graph, cluster, mesh, compression, delay,
         return plan
     if isinstance(plan, Path) or (isinstance(plan, str) and plan.endswith(".json")):
         return Plan.load(plan)
-    from autopar.intra_op import REPLICATED_GRADIENTS
-    from autopar.planner import Search
-    from cost_models import get_cluster
-
-    spec = get_cluster(cluster or "cpu-local")
-    if cluster is None and mesh[1] > spec.devices_per_host:  # more local ranks than cores: they share them
-        log.warning("planning %d ranks on %d cores: the prediction assumes a core per rank", mesh[1], spec.devices_per_host)
-        spec = dataclasses.replace(spec, devices_per_host=mesh[1])
-    workload = Workload(type(model).__name__, model, args, batch)
-    # delayed averaging, like compression, needs gradients replicated on the data axis (no ZeRO-3)
-    search = Search.start(workload, spec, mesh, graph=graph, rule=REPLICATED_GRADIENTS if delay else None,
-                          precision=precision, memory_limit=memory_limit)
+    search = _search(model, args, batch, graph, cluster, mesh, delay, precision, memory_limit)
     from autopar.manual import Layout, manual_plan, manual_search
     from autopar.planner import plan_auto, plan_compressed
 
@@ -181,6 +182,52 @@ def _resolve(plan, model, args, batch, graph, cluster, mesh, compression, delay,
         layout = Layout.parse(str(plan))
         return plan_compressed(search, compression, lambda s: manual_plan(manual_search(s), layout))
     return plan_compressed(search, compression, plan_auto)
+
+
+def _search(model, args, batch, graph, cluster, mesh, delay, precision, memory_limit):
+    from autopar.intra_op import REPLICATED_GRADIENTS
+    from autopar.planner import Search
+    from cost_models import get_cluster
+
+    spec = get_cluster(cluster or "cpu-local")
+    if cluster is None:  # more local ranks than cores: they share them
+        spec = spec.with_ranks(mesh[1])
+    workload = Workload(type(model).__name__, model, args, batch)
+    # delayed averaging, like compression, needs gradients replicated on the data axis (no ZeRO-3)
+    return Search.start(workload, spec, mesh, graph=graph, rule=REPLICATED_GRADIENTS if delay else None,
+                        precision=precision, memory_limit=memory_limit)
+
+
+def _candidates(model, args, batch, graph, cluster, mesh, precision, memory_limit, k: int) -> list[Plan]:
+    from autopar.tune import candidates
+
+    search = _search(model, args, batch, graph, cluster, mesh, None, precision, memory_limit)
+    return candidates(search, k)
+
+
+def _tuned(plans: list[Plan], model: nn.Module, args: tuple, target: torch.Tensor, loss_fn: Callable,
+           optimizer: Callable, max_grad_norm: float | None) -> Plan:
+    """Each candidate built on a copy of the model and timed for a few steps on every rank (the
+    slowest rank's median); the measured fastest, with every measurement recorded."""
+    import copy
+
+    from runtime import local_device
+    from runtime.bench import time_steps
+    from runtime.parallel import ParallelModel
+    from runtime.pipeline import PipelineModel
+    from autopar.tune import choose
+
+    device = local_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
+    measured = []
+    for candidate in plans:
+        trial = copy.deepcopy(model).to(device)
+        _start_equal(trial)
+        kind = PipelineModel if len(candidate.stages) > 1 else ParallelModel
+        pm = kind(trial, candidate, loss_fn, optimizer, args, device=device, max_grad_norm=max_grad_norm)
+        measured.append(time_steps(pm, lambda: (args, target), warmup=1, steps=3))
+        del pm, trial
+        gc.collect()
+    return choose(plans, measured)
 
 
 def _start_equal(model: nn.Module) -> None:

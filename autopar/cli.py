@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
@@ -119,7 +118,14 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
         if args.stages is not None and not 1 <= args.stages <= min(len(search.layers), search.cluster.num_devices):
             raise AutoparError(f"--stages {args.stages}: {args.model} has {len(search.layers)} layers and the mesh "
                                f"{search.cluster.num_devices} devices; choose 1 to {min(len(search.layers), search.cluster.num_devices)}")
-        if args.manual:
+        if args.tune is not None:
+            if args.manual or args.compression or args.stages:
+                raise AutoparError("--tune measures the best predicted layouts of the free search: leave out "
+                                   "--manual, --compression and --stages")
+            from autopar.tune import tune_locally
+
+            plan = tune_locally(search, args.model, args.tune, args.batch, progress=step)
+        elif args.manual:
             layout = Layout.parse(args.manual, args.recompute)
             plan = plan_compressed(search, args.compression, lambda s: manual_plan(manual_search(s), layout), step)
         else:
@@ -240,7 +246,7 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> Any:
             for nbytes, t in zip(fit["sizes"], fit["times"])]
     if args.json:
         return {"cluster": spec.to_dict(), "path": path, "conv2d_flops": measured["device"]["conv2d_flops"],
-                "overlap": measured["overlap"], "collectives": rows}
+                "overlap": measured["overlap"], "runtime": measured["runtime"], "collectives": rows}
     dev = spec.device
     out.print("matmul " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in dev.peak_flops.items())
               + f" (half of it at {dev.matmul_half_flops / 1e6:.2f} MFLOP); conv2d "
@@ -271,8 +277,7 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> Any:
     if args.nproc < 1 or args.steps < 1:
         raise AutoparError(f"--nproc and --steps must be positive, got {args.nproc} and {args.steps}")
     cluster = get_cluster(args.cluster)
-    if cluster.devices_per_host < args.nproc:  # local ranks sharing fewer cores: plan for what runs
-        cluster = dataclasses.replace(cluster, devices_per_host=args.nproc)
+    cluster = cluster.with_ranks(args.nproc)  # local ranks sharing fewer cores: plan for what runs
     bar, step = _progress(f"benchmarking {args.model}")
     with bar:
         result = bench(args.model, args.nproc, cluster, args.batch, args.warmup, args.steps, step,
@@ -358,6 +363,14 @@ def _print_plan(plan, out: Console) -> None:
     for names, text in _placement_runs(first.params):
         weights.add_row(names, text)
     out.print(weights)
+    if plan.search.get("tuned"):
+        tuned = Table(title="tuned: the best predicted layouts, measured on this machine's ranks")
+        for col in ("plan", "microbatches", "predicted", "measured"):
+            tuned.add_column(col, justify="left" if col == "plan" else "right")
+        for t in sorted(plan.search["tuned"], key=lambda t: t["measured_step_time_s"]):
+            tuned.add_row(t["name"], str(t["num_microbatches"]), human_time(t["predicted_step_time_s"]),
+                          human_time(t["measured_step_time_s"]))
+        out.print(tuned)
 
 
 def _placement_runs(params: dict[str, list[str]]) -> list[tuple[str, str]]:
@@ -426,6 +439,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--compression", metavar="SPEC|auto",
                    help="price the data axis's gradient averaging through a compressor (e.g. dgc:0.999, "
                         "powersgd:4), or 'auto': weigh none, fp16, powersgd:4 and dgc:0.999 and keep the fastest")
+    p.add_argument("--tune", type=int, metavar="K", help="run the K best predicted plans (distinct layouts) for a "
+                   "few steps on this machine's ranks and keep the measured fastest (plan.search.tuned: both times)")
     p.add_argument("--out", help="write the plan JSON here")
     p = command("show", cmd_show, "show a plan file: stages, meshes, shardings, prediction")
     p.add_argument("plan", help="plan JSON written by `autopar plan --out`")

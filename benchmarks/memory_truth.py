@@ -11,7 +11,6 @@ AdamW; one warm-up step (the optimizer's state exists from then on), then the me
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import tempfile
@@ -66,7 +65,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=args.nproc)
+    cluster = get_cluster("cpu-local").with_ranks(args.nproc)
     plans = candidate_plans(args.model, args.nproc, cluster, args.batch)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "rows.pt")

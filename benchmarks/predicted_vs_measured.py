@@ -1,47 +1,132 @@
 """Predicted against measured, on this machine: calibrate it, then run the searched plan and every
-hand-written layout (dp, tp, pp × microbatches) for real and compare their ranks.
+hand-written layout (dp, tp, pp × microbatches, and each recomputing, in bf16 and under ZeRO-3)
+of several model families for real, and compare ranks, magnitudes and where the time goes.
 
-    python benchmarks/predicted_vs_measured.py [--model gpt-small] [--nproc 4] [--cluster FILE]
+    python benchmarks/predicted_vs_measured.py [--models gpt-small,moe-small,wresnet-small]
+        [--nproc 4] [--repeats 3] [--cluster FILE] [--out DIR]
 
-Without --cluster it first runs `autopar calibrate --nproc N` into a temporary file. Prints the
-markdown table of the README: every layout's predicted and measured step time (medians of 5 timed
-steps after 2 warm-up steps, the slowest rank's), Spearman's rank correlation, and how the
-searched plan measures against the fastest. Run it alone: other work on the cores skews it.
+Without --cluster it first runs `autopar calibrate --nproc N` into DIR. Each repetition is one
+`autopar bench MODEL --nproc N --breakdown` (2 warm-up and 5 timed steps per layout, the slowest
+rank's median); a layout's measured time is the median over repetitions. Prints the README's
+markdown: per family the layouts (predicted, measured, ratio, and the measured breakdown of the
+slowest rank: forward, backward, tensor-axis collectives, overhead, data-axis wait, pipeline,
+optimizer), Spearman's rank correlation, the searched plan against the fastest measured, the
+median absolute error of the prediction, and which terms of the prediction are furthest from
+their measurement. Timing needs an idle machine: it says so when the load average is above 1.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import statistics
 import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks._cli import run_cli
+from runtime.bench import spearman
+
+TERMS = ("forward_s", "backward_s", "dp_sync_s", "pipeline_s", "optimizer_s", "other_s")
+
+
+def term_errors(layouts: list[dict]) -> dict[str, float]:
+    """Per term, the mean over layouts of |measured − predicted| as a share of the measured step
+    (measured: the mean over the ranks of each stage; predicted: that stage's)."""
+    errors = {t: [] for t in TERMS}
+    for row in layouts:
+        b = row.get("breakdown")
+        if not b:
+            continue
+        for k, predicted in enumerate(b["predicted"]):
+            ranks = [m for m, s in zip(b["measured"], b["stage_of"]) if s == k]
+            step = statistics.mean(m["step_s"] for m in ranks)
+            for t in TERMS:
+                measured = statistics.mean(m[t] for m in ranks)
+                errors[t].append(abs(measured - predicted[t]) / step)
+    return {t: statistics.mean(v) for t, v in errors.items() if v}
+
+
+def summarise(runs: list[dict]) -> dict:
+    """Medians over repetitions per layout, and the figures the issue asks for."""
+    names = [r["name"] for r in runs[0]["layouts"]]
+    rows = []
+    for i, name in enumerate(names):
+        same = [run["layouts"][i] for run in runs]
+        measured = statistics.median(r["measured_step_time_s"] for r in same)
+        rows.append({**same[0], "measured_step_time_s": measured,
+                     "measured_runs_s": [r["measured_step_time_s"] for r in same]})
+    predicted = [r["predicted_step_time_s"] for r in rows]
+    measured = [r["measured_step_time_s"] for r in rows]
+    fastest = min(measured)
+    errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
+    return {"layouts": rows, "spearman": spearman(predicted, measured), "auto_vs_fastest": measured[0] / fastest,
+            "median_abs_error": statistics.median(errors), "terms": term_errors(rows)}
+
+
+def slowest(row: dict) -> dict:
+    b = row.get("breakdown")
+    return max(b["measured"], key=lambda m: m["step_s"]) if b else {}
+
+
+def table(model: str, nproc: int, s: dict) -> str:
+    head = (f"| layout ({model}, {nproc} ranks) | mb | predicted ms | measured ms | measured / predicted | "
+            "fwd | bwd | tp comm | overhead | dp wait | pipeline | optimizer |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines = [head]
+    for r in sorted(s["layouts"], key=lambda r: r["measured_step_time_s"]):
+        m = slowest(r)
+        parts = [m.get(k, 0.0) * 1e3 for k in ("forward_s", "backward_s", "tp_comm_s", "overhead_s", "dp_sync_s",
+                                              "pipeline_s", "optimizer_s")]
+        name = "**searched**" if r["name"] == "auto" else r["name"]
+        lines.append(f"| {name} | {r['num_microbatches']} | {r['predicted_step_time_s'] * 1e3:.0f} | "
+                     f"{r['measured_step_time_s'] * 1e3:.0f} | "
+                     f"{r['measured_step_time_s'] / r['predicted_step_time_s']:.2f} | "
+                     + " | ".join(f"{x:.0f}" for x in parts) + " |")
+    terms = ", ".join(f"{t.removesuffix('_s')} {e:.0%}" for t, e in sorted(s["terms"].items(), key=lambda x: -x[1]))
+    lines.append(f"\n{model}: Spearman **{s['spearman']:.2f}** over {len(s['layouts'])} layouts; the searched plan "
+                 f"measures **{s['auto_vs_fastest']:.2f}×** the fastest; median |error| of the predicted step "
+                 f"**{s['median_abs_error']:.0%}**; error per term (mean share of the step): {terms}")
+    return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gpt-small")
+    ap.add_argument("--models", default="gpt-small,moe-small,wresnet-small")
     ap.add_argument("--nproc", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cluster", help="a calibrated cluster file (default: calibrate now)")
+    ap.add_argument("--out", default=None, help="directory for the bench JSON files (default: a temporary one)")
     args = ap.parse_args()
+    load = os.getloadavg()[0]
+    if load > 1:
+        print(f"warning: load average {load:.2f} before starting: other work shares the cores, timings will be off",
+              file=sys.stderr)
+    out = args.out or tempfile.mkdtemp(prefix="pvm-")
+    os.makedirs(out, exist_ok=True)
     cluster = args.cluster
     if cluster is None:
-        cluster = os.path.join(tempfile.mkdtemp(), "cluster.json")
+        cluster = os.path.join(out, "cluster.json")
         run_cli("calibrate", "--nproc", str(args.nproc), "--out", cluster)
-    result, wall, _ = run_cli("bench", args.model, "--nproc", str(args.nproc), "--cluster", cluster)
-    rows = sorted(result["layouts"], key=lambda r: r["measured_step_time_s"])
-    fastest = rows[0]["measured_step_time_s"]
-    print(f"| layout ({args.model}, {args.nproc} ranks) | microbatches | predicted ms | measured ms | measured / fastest |")
-    print("|---|---:|---:|---:|---:|")
-    for r in rows:
-        print(f"| {'**searched**' if r['name'] == 'auto' else r['name']} | {r['num_microbatches']} | "
-              f"{r['predicted_step_time_s'] * 1e3:.0f} | {r['measured_step_time_s'] * 1e3:.0f} | "
-              f"{r['measured_step_time_s'] / fastest:.2f} |")
-    print(f"\nSpearman {result['spearman']:.2f} over {len(rows)} layouts; the searched plan measures "
-          f"{result['auto_vs_fastest']:.2f}× the fastest ({wall:.0f} s)")
+    summary = {}
+    for model in args.models.split(","):
+        runs = []
+        for k in range(args.repeats):
+            result, wall, _ = run_cli("bench", model, "--nproc", str(args.nproc), "--cluster", cluster,
+                                      "--breakdown", os.path.join(out, f"{model}-{k}"))
+            with open(os.path.join(out, f"{model}-{k}.json"), "w") as f:
+                json.dump(result, f)
+            runs.append(result)
+            print(f"{model} run {k + 1}/{args.repeats}: Spearman {result['spearman']:.2f} ({wall:.0f} s)",
+                  file=sys.stderr)
+        s = summarise(runs)
+        summary[model] = {k: v for k, v in s.items() if k != "layouts"}
+        print(table(model, args.nproc, s) + "\n")
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(f"(load average before: {load:.2f}; bench JSON in {out})")
 
 
 if __name__ == "__main__":

@@ -83,6 +83,12 @@ class ClusterSpec:
             )
         return dataclasses.replace(self, num_hosts=hosts, devices_per_host=devices_per_host)
 
+    def with_ranks(self, ranks: int) -> ClusterSpec:
+        """One host running `ranks` ranks: more than its devices share them (their cores)."""
+        if ranks <= self.devices_per_host:
+            return self
+        return dataclasses.replace(self, devices_per_host=ranks, cores_per_host=self.cores_per_host or self.devices_per_host)
+
     def to_dict(self) -> dict[str, Any]:
         return {"schema": "autopar.cluster/1", **dataclasses.asdict(self)}
 

@@ -59,6 +59,22 @@ def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, pre
     return plans
 
 
+def time_steps(pm: Any, batches: Callable[[], tuple], warmup: int, steps: int) -> float:
+    """The median over `steps` timed steps (after `warmup`) of the slowest rank's step time: every
+    rank of the job calls it. `batches()` gives the next (inputs, target)."""
+    measured = []
+    for i in range(warmup + steps):
+        inputs, target = batches()
+        dist.barrier()
+        start = time.perf_counter()
+        pm.step(inputs, target)
+        slowest = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            measured.append(float(slowest))
+    return statistics.median(measured)
+
+
 def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans: list[str], warmup: int,
           steps: int, out: str, breakdown: bool) -> None:
     import autopar
@@ -68,7 +84,7 @@ def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    times: list[float] = []
+    times: list[tuple] = []
     for text in plans:
         torch.manual_seed(0)
         w = autopar.load_workload(model, batch=batch, device="cpu", dtype=torch.float32)
@@ -76,16 +92,7 @@ def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans
         pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=plan,
                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), mixed_precision=plan.precision or "fp32")
         gen = torch.Generator().manual_seed(1)
-        measured = []
-        for i in range(warmup + steps):
-            inputs, target = w.make_batch(w.batch, gen)
-            dist.barrier()
-            start = time.perf_counter()
-            pm.step(inputs, target)
-            slowest = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            if i >= warmup:
-                measured.append(float(slowest))
+        median = time_steps(pm, lambda: w.make_batch(w.batch, gen), warmup, steps)
         parts = None
         if breakdown:  # one more step, its ops and phases timed (apart: the timing costs time)
             inputs, target = w.make_batch(w.batch, gen)
@@ -99,11 +106,23 @@ def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans
         _, tensors = measured_step(pm, *w.make_batch(w.batch, gen))
         peak = torch.tensor([tensors["total"]], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        times.append((statistics.median(measured), float(peak), parts))
+        times.append((median, float(peak), parts))
     if rank == 0:
         torch.save(times, out)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def measure(model: str, nproc: int, batch: int | None, plans: list[Any], warmup: int = 2, steps: int = 5,
+            breakdown: bool = False) -> list[tuple[float, float, list | None]]:
+    """Each plan run on `nproc` local ranks started once: (median step time, the largest rank's
+    peak tensor bytes, the per-rank breakdown or None)."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "times.pt")
+        mp.spawn(_rank, args=(nproc, port, model, batch, [p.to_json() for p in plans], warmup, steps, out, breakdown),
+                 nprocs=nproc, join=True)
+        return torch.load(out, weights_only=False)
 
 
 def spearman(a: list[float], b: list[float]) -> float:
@@ -156,14 +175,9 @@ def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup
     if progress:
         progress("planning the searched and hand-written layouts")
     plans = candidate_plans(model, nproc, cluster, batch, precision)
-    port = free_port()
     if progress:
         progress(f"running {len(plans)} layouts on {nproc} ranks")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "times.pt")
-        mp.spawn(_rank, args=(nproc, port, model, batch, [p.to_json() for p in plans], warmup, steps, out, breakdown),
-                 nprocs=nproc, join=True)
-        measured = torch.load(out, weights_only=False)
+    measured = measure(model, nproc, batch, plans, warmup, steps, breakdown)
     rows = [{"name": p.name, "num_microbatches": p.num_microbatches, "precision": p.precision or "fp32",
              "recompute": any(s.recompute for s in p.stages),
              "predicted_step_time_s": p.estimate.step_time_s, "measured_step_time_s": t,

@@ -22,6 +22,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from runtime.comm_count import nbytes_of
+
 _FUNCTIONAL = {"_c10d_functional", "c10d_functional", "_c10d_functional_autograd"}
 _ACTIVE: _Breakdown | None = None
 
@@ -44,7 +46,11 @@ class _Breakdown(TorchDispatchMode):
             return NotImplemented  # DTensor lowers to plain ops first; they come back through here
         start = time.perf_counter()
         out = func(*args, **(kwargs or {}))
-        self._add(_category(func, self.phases[-1] if self.phases else "other"), time.perf_counter() - start)
+        key = _category(func, self.phases[-1] if self.phases else "other")
+        self._add(key, time.perf_counter() - start)
+        if key == "tp_comm" and func._overloadpacket.__name__ != "wait_tensor":  # one per collective issued
+            self.counts["tp_collectives"] += 1
+            self.seconds["tp_bytes"] += nbytes_of(args[0] if args else None)
         return out
 
     def _add(self, key: str, seconds: float) -> None:
@@ -109,7 +115,9 @@ def summarise(mode: _Breakdown, step_s: float, steps: int = 1) -> dict[str, floa
         "optimizer_ops_s": s.get("optimizer_ops", 0.0),
         "ops": n.get("forward_ops", 0.0) + n.get("backward_ops", 0.0),  # in forward and backward
         "optimizer_ops": n.get("optimizer_ops", 0.0),
-        "collectives": n.get("tp_comm", 0.0) + n.get("dp_comm", 0.0) + n.get("pp_comm", 0.0),
+        "collectives": n.get("tp_collectives", 0.0) + n.get("dp_comm", 0.0) + n.get("pp_comm", 0.0),
+        "tp_collectives": n.get("tp_collectives", 0.0),
+        "tp_bytes": s.get("tp_bytes", 0.0),  # what this rank handed to them
     }
     inside = out["forward_ops_s"] + out["backward_ops_s"] + out["tp_comm_s"] + out["dp_launch_s"]
     out["overhead_s"] = max(0.0, busy - inside)  # the runtime's own cost around each op

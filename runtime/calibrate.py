@@ -89,11 +89,11 @@ def measure_device(device: torch.device) -> dict[str, Any]:
     overhead = _chain_overhead(torch.zeros(16, device=device, requires_grad=True))
     return {"matmul_flops": flops, "conv2d_flops": conv, "memory_bandwidth": bandwidth, "op_overhead_s": overhead,
             "matmul_half_flops": _matmul_curve(device, sync, flops["float32"], overhead),
-            **_optimizer(device, sync, bandwidth, overhead)}
+            **_optimizer(device, sync, bandwidth)}
 
 
-def _optimizer(device: torch.device, sync: Callable[[], Any], bandwidth: float, overhead: float) -> dict[str, float]:
-    """torch's AdamW as it runs here (single-tensor on CPU, foreach on GPUs): its ops per tensor
+def _optimizer(device: torch.device, sync: Callable[[], Any], bandwidth: float) -> dict[str, float]:
+    """torch's AdamW as it runs here (single-tensor on CPU, foreach on GPUs): its time per tensor
     (32 tiny tensors) and bytes moved per element (one tensor of 4 Mi elements)."""
     def step_time(shapes: list[int]) -> float:
         params = [torch.zeros(n, device=device, requires_grad=True) for n in shapes]
@@ -104,16 +104,7 @@ def _optimizer(device: torch.device, sync: Callable[[], Any], bandwidth: float, 
 
     per_tensor = step_time([16] * 32) / 32
     per_element = max(0.0, step_time([2**22]) - per_tensor) / 2**22
-    return {"optimizer_ops": per_tensor / overhead, "optimizer_bytes": per_element * bandwidth}
-
-
-def _sharded_overhead(device: torch.device, plain: float, mesh: Any) -> float:
-    """What an op on DTensors (split over every rank: no communication) costs beyond a plain one:
-    DTensor's sharding propagation, paid by every op the tensor axis runs."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    x = DTensor.from_local(torch.zeros(16, device=device, requires_grad=True), mesh, [Shard(0)], run_check=False)
-    return max(0.0, _chain_overhead(x, n=50) - plain)
+    return {"optimizer_tensor_s": per_tensor, "optimizer_bytes": per_element * bandwidth}
 
 
 def _overlap(device: torch.device, nbytes: int = 2**22) -> dict[str, float]:
@@ -140,6 +131,53 @@ def _overlap(device: torch.device, nbytes: int = 2**22) -> dict[str, float]:
     hidden = (alone_c + alone_a - together) / min(alone_c, alone_a)
     return {"compute_s": alone_c, "all_reduce_s": alone_a, "together_s": together,
             "overlap": float(min(1.0, max(0.0, hidden)))}
+
+
+def _mode_cost(device: torch.device) -> float:
+    """Seconds the breakdown's dispatch mode adds to each op it times (subtracted from what it measures)."""
+    from runtime.breakdown import measuring
+
+    x = torch.zeros(16, device=device, requires_grad=True)
+    plain = _chain_overhead(x)
+    with measuring():
+        timed = _chain_overhead(x)
+    return max(0.0, timed - plain)
+
+
+def runtime_overheads(device: torch.device, world: int, model: str = "gpt-tiny", steps: int = 3) -> dict[str, float]:
+    """The tensor axis's own costs, measured where they are paid: a small GPT trained by
+    `parallelize` tensor-parallel over every rank (the sharded-graph interpreter on DTensors).
+    `runtime.breakdown` separates the ops' time and the collectives' from the rest; the rest
+    (less what the breakdown's own timing adds), per op the planner counts (each graph node
+    forward, and again in backward), is the cost of an op on DTensors; the collectives' time in
+    place (waiting for the slowest rank included) gives their latency there."""
+    import autopar
+    from autopar.capture import capture
+    from runtime.bench import time_steps
+    from runtime.breakdown import measuring, summarise
+
+    cost = _mode_cost(device)
+    out = {}
+    for axis, layout in (("tp", f"1,{world},1,1"),):
+        torch.manual_seed(0)
+        w = autopar.load_workload(model, batch=4 * world, device=device.type, dtype=torch.float32)
+        nodes = sum(1 for n in capture(w.model, w.example_inputs) if n.op != "input")
+        pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=layout,
+                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+        gen = torch.Generator().manual_seed(1)
+        time_steps(pm, lambda: w.make_batch(w.batch, gen), warmup=2, steps=1)
+        parts = []
+        for _ in range(steps):
+            inputs, target = w.make_batch(w.batch, gen)
+            dist.barrier()
+            with measuring() as mode:
+                start = time.perf_counter()
+                pm.step(inputs, target)
+                parts.append(summarise(mode, time.perf_counter() - start))
+        m = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+        per_op = max(0.0, m["overhead_s"] - cost * m["ops"]) / (2 * nodes)
+        out[axis] = {**m, "per_op_s": per_op, "nodes": nodes}
+    return out
 
 
 def _ring(kind: str, n: int) -> tuple[float, float]:
@@ -170,13 +208,9 @@ def _rank(rank: int, world: int, port: int, out: str, backend: str) -> None:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     result: dict[str, Any] = {"device": measure_device(device) if rank == 0 else None, "links": {}}
-    from torch.distributed.device_mesh import init_device_mesh
-
-    mesh = init_device_mesh(device.type, (world,))
-    sharded = _sharded_overhead(device, result["device"]["op_overhead_s"], mesh) if rank == 0 else None
     dist.barrier()
-    result["device"] = result["device"] and {**result["device"], "sharded_op_overhead_s": sharded}
     result["overlap"] = _overlap(device)
+    result["runtime"] = runtime_overheads(device, world)
     for n in range(2, world + 1):
         group = dist.new_group(list(range(n)))
         if rank >= n:
@@ -227,6 +261,14 @@ def cluster_spec(measured: dict[str, Any], nproc: int, name: str = "cpu-local") 
     dev = measured["device"]
     cores = host_cores(nproc)
     alpha, beta = fit_link(measured["links"], cores)
+    # in place, every rank busy: wall time is the cores' share (the simulator divides them again)
+    shared = max(1.0, nproc / cores)
+    tp = measured["runtime"]["tp"]
+    op_overhead = dev["op_overhead_s"]  # a plain op (the chain: the breakdown's timing would hide it in place)
+    sharded = max(0.0, tp["per_op_s"] / shared - op_overhead)
+    if tp["tp_collectives"]:  # the tensor axis's all-reduces in place: their latency, the bytes at β
+        a, b = _ring("all_reduce", nproc)
+        alpha = max(alpha, (tp["tp_comm_s"] / shared - b * tp["tp_bytes"] * beta) / (a * tp["tp_collectives"]))
     link = Link(bandwidth=1 / beta, latency=alpha, overlap=measured["overlap"]["overlap"])
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, nproc)
     gpu = torch.cuda.is_available()
@@ -237,8 +279,9 @@ def cluster_spec(measured: dict[str, Any], nproc: int, name: str = "cpu-local") 
         device=DeviceSpec(name="cuda-gpu" if gpu else "cpu-core",
                           peak_flops=dev["matmul_flops"], memory_bytes=int(memory),
                           memory_bandwidth=dev["memory_bandwidth"], efficiency=1.0,
-                          op_overhead_s=dev["op_overhead_s"], sharded_op_overhead_s=dev["sharded_op_overhead_s"],
+                          op_overhead_s=op_overhead, sharded_op_overhead_s=sharded,
                           matmul_half_flops=dev["matmul_half_flops"], asynchronous=gpu,
-                          optimizer_ops=dev["optimizer_ops"], optimizer_bytes=dev["optimizer_bytes"]),
+                          optimizer_ops=dev["optimizer_tensor_s"] / op_overhead if op_overhead else 0.0,
+                          optimizer_bytes=dev["optimizer_bytes"]),
         intra_host=link, inter_host=link,
         description=f"this machine, {nproc} ranks on {cores} cores, calibrated {time.strftime('%Y-%m-%d')}")

@@ -13,11 +13,11 @@ _COLLECTIVES = {"all_reduce", "all_reduce_coalesced", "all_gather_into_tensor", 
                 "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_to_all_single", "broadcast"}
 
 
-def _nbytes(value) -> int:
+def nbytes_of(value) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
+        return sum(nbytes_of(v) for v in value)
     return 0
 
 
@@ -37,5 +37,5 @@ class CollectiveBytes(TorchDispatchMode):
             return NotImplemented  # let DTensor lower to plain ops first; they come back through here
         packet = getattr(func, "_overloadpacket", None)
         if packet is not None and getattr(func, "namespace", None) in _NAMESPACES and packet.__name__ in _COLLECTIVES:
-            self.nbytes += _nbytes(args[0] if args else None)
+            self.nbytes += nbytes_of(args[0] if args else None)
         return func(*args, **(kwargs or {}))

@@ -289,13 +289,19 @@ def test_calibrate_writes_a_cluster_the_planner_reads(capsys, tmp_path):
     spec = get_cluster(str(path))
     assert spec.devices_per_host == 2 and spec.device.peak_flops["float32"] > 1e8
     assert spec.intra_host.latency > 0 and spec.intra_host.bandwidth > 1e6
-    assert set(result["links"]) == {"2"} and set(result["links"]["2"]) == {"all_reduce", "all_gather"}
+    assert {(r["ranks"], r["collective"]) for r in result["collectives"]} == {(2, "all_reduce"), (2, "all_gather")}
+    assert all(r["measured_s"] > 0 and r["fitted_s"] > 0 for r in result["collectives"])
+    # the terms beside FLOPs and bytes: per op, on DTensors, the optimizer, cores, overlap
+    assert 0 < spec.device.op_overhead_s < 1e-3 and spec.device.sharded_op_overhead_s >= 0
+    assert spec.device.optimizer_ops > 0 and spec.device.optimizer_bytes > 0
+    assert 1 <= spec.cores_per_host <= 2 and 0 <= spec.intra_host.overlap <= 1
     plan = run_json(capsys, "plan", "mlp-tiny", "--cluster", str(path), "--mesh", "1x2")
     assert plan["cluster"] == "cpu-local" and plan["estimate"]["step_time_s"] > 0
 
 
-def test_bench_runs_every_layout_and_ranks_the_predictions(capsys):
-    result = run_json(capsys, "bench", "mlp-tiny", "--nproc", "2", "--warmup", "0", "--steps", "1")
+def test_bench_runs_every_layout_and_ranks_the_predictions(capsys, tmp_path):
+    result = run_json(capsys, "bench", "mlp-tiny", "--nproc", "2", "--warmup", "0", "--steps", "1",
+                      "--breakdown", str(tmp_path))
     names = [r["name"] for r in result["layouts"]]
     assert result["auto_name"] == names[0] == "auto" and len(names) >= 8  # with 1,1,2,1: fewer microbatches than stages
     assert any(name.endswith("+recompute") for name in names)  # recomputing layouts run too
@@ -304,3 +310,30 @@ def test_bench_runs_every_layout_and_ranks_the_predictions(capsys):
     assert all(r["predicted_step_time_s"] > 0 and r["measured_step_time_s"] > 0 for r in result["layouts"])
     assert all(r["predicted_peak_bytes"] > 0 and r["measured_peak_bytes"] > 0 for r in result["layouts"])
     assert -1 <= result["spearman"] <= 1 and result["auto_vs_fastest"] >= 1
+    # --breakdown: one file per layout, measured per rank beside the prediction per stage
+    files = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
+    assert len(files) == len(names)
+    for row in files.values():
+        measured, predicted = row["breakdown"]["measured"], row["breakdown"]["predicted"]
+        assert len(measured) == 2 and len(predicted) == len(set(row["breakdown"]["stage_of"]))
+        for m in measured:  # phases add up to at most the step; ops ran inside forward and backward
+            inside = m["forward_s"] + m["backward_s"] + m["pipeline_s"] + m["dp_sync_s"] + m["optimizer_s"]
+            assert 0 < inside <= m["step_s"] * 1.001 and m["ops"] > 0 and m["optimizer_ops"] > 0
+            assert m["forward_ops_s"] + m["backward_ops_s"] <= m["forward_s"] + m["backward_s"]
+    tp = files["megatron-1-2-1-1"]["breakdown"]["measured"]
+    assert all(m["tp_comm_s"] > 0 for m in tp)  # DTensor's collectives, timed
+    dp = files["megatron-2-1-1-1"]["breakdown"]["measured"]
+    assert all(m["dp_launch_s"] + m["dp_sync_s"] > 0 and m["tp_comm_s"] == 0 for m in dp)
+    pp = files["megatron-1-1-2-4"]["breakdown"]
+    assert max(m["pipeline_s"] for m in pp["measured"]) > 0 and pp["stage_of"] == [0, 1]
+
+
+def test_plan_tune_keeps_the_measured_fastest(capsys):
+    plan = run_json(capsys, "plan", "mlp-tiny", "--mesh", "1x2", "--tune", "3")
+    tuned = plan["search"]["tuned"]
+    assert len(tuned) == 3 and len({(t["name"], t["num_microbatches"]) for t in tuned}) == 3
+    assert all(t["measured_step_time_s"] > 0 and t["predicted_step_time_s"] > 0 for t in tuned)
+    best = min(tuned, key=lambda t: t["measured_step_time_s"])
+    assert (plan["name"], plan["num_microbatches"]) == (best["name"], best["num_microbatches"])
+    predicted = [t["predicted_step_time_s"] for t in tuned]
+    assert predicted == sorted(predicted)  # the best predicted, in order

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from autopar import ClusterSpecError
-from cost_models import PRESETS, ClusterSpec, get_cluster
+from cost_models import PRESETS, ClusterSpec, Link, get_cluster
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -57,6 +57,9 @@ def _valid() -> dict:
         (lambda d: d["device"]["peak_flops"].pop("float32"), "include float32"),
         (lambda d: d["device"].update(efficiency=2), "efficiency must be in"),
         (lambda d: d.update(schema="autopar.cluster/9"), "unknown schema"),
+        (lambda d: d["intra_host"].update(overlap=1.5), "intra_host.overlap must be a non-negative, finite number of at most 1"),
+        (lambda d: d["device"].update(op_overhead_s=-1e-6), "device.op_overhead_s must be a non-negative"),
+        (lambda d: d.update(cores_per_host=0), "cores_per_host must be a positive integer"),
     ],
 )
 def test_malformed_cluster_files_name_the_field(mutate, message, tmp_path):
@@ -84,3 +87,23 @@ def test_with_mesh():
     assert v100.with_mesh(2, 4).num_devices == 8
     with pytest.raises(ClusterSpecError, match="at most 8 devices per host"):
         v100.with_mesh(1, 16)
+
+
+def test_ranks_beyond_the_devices_share_them():
+    local = get_cluster("v100-p3").with_mesh(1, 2)
+    shared = local.with_ranks(4)
+    assert (shared.devices_per_host, shared.cores_per_host) == (4, 2)
+    assert shared.with_ranks(8).cores_per_host == 2 and local.with_ranks(2) is local
+
+
+def test_calibrated_link_fit_recovers_the_ring_formulas():
+    from cost_models import collective_time
+    from runtime.calibrate import fit_link
+
+    link = Link(bandwidth=2e9, latency=100e-6)
+    sizes = [2**k for k in range(10, 24, 2)]
+    # 2, 3 and 4 ranks on 2 cores: the groups beyond the cores take n / 2 as long
+    measured = {n: {kind: {"sizes": sizes, "times": [collective_time(kind, b, n, link) * max(1, n / 2) for b in sizes]}
+                    for kind in ("all_reduce", "all_gather")} for n in (2, 3, 4)}
+    alpha, beta = fit_link(measured, cores=2)
+    assert alpha == pytest.approx(100e-6, rel=1e-6) and 1 / beta == pytest.approx(2e9, rel=1e-6)

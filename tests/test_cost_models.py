@@ -63,6 +63,26 @@ def test_roofline():
     assert compute_time(1e12, 0, dev, "int8") == pytest.approx(0.2)  # unlisted dtype runs at fp32
 
 
+def test_fixed_costs_per_op():
+    import dataclasses
+
+    from cost_models import fixed_time, optimizer_time
+
+    cpu = DeviceSpec(name="core", peak_flops={"float32": 1e11}, memory_bytes=1, memory_bandwidth=1e10, efficiency=1.0,
+                     op_overhead_s=5e-6, sharded_op_overhead_s=40e-6, matmul_half_flops=1e6)
+    # a matmul of 1 MFLOP forward and 2 backward: 30 µs of FLOPs, 3 × 10 µs short of the peak, 2 dispatches
+    assert compute_time(3e6, 0, cpu, ops=2, matmuls=3) == pytest.approx(30e-6 + 30e-6 + 10e-6)
+    assert fixed_time(cpu, ops=2, matmuls=3, sharded=True) == pytest.approx(30e-6 + 2 * 45e-6)
+    # a GPU issues kernels ahead: the host's time is a floor under each op, not an addition
+    gpu = dataclasses.replace(cpu, asynchronous=True)
+    assert compute_time(3e9, 0, gpu, ops=2) == pytest.approx(0.03)
+    assert compute_time(0, 8, gpu, ops=2) == pytest.approx(10e-6)
+    # Adam: bytes per element through memory, ops per tensor (more on DTensors)
+    opt = dataclasses.replace(cpu, optimizer_bytes=28.0, optimizer_ops=10.0)
+    assert optimizer_time(1e9, 4, opt) == pytest.approx(2.8 + 4 * 10 * 5e-6)
+    assert optimizer_time(0, 4, opt, dtensors=4) == pytest.approx(4 * 10 * 45e-6)
+
+
 def test_model_state_memory():
     gb = 1e9
     # mixed precision Adam: 2 + 2 + 8 + 4 = 16 bytes per parameter

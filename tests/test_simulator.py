@@ -2,7 +2,7 @@
 
 import pytest
 
-from cost_models.simulator import StageTimes, schedule_order, simulate
+from cost_models.simulator import Hosts, StageTimes, schedule_order, simulate
 
 
 def uniform(n, f=1.0, b=2.0, send=0.0, sync=0.0, act=1.0):
@@ -37,7 +37,7 @@ def test_transfers_and_gradient_sync_add_up():
     # at least one hop each way on the critical path, at most one per microbatch each way
     assert base + 2 * 0.5 <= with_send <= base + 2 * 4 * 0.5
     synced = simulate(uniform(2, sync=5.0), 4)
-    assert synced.step_time_s == pytest.approx(base - 2.0 + 5.0)  # starts with stage 0's last backward
+    assert synced.step_time_s == pytest.approx(base + 5.0)  # the exposed part, after stage 0's last backward
     assert {e.kind for e in synced.events} == {"F", "B", "send", "sync"}
 
 
@@ -48,3 +48,22 @@ def test_schedule_order_is_complete():
             assert sorted(order) == sorted([("F", i) for i in range(6)] + [("B", i) for i in range(6)])
     with pytest.raises(ValueError, match="unknown schedule"):
         schedule_order("zb", 2, 0, 2)
+
+
+def test_ranks_sharing_cores_slow_each_other_down():
+    one = [StageTimes(1.0, 2.0, 0.0, 0.5, optimizer_s=0.5)]
+    alone = simulate(one, 1).step_time_s
+    assert alone == pytest.approx(4.0)
+    # 4 ranks of one stage on 2 cores: everything they do takes twice as long; with a core each, no change
+    assert simulate(one, 1, hosts=Hosts((4,), 4, 2)).step_time_s == pytest.approx(8.0)
+    assert simulate(one, 1, hosts=Hosts((4,), 4, 4)).step_time_s == pytest.approx(4.0)
+    # a pipeline's idle stages leave their cores to the busy ones: between a core each and half a core each
+    base = simulate(uniform(4), 8).step_time_s
+    shared = simulate(uniform(4), 8, hosts=Hosts((1, 1, 1, 1), 4, 2))
+    assert base < shared.step_time_s < 2 * base
+    # fill alone: stage 0's first forward has the host to itself, at full speed
+    first = next(e for e in shared.events if e.stage == 0 and e.kind == "F")
+    assert first.end - first.start == pytest.approx(1.0)
+    # two hosts of 2 ranks and 1 core each: a stage per host runs at half speed whatever the other does
+    two = simulate(uniform(2), 4, hosts=Hosts((2, 2), 2, 1)).step_time_s
+    assert two == pytest.approx(2 * simulate(uniform(2), 4).step_time_s)

@@ -43,6 +43,7 @@ def _wresnet(name: str, depth: int, channels: int, width: int) -> ZooEntry:
 
 
 _ALPA = "Alpa GPT suite"
+_CPU = "measured runs on CPU"
 _MEGATRON = "Megatron-LM 2021 Table 1"
 _ENTRIES = [
     _gpt("gpt-350m", 1024, 1024, 24, 16, 1024, _ALPA),
@@ -79,7 +80,11 @@ _ENTRIES = [
     _wresnet("wresnet-6.8b", 50, 320, 16),
     _wresnet("wresnet-13b", 101, 320, 16),
     ZooEntry("gpt-tiny", gpt, GPTConfig(vocab=512, seq=32, hidden=64, layers=2, heads=4), 8, torch.float32, "test"),
-    ZooEntry("gpt-small", gpt, GPTConfig(vocab=8192, seq=128, hidden=256, layers=4, heads=4), 16, torch.float32, "measured runs on CPU"),
+    ZooEntry("gpt-small", gpt, GPTConfig(vocab=8192, seq=128, hidden=256, layers=4, heads=4), 16, torch.float32, _CPU),
+    ZooEntry("moe-small", moe, MoEConfig(vocab=8192, seq=128, hidden=256, layers=4, heads=4, experts=4,
+                                         expert_group=256, ffn_mult=2), 16, torch.float32, _CPU),
+    ZooEntry("wresnet-small", wresnet, WResNetConfig(stages=(1, 1, 1, 1), channels=32, width=2, image=64, classes=100),
+             16, torch.float32, _CPU),
     ZooEntry(
         "moe-tiny", moe,
         MoEConfig(vocab=512, seq=32, hidden=64, layers=2, heads=4, experts=4, expert_group=64, ffn_mult=2),
