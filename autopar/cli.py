@@ -230,6 +230,8 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> Any:
     from cost_models import calibration_file, collective_time
     from runtime.calibrate import calibrate, cluster_spec
 
+    if args.from_bench:
+        return _fit(args, out)
     if args.nproc < 2:
         raise AutoparError(f"--nproc {args.nproc}: links are measured between ranks; use at least 2")
     bar, step = _progress("calibrating")
@@ -267,6 +269,42 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> Any:
     out.print(table)
     out.print(f"written to {path}" + (" (cpu-local reads it)" if path == str(calibration_file()) else
                                       f" (use it with --cluster {path})"))
+    return None
+
+
+def _fit(args: argparse.Namespace, out: Console) -> Any:
+    """`calibrate --from BENCH.json`: the cluster's parameters fitted to a bench's measurements."""
+    from cost_models import calibration_file, get_cluster
+    from runtime.fit import fit
+
+    try:
+        with open(args.from_bench) as f:
+            bench = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise AutoparError(f"--from {args.from_bench}: not a readable JSON file ({exc}); give what "
+                           "`autopar bench ... --json` printed") from None
+    if not isinstance(bench, dict) or not {"model", "nproc", "layouts"} <= set(bench):
+        raise AutoparError(f"--from {args.from_bench}: not the JSON of `autopar bench` (model, nproc, layouts)")
+    cluster = get_cluster(args.cluster or str(calibration_file()))
+    bar, step = _progress("fitting")
+    with bar:
+        result = fit(bench, cluster, step)
+    path = args.out or str(calibration_file())
+    result["cluster"].save(path)
+    result = {**result, "cluster": result["cluster"].to_dict(), "path": path}
+    if args.json:
+        return result
+    table = Table(title=f"{bench['model']} on {bench['nproc']} ranks: measured, calibrated and fitted predictions")
+    for col in ("layout", "measured", "calibrated", "fitted", "held out"):
+        table.add_column(col, justify="left" if col == "layout" else "right")
+    for r in result["layouts"]:
+        table.add_row(r["name"], human_time(r["measured_step_time_s"]), human_time(r["calibrated_s"]),
+                      human_time(r["fitted_s"]), "yes" if r["held_out"] else "")
+    out.print(table)
+    out.print("factors on each parameter's time: " + ", ".join(f"{k} ×{v:.2f}" for k, v in result["factors"].items()))
+    b, a = result["error_before"], result["error_after"]
+    out.print(f"median |error|: fitted layouts {b['fitted']:.0%} → {a['fitted']:.0%}, held-out layouts "
+              f"{b['held_out']:.0%} → {a['held_out']:.0%}; written to {path}")
     return None
 
 
@@ -461,6 +499,10 @@ def _parser() -> argparse.ArgumentParser:
     p = command("calibrate", cmd_calibrate, "measure this machine's ranks: matmul, memory, collectives (α, β)")
     p.add_argument("--nproc", type=int, default=2, help="local ranks to measure (default 2)")
     p.add_argument("--out", help="cluster JSON to write (default: the file cpu-local reads)")
+    p.add_argument("--from", dest="from_bench", metavar="BENCH.json", help="instead of measuring, fit the cluster "
+                   "file's parameters to the step times of `autopar bench ... --json` (half the layouts; the "
+                   "error on the other half is reported)")
+    p.add_argument("--cluster", help="with --from: the cluster file to start from (default: the one cpu-local reads)")
     p = command("train", cmd_train, "train for real on synthetic data, launched through torchrun's launcher")
     p.add_argument("model", help="zoo name, or FILE.py:FUNCTION returning (model, inputs, loss_fn, make_batch)")
     p.add_argument("--nproc", type=int, required=True, help="processes (ranks) on this machine")

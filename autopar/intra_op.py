@@ -17,6 +17,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import hashlib
 import logging
 import math
@@ -139,6 +141,7 @@ class StageSharding:
     collectives: list[dict[str, Any]]
     needs: dict[str, list[str | None]] = field(default_factory=dict)  # see StagePlan.needs
     param_states: dict[str, float] = field(default_factory=dict)  # fqn -> its part of memory["model_states"]
+    strategies: dict[str, Strategy] = field(default_factory=dict)  # anchor -> the strategy chosen for it
 
     @property
     def time(self) -> float:
@@ -510,12 +513,13 @@ class _Stage:
             syncs.append(("tp", "all_reduce", "gradient", mesh.tp, tp_bw))
             ev.tp_grad_sync = True
         if self.owner[fqn] == name:
-            if trainable and mesh.dp > 1 and zero:  # ZeRO-3: gathered for every forward and backward
+            if trainable and mesh.dp > 1 and zero:  # ZeRO-3: gathered for every forward and backward, a
+                # layer's weights in one collective (FSDP2's unit): their α once per stage solve (`_unit_latency`)
                 for phase in ("forward", "backward"):
-                    ev.comm += collective_time("all_gather", local, mesh.dp, mesh.dp_link)
-                    ev.collectives.append((name, "all_gather", phase, local, "dp"))
-                ev.zero_gather += 2 * collective_time("all_gather", local, mesh.dp, dp_bw)  # α: in comm_latency_s
-                ev.zero_scatter += collective_time("reduce_scatter", local, mesh.dp, mesh.dp_link)
+                    ev.comm += collective_time("all_gather", local, mesh.dp, dp_bw)
+                    ev.collectives.append((name, "all_gather", phase, local, "dp", "unit"))
+                ev.zero_gather += 2 * collective_time("all_gather", local, mesh.dp, dp_bw)
+                ev.zero_scatter += collective_time("reduce_scatter", local, mesh.dp, dp_bw)
                 syncs.append(("dp", "reduce_scatter", "gradient", mesh.dp, dp_bw))
             elif trainable and mesh.dp > 1:
                 syncs.append(("dp", "all_reduce", "gradient", mesh.dp, dp_bw))
@@ -683,15 +687,19 @@ def shard_stage(
     memory_limit: float | None = None,
     time_limit_s: float = 30.0,
     rule: Rule | None = None,
+    fixed: dict[str, Strategy] | None = None,
 ) -> StageSharding:
     """Solve the sharding of `graph` on logical mesh `logical` (dp, tp) over `submesh` (hosts, devices).
 
     `rule` narrows each anchor's choices (a hand-written layout such as Megatron-LM's): the ILP
-    still places everything else consistently and prices it the same way."""
+    still places everything else consistently and prices it the same way. `fixed` (a result's
+    `strategies`) prices that sharding again, on this cluster, without choosing."""
     mesh = Mesh.of(cluster, submesh, logical)
     stage = _Stage(graph, cluster, mesh)
     anchors = [n for n in stage.names if stage.root.get(n) == n]
     strategies = {a: stage.strategies(a, rule) for a in anchors}
+    if fixed:
+        strategies = {a: [s for s in options if s == fixed.get(a)] or options for a, options in strategies.items()}
     stage.tie(strategies)
     classes = [a for a in anchors if stage.cls[a] == a]
     evals = {c: [stage.evaluate(c, s) for s in strategies[c]] for c in classes}
@@ -711,8 +719,9 @@ def shard_stage(
     problem.memory_limit = cluster.device.memory_bytes * 0.9 if memory_limit is None else memory_limit
     sol = solve(problem, time_limit_s)
     chosen = {c: evals[c][sol.choice[var[c]]] for c in classes}
-    zero = {c: strategies[c][sol.choice[var[c]]].zero for c in classes}
-    return _result(stage, logical, chosen, zero, sol, problem)
+    picked = {a: strategies[a][sol.choice[var[stage.cls[a]]]] for a in anchors}
+    return dataclasses.replace(_result(stage, logical, chosen, {c: picked[c].zero for c in classes}, sol, problem),
+                               strategies=picked)
 
 
 def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bool], sol, problem) -> StageSharding:
@@ -735,7 +744,8 @@ def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bo
                 params[fqn] = ["S(0)" if zero[stage.group(name)] else R, ev.params[fqn_rep]]
     for a in anchors:  # each anchor's own collectives, under its own node names
         names = {stage.canon(m): m for m in stage.members[a]}
-        collectives += [{"node": names.get(n, n), "kind": k, "axis": (rest or ("tp",))[0], "phase": ph, "bytes": b}
+        collectives += [{"node": names.get(n, n), "kind": k, "axis": (rest or ("tp",))[0], "phase": ph, "bytes": b,
+                         **({"unit": True} if rest[1:] else {})}
                         for n, k, ph, b, *rest in chosen[stage.cls[a]].collectives]
     collectives += _edge_collectives(stage, chosen)
     for name in stage.graph.outputs:
@@ -747,7 +757,8 @@ def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bo
                                 for k, f in redistribution(have, R, stage.mesh.tp)]
     per_anchor = [chosen[stage.cls[a]] for a in anchors]
     compute = sum(e.compute for e in per_anchor)
-    comm = sum(e.comm for e in per_anchor)
+    gather, scatter = _unit_latency(stage.mesh, collectives)
+    comm = sum(e.comm for e in per_anchor) + gather
     grad_sync = sum(e.grad_sync for e in per_anchor)
     per_bucket = _bucket_latency(stage, per_anchor)
     # what this rank synchronises: its own shard of each trainable weight (buckets hold local gradients)
@@ -758,7 +769,7 @@ def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bo
 
     trainable_bytes = sum(trainable_shard(f, zero=False) for f in stage.graph.trainable if f in params)
     latency = per_bucket * buckets(trainable_bytes)
-    total = problem.objective(sol.choice) + latency
+    total = problem.objective(sol.choice) + latency + gather
     return StageSharding(
         logical_mesh=tuple(logical),
         params=dict(sorted(params.items())),
@@ -766,8 +777,9 @@ def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bo
         cost={"compute_s": compute, "comm_s": comm, "reshard_s": max(0.0, total - latency - compute - comm - grad_sync),
               "grad_sync_s": grad_sync + latency, "total_s": total,
               "bucket_latency_s": per_bucket, "trainable_bytes": trainable_bytes,
-              "comm_latency_s": _latency_of(stage.mesh, collectives),
-              "zero_gather_s": sum(e.zero_gather for e in per_anchor), "zero_scatter_s": sum(e.zero_scatter for e in per_anchor),
+              "comm_latency_s": _latency_of(stage.mesh, collectives) + gather,
+              "zero_gather_s": sum(e.zero_gather for e in per_anchor) + gather,
+              "zero_scatter_s": sum(e.zero_scatter for e in per_anchor) + scatter,
               "fixed_s": sum(e.fixed for e in per_anchor),
               # the optimizer's step: fp32 elements and tensors this rank updates (ZeRO-3: its shard)
               "optimizer_elements": sum(trainable_shard(f) / DTYPE_BYTES.get(stage.graph.params[f].dtype, 4)
@@ -796,10 +808,19 @@ def _latency_of(mesh: Mesh, collectives: list[dict[str, Any]]) -> float:
     the microbatch, unlike the bytes."""
     total = 0.0
     for c in collectives:
-        if c["phase"] != "gradient":
+        if c["phase"] != "gradient" and not c.get("unit"):
             n, link = (mesh.dp, mesh.dp_link) if c["axis"] == "dp" else (mesh.tp, mesh.tp_link)
             total += collective_time(c["kind"], 0.0, n, link)
     return total
+
+
+def _unit_latency(mesh: Mesh, collectives: list[dict[str, Any]]) -> tuple[float, float]:
+    """ZeRO-3's per-message cost of a stage solve (an atom: a layer): FSDP2 gathers a unit's
+    weights in one all-gather for forward and one for backward, and reduce-scatters them in one."""
+    if not any(c.get("unit") for c in collectives):
+        return 0.0, 0.0
+    return 2 * collective_time("all_gather", 0.0, mesh.dp, mesh.dp_link), \
+        collective_time("reduce_scatter", 0.0, mesh.dp, mesh.dp_link)
 
 
 def _edge_collectives(stage: _Stage, chosen: dict[str, _Eval]) -> list[dict[str, Any]]:

@@ -89,7 +89,9 @@ def manual_search(search: Search, zero3: bool = False) -> Search:
     atoms = search.graph.layer_list
     layers = [Layer(a.name, (i, i + 1), a.nodes, a.flops_fwd + a.flops_bwd) for i, a in enumerate(atoms)]
     rule = dataclasses.replace(MEGATRON, zero=True, zero_only=True) if zero3 else MEGATRON
-    costs = StageCosts(search.graph, search.cluster, rule, search.costs.time_limit_s, search.costs.compression)
+    c = search.costs
+    costs = StageCosts(search.graph, search.cluster, rule, c.time_limit_s, c.compression, world=c.world,
+                       choices=c.choices, pin=c.pin)
     return Search(search.workload, search.cluster, search.mesh, search.graph, layers, costs,
                   search.memory_limit, search.schedule)
 
@@ -219,7 +221,7 @@ def deepspeed_moe_plan(search: Search) -> Plan:
     parallelism), priced by the same cost model as every other plan."""
     hosts, per_host = search.mesh
     devices = hosts * per_host
-    costs = StageCosts(search.graph, search.cluster, DEEPSPEED_MOE, search.costs.time_limit_s)
+    costs = StageCosts(search.graph, search.cluster, DEEPSPEED_MOE, search.costs.time_limit_s, world=search.costs.world)
     view = Search(search.workload, search.cluster, search.mesh, search.graph, search.layers, costs,
                   search.memory_limit, search.schedule)
     n, batch = len(view.layers), search.workload.batch

@@ -60,10 +60,12 @@ class Search:
     @staticmethod
     def start(workload: Workload, cluster: ClusterSpec, mesh: tuple[int, int], *, memory_limit: float | None = None,
               schedule: str = "1f1b", rule: Rule | None = None, time_limit_s: float = 30.0,
-              graph: OpGraph | None = None, compression: str | None = None, precision: str | None = None) -> Search:
+              graph: OpGraph | None = None, compression: str | None = None, precision: str | None = None,
+              choices: dict | None = None, pin: bool = False) -> Search:
         """`compression`: price the data axis's gradient averaging through this compressor (and keep
         gradients replicated there, which compressors need: no ZeRO-3). `precision` ("bf16",
-        "fp16"): price mixed-precision training (`autopar.precision`); a graph retyped for it keeps it."""
+        "fp16"): price mixed-precision training (`autopar.precision`); a graph retyped for it keeps it.
+        `choices` / `pin`: `StageCosts`'s record of the shardings chosen, or the shardings to price again."""
         spec = parse(compression) if compression else None
         if spec is not None:
             rule = dataclasses.replace(rule, zero=False) if rule is not None else REPLICATED_GRADIENTS
@@ -75,7 +77,8 @@ class Search:
             graph = with_precision(graph, workload.model, precision)
         limit = cluster.device.memory_bytes * (1 - RESERVE) if memory_limit is None else memory_limit
         return Search(workload, cluster, mesh, graph, cluster_layers(graph),
-                      StageCosts(graph, cluster, rule, time_limit_s, spec, world=mesh[0] * mesh[1]), limit, schedule)
+                      StageCosts(graph, cluster, rule, time_limit_s, spec, world=mesh[0] * mesh[1], choices=choices,
+                                 pin=pin), limit, schedule)
 
     def compressed(self, compression: str | None) -> Search:
         """The same search with the data axis priced through `compression` (None: dense)."""

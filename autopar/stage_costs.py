@@ -101,6 +101,11 @@ class StageCosts:
     # recomputes one layer at a time (`runtime.recompute`); None: every atom is a layer
     layer_starts: list[int] | None = None
     world: int = 1  # ranks of the job: the loss is all-reduced over all of them every step
+    # the strategies each solve chose, by (rule, precision, atom structure, submesh, logical mesh,
+    # variant): filled as solves go, or with `pin` read instead of solving (the same shardings
+    # priced on another cluster: `cost_models.fit`)
+    choices: dict | None = None
+    pin: bool = False
 
     def __post_init__(self) -> None:
         self.atoms = self.graph.layer_list
@@ -160,6 +165,13 @@ class StageCosts:
             self._subgraphs[k] = self.graph.subgraph(list(self.atoms[k].nodes))
         sub = self._subgraphs[k]
         result = None
+        choice = (self.rule, self.graph.precision, self.hashes[k], submesh, logical, lean)
+        if self.pin:
+            fixed = self.choices.get(choice)
+            result = fixed and shard_stage(sub, self.cluster, submesh, logical, float("inf"), self.time_limit_s,
+                                           self.rule, fixed=fixed)
+            self._cache[key] = result
+            return result
         try:
             self.solves += 1
             result = shard_stage(sub, self.cluster, submesh, logical, float("inf"), self.time_limit_s, self.rule)
@@ -173,6 +185,8 @@ class StageCosts:
                                          self.time_limit_s, self.rule)
         except InfeasibleError:
             result = None  # the data axis does not divide this atom's batch
+        if self.choices is not None and result is not None:
+            self.choices[choice] = result.strategies
         self._cache[key] = result
         return result
 

@@ -27,9 +27,12 @@ import torch.multiprocessing as mp
 from runtime.backend import free_port
 
 
-def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, precision: str | None = None) -> list[Any]:
+def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, precision: str | None = None,
+                    choices: dict | None = None, pin: bool = False) -> list[Any]:
     """The searched plan first, then every valid hand-written layout × microbatch count (in
-    `precision`), and per (dp, tp, pp) its most microbatches recomputing, in bf16, and with ZeRO-3."""
+    `precision`), and per (dp, tp, pp) its most microbatches recomputing, in bf16, and with ZeRO-3.
+    `choices` / `pin` (`StageCosts`): record the shardings chosen, or price them again on this
+    cluster (the hand-written layouts only: the search would choose again)."""
     import dataclasses
 
     from autopar.manual import Layout, check, manual_plan, manual_search
@@ -37,11 +40,11 @@ def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, pre
     from autopar.planner import Search, plan_auto
 
     w = load_workload(model, batch=batch, device="cpu", dtype=torch.float32)
-    search = Search.start(w, cluster, (1, nproc), precision=precision)
-    plans = [dataclasses.replace(plan_auto(search), name="auto")]
+    search = Search.start(w, cluster, (1, nproc), precision=precision, choices=choices, pin=pin)
+    plans = [] if pin else [dataclasses.replace(plan_auto(search), name="auto")]
     view = manual_search(search)
-    half = manual_search(Search.start(w, cluster, (1, nproc), graph=search.graph, precision="bf16")) \
-        if precision is None else None
+    half = manual_search(Search.start(w, cluster, (1, nproc), graph=search.graph, precision="bf16",
+                                      choices=choices, pin=pin)) if precision is None else None
     sharded = manual_search(search, zero3=True)
     for tp in (t for t in range(1, nproc + 1) if nproc % t == 0):
         for pp in (p for p in range(1, nproc // tp + 1) if (nproc // tp) % p == 0):
@@ -188,6 +191,6 @@ def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup
             row["breakdown"] = {"measured": parts, "predicted": predicted_breakdown(p),
                                 "stage_of": [k for k, s in enumerate(p.stages) for _ in range(s.devices)]}
     fastest = min(r["measured_step_time_s"] for r in rows)
-    return {"model": model, "nproc": nproc, "cluster": cluster.name, "layouts": rows,
+    return {"model": model, "nproc": nproc, "batch": batch, "precision": precision, "cluster": cluster.name, "layouts": rows,
             "spearman": spearman([r["predicted_step_time_s"] for r in rows], [r["measured_step_time_s"] for r in rows]),
             "auto_name": rows[0]["name"], "auto_vs_fastest": rows[0]["measured_step_time_s"] / fastest}

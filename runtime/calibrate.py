@@ -133,39 +133,28 @@ def _overlap(device: torch.device, nbytes: int = 2**22) -> dict[str, float]:
             "overlap": float(min(1.0, max(0.0, hidden)))}
 
 
-def _mode_cost(device: torch.device) -> float:
-    """Seconds the breakdown's dispatch mode adds to each op it times (subtracted from what it measures)."""
-    from runtime.breakdown import measuring
-
-    x = torch.zeros(16, device=device, requires_grad=True)
-    plain = _chain_overhead(x)
-    with measuring():
-        timed = _chain_overhead(x)
-    return max(0.0, timed - plain)
-
-
 def runtime_overheads(device: torch.device, world: int, model: str = "gpt-tiny", steps: int = 3) -> dict[str, float]:
-    """The tensor axis's own costs, measured where they are paid: a small GPT trained by
-    `parallelize` tensor-parallel over every rank (the sharded-graph interpreter on DTensors).
-    `runtime.breakdown` separates the ops' time and the collectives' from the rest; the rest
-    (less what the breakdown's own timing adds), per op the planner counts (each graph node
-    forward, and again in backward), is the cost of an op on DTensors; the collectives' time in
-    place (waiting for the slowest rank included) gives their latency there."""
+    """The runtime's own cost per op, measured where it is paid: a small GPT trained by
+    `parallelize` on every rank, data-parallel (the model's modules, eager) and tensor-parallel
+    over all of them (the sharded-graph interpreter on DTensors). `runtime.breakdown` separates
+    the ops' time and the collectives' from the rest; the rest (less what the breakdown's own
+    timing added to the step), per op the planner counts (each graph node forward, and again in
+    backward), is the overhead; the tensor axis's collectives' time in place (waiting for the
+    slowest rank included) gives their latency there."""
     import autopar
     from autopar.capture import capture
     from runtime.bench import time_steps
     from runtime.breakdown import measuring, summarise
 
-    cost = _mode_cost(device)
     out = {}
-    for axis, layout in (("tp", f"1,{world},1,1"),):
+    for axis, layout in (("dp", f"{world},1,1,1"), ("tp", f"1,{world},1,1")):
         torch.manual_seed(0)
         w = autopar.load_workload(model, batch=4 * world, device=device.type, dtype=torch.float32)
         nodes = sum(1 for n in capture(w.model, w.example_inputs) if n.op != "input")
         pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=layout,
                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
         gen = torch.Generator().manual_seed(1)
-        time_steps(pm, lambda: w.make_batch(w.batch, gen), warmup=2, steps=1)
+        plain = time_steps(pm, lambda: w.make_batch(w.batch, gen), warmup=2, steps=steps)
         parts = []
         for _ in range(steps):
             inputs, target = w.make_batch(w.batch, gen)
@@ -175,8 +164,12 @@ def runtime_overheads(device: torch.device, world: int, model: str = "gpt-tiny",
                 pm.step(inputs, target)
                 parts.append(summarise(mode, time.perf_counter() - start))
         m = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
-        per_op = max(0.0, m["overhead_s"] - cost * m["ops"]) / (2 * nodes)
-        out[axis] = {**m, "per_op_s": per_op, "nodes": nodes}
+        # what the timing itself added to the step (spread over the ops it timed) is taken out of
+        # the overhead of forward and backward's
+        timed = m["ops"] + m["optimizer_ops"] + m["collectives"]
+        added = max(0.0, m["step_s"] - plain) * m["ops"] / timed if timed else 0.0
+        per_op = max(0.0, m["overhead_s"] - added) / (2 * nodes)
+        out[axis] = {**m, "untimed_step_s": plain, "per_op_s": per_op, "nodes": nodes}
     return out
 
 
@@ -263,8 +256,8 @@ def cluster_spec(measured: dict[str, Any], nproc: int, name: str = "cpu-local") 
     alpha, beta = fit_link(measured["links"], cores)
     # in place, every rank busy: wall time is the cores' share (the simulator divides them again)
     shared = max(1.0, nproc / cores)
-    tp = measured["runtime"]["tp"]
-    op_overhead = dev["op_overhead_s"]  # a plain op (the chain: the breakdown's timing would hide it in place)
+    dp, tp = measured["runtime"]["dp"], measured["runtime"]["tp"]
+    op_overhead = max(dp["per_op_s"] / shared, dev["op_overhead_s"])  # at least a bare op's (the chain)
     sharded = max(0.0, tp["per_op_s"] / shared - op_overhead)
     if tp["tp_collectives"]:  # the tensor axis's all-reduces in place: their latency, the bytes at β
         a, b = _ring("all_reduce", nproc)
