@@ -234,7 +234,10 @@ def plan_single_stage(search: Search) -> Plan:
         raise InfeasibleError(f"{search.workload.name} (batch {search.workload.batch}) {exc}", exc.least_memory) from None
 
     def backward(r) -> float:
-        return r.cost["compute_s"] * (1 - share) + (r.cost["comm_s"] + r.cost["reshard_s"]) / 2
+        return r.cost["compute_s"] * (1 - share) + (r.cost["comm_s"] + r.cost["reshard_s"]) / 2 + loss(r) / 2
+
+    def loss(r) -> float:
+        return float(costs.loss_time(costs.loss_bytes / r.logical_mesh[0]))
 
     def compressed(r) -> float:  # what a compressor adds to (or saves from) the data axis, after backward
         if costs.compression is None or r.logical_mesh[0] == 1:
@@ -247,8 +250,8 @@ def plan_single_stage(search: Search) -> Plan:
     comm = c["comm_s"] + c["reshard_s"]
     stage = StagePlan(
         layers=(0, len(search.layers)), submesh=search.mesh, logical_mesh=best.logical_mesh, params=best.params,
-        ops=best.ops, needs=best.needs, cost={"forward_s": c["compute_s"] * share + comm / 2,
-                            "backward_s": c["compute_s"] * (1 - share) + comm / 2, "send_s": 0.0,
+        ops=best.ops, needs=best.needs, cost={"forward_s": c["compute_s"] * share + comm / 2 + loss(best) / 2,
+                            "backward_s": backward(best), "send_s": 0.0,
                             "grad_sync_s": float(costs.exposed_sync(c["grad_sync_s"], backward(best), search.mesh,
                                                                     best.logical_mesh, c["trainable_bytes"])),
                             "optimizer_s": float(costs.optimizer_s(c["optimizer_elements"], c["optimizer_tensors"],

@@ -33,11 +33,12 @@ from autopar.intra_op import (
 )
 from autopar.layering import cut_bytes
 from autopar.precision import PRECISIONS
-from cost_models import ClusterSpec, Link, axis_link, optimizer_time, p2p_time
+from cost_models import ClusterSpec, Link, axis_link, fixed_time, optimizer_time, p2p_time
 from cost_models.comm import all_reduce_time
 from cost_models.compression import Spec, dense_time, sync_time
 
 COLUMNS = 20  # of `StageCosts.range_sums`
+LOSS_PASSES, LOSS_OPS = 5, 6  # cross-entropy's passes over its input's size, and its ops (forward and backward)
 
 
 def gathered_peak(per_layer: np.ndarray, precision: str | None, loss: float = 0.0,
@@ -145,6 +146,14 @@ class StageCosts:
                      - dense_time(shapes, lm[0], link))
             self._per_byte[key] = extra / max(1, 4 * sum(math.prod(s) for s in shapes))
         return self._per_byte[key]
+
+    def loss_time(self, loss):
+        """The loss on one microbatch's output (`loss`: its fp32 bytes on this rank, 0 off the last
+        stage), forward and backward: cross-entropy's passes over logits-sized tensors (log-softmax
+        read and written, the gradient's softmax read and written, the incoming logits read) and
+        its few ops. The captured graph ends at the model's output: this is the only place it is priced."""
+        return LOSS_PASSES * loss / self.cluster.device.memory_bandwidth \
+            + np.where(np.asarray(loss) > 0, fixed_time(self.cluster.device, ops=LOSS_OPS), 0.0)
 
     def exposed_sync(self, sync, backward, submesh: tuple[int, int], lm: tuple[int, int], trainable):
         """The part of a stage's gradient synchronisation its last backward (`backward`, one
@@ -268,6 +277,7 @@ class StageCosts:
             acts = acts + np.array([self.cut[a - 1] if a > 0 else 0.0 for a in bounds])[:, None] / (lm[0] * m)
         # the loss keeps its log-probabilities; in a pipeline the schedule keeps the logits as well
         acts = acts + loss * np.where(bounds > 0, 2.0, 1.0)[:, None]
+        fwd, bwd = fwd + self.loss_time(loss) / 2, bwd + self.loss_time(loss) / 2
         sync = self.exposed_sync(sync, bwd, submesh, lm, trainable)
         cut_after = np.array([self.cut[b - 1] if 0 < b < len(self.atoms) else 0.0 for b in bounds])
         link = self._send_link(submesh)
@@ -343,6 +353,7 @@ class StageCosts:
         elif atoms[0] > 0:  # a later stage keeps what it received until that microbatch's backward
             acts += self.cut[atoms[0] - 1] / (lm[0] * m)
         acts += loss * (2 if atoms[0] > 0 else 1)  # log-probabilities; a pipeline's schedule keeps the logits
+        fwd, bwd = fwd + float(self.loss_time(loss)) / 2, bwd + float(self.loss_time(loss)) / 2
         sync = float(self.exposed_sync(sync, bwd, submesh, lm, trainable))
         last = atoms[1] - 1
         send = 0.0

@@ -15,10 +15,11 @@ from autopar.planner import Search, plan_auto
 
 
 def layout_key(plan: Plan) -> tuple:
-    """What makes two plans different layouts: stages (layers, meshes, recomputation, ZeRO-3) and microbatches."""
-    return (plan.num_microbatches, plan.precision,
-            tuple((tuple(s.layers), tuple(s.logical_mesh), s.recompute, any(p[0] == "S(0)" for p in s.params.values()))
-                  for s in plan.stages))
+    """What makes two plans different layouts: how many stages, and each one's (dp, tp) mesh,
+    recomputation and ZeRO-3; not where the stages cut nor the microbatch count (the cost model's
+    ranking among those is finer than what it gets wrong between layouts)."""
+    return (plan.precision, tuple((tuple(s.logical_mesh), s.recompute, any(p[0] == "S(0)" for p in s.params.values()))
+                                  for s in plan.stages))
 
 
 def candidates(search: Search, k: int) -> list[Plan]:

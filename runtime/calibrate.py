@@ -72,7 +72,7 @@ def measure_device(device: torch.device) -> dict[str, Any]:
         best = 0.0
         for n in (256, 512, 1024):
             a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
-            t = _timed(lambda a=a, b=b: (a @ b, sync()), repeats=3)
+            t = _timed(lambda a=a, b=b: (a @ b, sync()), repeats=7)
             best = max(best, 2 * n**3 / t)
         flops[str(dtype).removeprefix("torch.")] = best
     conv: dict[str, float] = {}
@@ -84,7 +84,7 @@ def measure_device(device: torch.device) -> dict[str, Any]:
             continue
         conv[str(dtype).removeprefix("torch.")] = 2 * 8 * 64 * 32 * 32 * 64 * 9 / t
     big = torch.empty(16 * 2**20, device=device)  # 64 MiB
-    t = _timed(lambda: (big.clone(), sync()), repeats=3)
+    t = _timed(lambda: (big.clone(), sync()), repeats=7)
     bandwidth = 2 * big.numel() * 4 / t
     overhead = _chain_overhead(torch.zeros(16, device=device, requires_grad=True))
     return {"matmul_flops": flops, "conv2d_flops": conv, "memory_bandwidth": bandwidth, "op_overhead_s": overhead,
@@ -214,10 +214,10 @@ def _rank(rank: int, world: int, port: int, out: str, backend: str) -> None:
             for nbytes in SIZES:
                 x = torch.zeros(nbytes // 4, device=device)
                 if kind == "all_reduce":
-                    t = _timed(lambda x=x, g=group: dist.all_reduce(x, group=g), repeats=5)
+                    t = _timed(lambda x=x, g=group: dist.all_reduce(x, group=g), repeats=9)
                 else:
                     parts = [torch.empty_like(x) for _ in range(n)]
-                    t = _timed(lambda x=x, parts=parts, g=group: dist.all_gather(parts, x, group=g), repeats=5)
+                    t = _timed(lambda x=x, parts=parts, g=group: dist.all_gather(parts, x, group=g), repeats=9)
                 times.append(t)
             fits[kind] = {"sizes": [s * n for s in SIZES] if kind == "all_gather" else SIZES, "times": times}
         result["links"][n] = fits
