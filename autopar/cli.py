@@ -405,9 +405,9 @@ def _print_plan(plan, out: Console) -> None:
         tuned = Table(title="tuned: the best predicted layouts, measured on this machine's ranks")
         for col in ("plan", "microbatches", "predicted", "measured"):
             tuned.add_column(col, justify="left" if col == "plan" else "right")
-        for t in sorted(plan.search["tuned"], key=lambda t: t["measured_step_time_s"]):
+        for t in sorted(plan.search["tuned"], key=lambda t: t["measured_step_time_s"] or float("inf")):
             tuned.add_row(t["name"], str(t["num_microbatches"]), human_time(t["predicted_step_time_s"]),
-                          human_time(t["measured_step_time_s"]))
+                          human_time(t["measured_step_time_s"]) if t["measured_step_time_s"] else "did not run")
         out.print(tuned)
 
 

@@ -7,11 +7,14 @@ cost model's last word with a measurement where the two disagree, and records bo
 from __future__ import annotations
 
 import dataclasses
+import logging
 from typing import Any
 
 from autopar.errors import AutoparError
 from autopar.plan import Plan
 from autopar.planner import Search, plan_auto
+
+log = logging.getLogger(__name__)
 
 
 def layout_key(plan: Plan) -> tuple:
@@ -60,7 +63,7 @@ def candidates(search: Search, k: int) -> list[Plan]:
 def choose(plans: list[Plan], measured: list[float]) -> Plan:
     """The measured fastest, recording every candidate's prediction and measurement."""
     tuned = [{"name": p.name, "num_microbatches": p.num_microbatches, "predicted_step_time_s": p.estimate.step_time_s,
-              "measured_step_time_s": t} for p, t in zip(plans, measured)]
+              "measured_step_time_s": t if t != float("inf") else None} for p, t in zip(plans, measured)]
     best = min(range(len(plans)), key=lambda i: measured[i])
     return dataclasses.replace(plans[best], search={**plans[best].search, "tuned": tuned})
 
@@ -76,7 +79,16 @@ def tune_locally(search: Search, model: str, k: int, batch: int | None, steps: i
         raise AutoparError(f"--tune runs the candidates on this machine's ranks; the mesh {hosts}x{per_host} spans "
                            f"{hosts} hosts: tune inside the job with parallelize(..., tune={k})")
     plans = candidates(search, k)
-    if progress:
-        progress(f"measuring {len(plans)} plans on {per_host} ranks")
-    measured = measure(model, per_host, batch, plans, warmup=1, steps=steps)
-    return choose(plans, [t for t, _, _ in measured])
+    measured = []
+    for i, plan in enumerate(plans):  # one start of the ranks each: a plan the runtime refuses costs only itself
+        if progress:
+            progress(f"measuring plan {i + 1} of {len(plans)} on {per_host} ranks")
+        try:
+            measured.append(measure(model, per_host, batch, [plan], warmup=1, steps=steps)[0][0])
+        except Exception as exc:  # noqa: BLE001 - the ranks' error, reported with the plan
+            log.warning("tune: %s (%d microbatches) did not run: %s", plan.name, plan.num_microbatches,
+                        str(exc).strip().splitlines()[-1])
+            measured.append(float("inf"))
+    if all(t == float("inf") for t in measured):
+        raise AutoparError(f"--tune {k}: none of the {len(plans)} best predicted plans ran on this machine's ranks")
+    return choose(plans, measured)
