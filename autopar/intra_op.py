@@ -142,6 +142,8 @@ class StageSharding:
     needs: dict[str, list[str | None]] = field(default_factory=dict)  # see StagePlan.needs
     param_states: dict[str, float] = field(default_factory=dict)  # fqn -> its part of memory["model_states"]
     strategies: dict[str, Strategy] = field(default_factory=dict)  # anchor -> the strategy chosen for it
+    # the tensor axis splits a batch dimension somewhere: each microbatch's must divide over dp × tp
+    tp_batch: bool = False
 
     @property
     def time(self) -> float:
@@ -720,8 +722,11 @@ def shard_stage(
     sol = solve(problem, time_limit_s)
     chosen = {c: evals[c][sol.choice[var[c]]] for c in classes}
     picked = {a: strategies[a][sol.choice[var[stage.cls[a]]]] for a in anchors}
-    return dataclasses.replace(_result(stage, logical, chosen, {c: picked[c].zero for c in classes}, sol, problem),
-                               strategies=picked)
+    result = _result(stage, logical, chosen, {c: picked[c].zero for c in classes}, sol, problem)
+    # an activation split on dimension 0 by the tensor axis: the batch (or batch × sequence, flattened)
+    tp_batch = any(p.letter is not None and p.letter in stage._batch_letters(a) for a, p in picked.items()) or \
+        any(len(p) > 1 and p[1] == "S(0)" for p in result.ops.values())
+    return dataclasses.replace(result, strategies=picked, tp_batch=tp_batch)
 
 
 def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bool], sol, problem) -> StageSharding:

@@ -230,7 +230,7 @@ class StageCosts:
                 continue  # the data axis must split each microbatch
             for lean in (False, True):
                 sums = self.range_sums(atoms, submesh, lm, lean)
-                if sums is None:
+                if sums is None or not self.splits_microbatch(submesh, lm, lean, num_microbatches):
                     continue
                 for rc in recompute:
                     out.append(self.option_for(atoms, submesh, lm, lean, rc, sums, num_microbatches))
@@ -240,7 +240,18 @@ class StageCosts:
                  recompute: tuple[bool, ...] = (False, True)) -> list[tuple[tuple[int, int], bool, bool]]:
         """The (logical mesh, lean, recompute) combinations a stage on `submesh` may use."""
         return [(lm, lean, rc) for lm in (logical or logical_meshes(submesh)) if (self._batch // m) % lm[0] == 0
-                for lean in (False, True) for rc in recompute]
+                for lean in (False, True) if self.splits_microbatch(submesh, lm, lean, m) for rc in recompute]
+
+    def splits_microbatch(self, submesh: tuple[int, int], lm: tuple[int, int], lean: bool, m: int) -> bool:
+        """Whether the shardings hold for a microbatch: atoms are solved at the whole batch, and
+        one whose tensor axis splits a batch dimension was refused by the runtime on microbatches
+        of a few samples (DTensor cannot reshape a split dimension of one sample, and the runtime
+        met one even where the microbatch divided): such shardings are kept to one microbatch."""
+        if lm[1] == 1 or m == 1:
+            return True
+        self.range_sums((0, 0), submesh, lm, lean)  # solves every atom once
+        return not any(getattr(self._cache.get((self.hashes[k], submesh, lm, lean)), "tp_batch", False)
+                       for k in range(len(self.atoms)))
 
     def variant_table(self, bounds: np.ndarray, submesh: tuple[int, int], variant, m: int) -> dict[str, np.ndarray]:
         """`option_for` for every layer range [bounds[i], bounds[j]) at once: arrays indexed [i, j]

@@ -4,11 +4,13 @@ A device here is what one rank runs on (a CPU core with one thread under gloo, a
 Measured: matmul throughput per dtype (the best of a few sizes: what large matmuls reach, so the
 spec's efficiency is 1) and how far small matmuls fall short of it (`matmul_half_flops`), a
 convolution's throughput per dtype (reported), memory bandwidth (a large copy), the fixed cost of
-an op (a chain of tiny ones, forward and backward) and of an op on DTensors, how much of an
-all-reduce hides behind computation (`Link.overlap`), and for every group size 2 … N the time of
-all-reduce and all-gather across message sizes; α (latency) and β (seconds per byte) are fitted
-to the ring formulas of `cost_models.comm` over all of them, with ranks beyond the host's cores
-sharing them (`ClusterSpec.cores_per_host`).
+an op (a chain of tiny ones, forward and backward), AdamW per tensor and per element, how much of
+an all-reduce hides behind computation (`Link.overlap`), and for every group size 2 … N the time
+of all-reduce and all-gather across message sizes; α (latency) and β (seconds per byte) are
+fitted to the ring formulas of `cost_models.comm` over all of them, with ranks beyond the host's
+cores sharing them (`ClusterSpec.cores_per_host`). Then the runtime itself, in place: a small GPT
+trained by `parallelize` on every rank gives the cost of an op on DTensors and the tensor axis's
+collective latency where they are paid (`runtime_overheads`).
 """
 
 from __future__ import annotations

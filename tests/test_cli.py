@@ -136,7 +136,9 @@ def test_manual_layout_and_compare(capsys):
         assert m["dp"] * m["tp"] * m["pp"] == 4
         assert {"num_microbatches", "step_time_s", "tflops_per_device", "peak_memory_bytes", "fits"} <= set(m)
     best_manual = min(m["step_time_s"] for m in result["manual"] if m["fits"])
-    assert result["auto"]["step_time_s"] <= best_manual * 1.0001
+    from autopar.planner import DP_TOLERANCE  # the stage DP is exact to within its t_max grid
+
+    assert result["auto"]["step_time_s"] <= best_manual * (1 + DP_TOLERANCE)
 
 
 def test_compare_lists_the_deepspeed_moe_layout_for_moe_models(capsys):
