@@ -142,8 +142,9 @@ class StageSharding:
     needs: dict[str, list[str | None]] = field(default_factory=dict)  # see StagePlan.needs
     param_states: dict[str, float] = field(default_factory=dict)  # fqn -> its part of memory["model_states"]
     strategies: dict[str, Strategy] = field(default_factory=dict)  # anchor -> the strategy chosen for it
-    # the tensor axis splits a batch dimension somewhere: each microbatch's must divide over dp × tp
-    tp_batch: bool = False
+    # (size at the whole batch, dp × tp) of each batch dimension the tensor axis splits: a microbatch
+    # count m holds only where m × dp × tp divides every such size (`StageCosts.splits_microbatch`)
+    tp_batch: frozenset[tuple[int, int]] = frozenset()
 
     @property
     def time(self) -> float:
@@ -723,10 +724,31 @@ def shard_stage(
     chosen = {c: evals[c][sol.choice[var[c]]] for c in classes}
     picked = {a: strategies[a][sol.choice[var[stage.cls[a]]]] for a in anchors}
     result = _result(stage, logical, chosen, {c: picked[c].zero for c in classes}, sol, problem)
-    # an activation split on dimension 0 by the tensor axis: the batch (or batch × sequence, flattened)
-    tp_batch = any(p.letter is not None and p.letter in stage._batch_letters(a) for a, p in picked.items()) or \
-        any(len(p) > 1 and p[1] == "S(0)" for p in result.ops.values())
-    return dataclasses.replace(result, strategies=picked, tp_batch=tp_batch)
+    return dataclasses.replace(result, strategies=picked, tp_batch=_tp_batch(stage, result))
+
+
+def _tp_batch(stage: _Stage, result: StageSharding) -> frozenset[tuple[int, int]]:
+    """Every batch dimension an output or a needed input splits on the tensor axis, as (its size at
+    the whole batch, the pieces dp × tp cut it into): atoms are solved at the whole batch, and the
+    runtime cannot split a microbatch's dimension unevenly (DTensor refuses a view of it)."""
+    if stage.mesh.tp == 1:
+        return frozenset()
+    pieces = stage.mesh.dp * stage.mesh.tp
+
+    def split(name: str, k: int, placement: str | None) -> set[tuple[int, int]]:
+        d = stage._batch_of(name, k)
+        if d is None or placement != shard(d):
+            return set()
+        return {(stage.graph.node(name).outputs[k].shape[d], pieces)}
+
+    out: set[tuple[int, int]] = set()
+    for name, (_, on_tp) in result.ops.items():
+        out |= split(name, 0, on_tp)
+    for name, placements in result.needs.items():
+        for i, src in stage._tensor_inputs(name):
+            if src is not None and i < len(placements):
+                out |= split(src, stage._out_index(name, src), placements[i])
+    return frozenset(out)
 
 
 def _result(stage: _Stage, logical, chosen: dict[str, _Eval], zero: dict[str, bool], sol, problem) -> StageSharding:

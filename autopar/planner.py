@@ -272,11 +272,13 @@ def plan_single_stage(search: Search) -> Plan:
 
 def _nothing_fits(search: Search) -> AutoparError:
     """How much memory per device the leanest way to hold the whole model on every device needs
-    (one stage, ZeRO-3, recomputation, one sample per microbatch)."""
+    (one stage, ZeRO-3, recomputation, the smallest microbatch its shardings allow)."""
     hosts, per_host = search.mesh
     where = f"{hosts}x{per_host} {search.cluster.name}"
     n, batch = len(search.layers), search.workload.batch
-    lean = [o.memory(1) for m in (batch,) for o in search.costs.options(search.atoms(0, n), search.mesh, m)]
+    counts = [m for m in range(batch, 0, -1) if batch % m == 0]  # the smallest microbatch that shards
+    lean = next(([o.memory(1) for o in opts] for m in counts
+                 if (opts := search.costs.options(search.atoms(0, n), search.mesh, m))), [])
     if lean:
         return AutoparError(
             f"{search.workload.name} (batch {batch}) fits on no layout of {where}: even spread over every device "

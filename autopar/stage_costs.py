@@ -230,7 +230,7 @@ class StageCosts:
                 continue  # the data axis must split each microbatch
             for lean in (False, True):
                 sums = self.range_sums(atoms, submesh, lm, lean)
-                if sums is None or not self.splits_microbatch(submesh, lm, lean, num_microbatches):
+                if sums is None or not self.splits_microbatch(submesh, lm, lean, num_microbatches, atoms):
                     continue
                 for rc in recompute:
                     out.append(self.option_for(atoms, submesh, lm, lean, rc, sums, num_microbatches))
@@ -240,18 +240,19 @@ class StageCosts:
                  recompute: tuple[bool, ...] = (False, True)) -> list[tuple[tuple[int, int], bool, bool]]:
         """The (logical mesh, lean, recompute) combinations a stage on `submesh` may use."""
         return [(lm, lean, rc) for lm in (logical or logical_meshes(submesh)) if (self._batch // m) % lm[0] == 0
-                for lean in (False, True) if self.splits_microbatch(submesh, lm, lean, m) for rc in recompute]
+                for lean in (False, True) for rc in recompute]
 
-    def splits_microbatch(self, submesh: tuple[int, int], lm: tuple[int, int], lean: bool, m: int) -> bool:
-        """Whether the shardings hold for a microbatch: atoms are solved at the whole batch, and
-        one whose tensor axis splits a batch dimension was refused by the runtime on microbatches
-        of a few samples (DTensor cannot reshape a split dimension of one sample, and the runtime
-        met one even where the microbatch divided): such shardings are kept to one microbatch."""
+    def splits_microbatch(self, submesh: tuple[int, int], lm: tuple[int, int], lean: bool, m: int,
+                          atoms: tuple[int, int] | None = None) -> bool:
+        """Whether the shardings of atoms [a, b) (default: all) hold for a microbatch: atoms are solved
+        at the whole batch, and a batch dimension their tensor axis splits must still divide evenly
+        over dp × tp in each of the m microbatches."""
         if lm[1] == 1 or m == 1:
             return True
-        self.range_sums((0, 0), submesh, lm, lean)  # solves every atom once
-        return not any(getattr(self._cache.get((self.hashes[k], submesh, lm, lean)), "tp_batch", False)
-                       for k in range(len(self.atoms)))
+        a, b = atoms or (0, len(self.atoms))
+        self.range_sums((a, b), submesh, lm, lean)  # solves them
+        return all(size % (m * pieces) == 0 for k in range(a, b)
+                   for size, pieces in getattr(self._cache.get((self.hashes[k], submesh, lm, lean)), "tp_batch", ()))
 
     def variant_table(self, bounds: np.ndarray, submesh: tuple[int, int], variant, m: int) -> dict[str, np.ndarray]:
         """`option_for` for every layer range [bounds[i], bounds[j]) at once: arrays indexed [i, j]
@@ -296,6 +297,10 @@ class StageCosts:
             * np.ones_like(acts)
         time = fwd + bwd + send
         time = np.where(np.isnan(time), np.inf, time)
+        if lm[1] > 1 and m > 1:  # a range with an atom whose split of the batch the microbatch breaks
+            broken = np.concatenate([[0], np.cumsum([not self.splits_microbatch(submesh, lm, lean, m, (k, k + 1))
+                                                     for k in range(len(self.atoms))])])[bounds]
+            time = np.where(broken[None, :] - broken[:, None] > 0, np.inf, time)
         return {"time": time, "backward": bwd, "sync": sync, "states": states, "acts": acts, "transient": transient,
                 "grads": grads, "averaged": averaged, "optimizer": self.optimizer_s(elements, tensors, dtensors)}
 
