@@ -143,7 +143,7 @@ class StageSharding:
     param_states: dict[str, float] = field(default_factory=dict)  # fqn -> its part of memory["model_states"]
     strategies: dict[str, Strategy] = field(default_factory=dict)  # anchor -> the strategy chosen for it
     # (size at the whole batch, dp × tp) of each batch dimension the tensor axis splits: a microbatch
-    # count m holds only where m × dp × tp divides every such size (`StageCosts.splits_microbatch`)
+    # count m holds only where every such size leaves ≥ 2 per rank (`StageCosts.splits_microbatch`)
     tp_batch: frozenset[tuple[int, int]] = frozenset()
 
     @property

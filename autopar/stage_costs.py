@@ -246,12 +246,13 @@ class StageCosts:
                           atoms: tuple[int, int] | None = None) -> bool:
         """Whether the shardings of atoms [a, b) (default: all) hold for a microbatch: atoms are solved
         at the whole batch, and a batch dimension their tensor axis splits must still divide evenly
-        over dp × tp in each of the m microbatches."""
-        if lm[1] == 1 or m == 1:
+        over dp × tp in each of the m microbatches, at least 2 per rank (DTensor infers a wrong
+        stride from a local dimension of size 1, and a view of it then fails)."""
+        if lm[1] == 1:
             return True
         a, b = atoms or (0, len(self.atoms))
         self.range_sums((a, b), submesh, lm, lean)  # solves them
-        return all(size % (m * pieces) == 0 for k in range(a, b)
+        return all(size % (m * pieces) == 0 and size // (m * pieces) > 1 for k in range(a, b)
                    for size, pieces in getattr(self._cache.get((self.hashes[k], submesh, lm, lean)), "tp_batch", ()))
 
     def variant_table(self, bounds: np.ndarray, submesh: tuple[int, int], variant, m: int) -> dict[str, np.ndarray]:
@@ -297,7 +298,7 @@ class StageCosts:
             * np.ones_like(acts)
         time = fwd + bwd + send
         time = np.where(np.isnan(time), np.inf, time)
-        if lm[1] > 1 and m > 1:  # a range with an atom whose split of the batch the microbatch breaks
+        if lm[1] > 1:  # a range with an atom whose split of the batch the microbatch breaks
             broken = np.concatenate([[0], np.cumsum([not self.splits_microbatch(submesh, lm, lean, m, (k, k + 1))
                                                      for k in range(len(self.atoms))])])[bounds]
             time = np.where(broken[None, :] - broken[:, None] > 0, np.inf, time)
