@@ -249,10 +249,10 @@ def _init_process_group(backend: str) -> None:
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend)
         return
-    from runtime import free_port
+    from runtime.backend import keep_to_loopback
 
-    port = free_port()
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    keep_to_loopback()  # one process: a store in memory, no listening port
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
 
 
 _BUILT: weakref.WeakSet = weakref.WeakSet()  # the models parallelize returned, emptied at exit

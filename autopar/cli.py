@@ -350,7 +350,8 @@ def cmd_train(args: argparse.Namespace, out: Console) -> Any:
 
     job = TrainJob(args.model, args.nproc, args.steps, args.plan, args.batch, args.cluster, args.compression,
                    args.delay, args.checkpoint_dir, args.checkpoint_every, args.resume, args.timeout,
-                   args.mixed_precision, args.memory_limit * 2**30 if args.memory_limit is not None else None)
+                   args.mixed_precision, args.memory_limit * 2**30 if args.memory_limit is not None else None,
+                   args.resume_from)
     with Console(stderr=True).status(f"training {args.model} on {args.nproc} rank(s)"):
         result = launch(job, quiet=not args.debug)
     if args.json:
@@ -518,7 +519,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="N",
                    help="checkpoint every N steps (default 0: after the last step only)")
     p.add_argument("--resume", action="store_true",
-                   help="continue from the latest checkpoint in --checkpoint-dir (under this run's plan) to --steps")
+                   help="continue from the latest checkpoint in --checkpoint-dir whose files match its manifest "
+                        "(under this run's plan) to --steps")
+    p.add_argument("--resume-from", metavar="step-N", help="continue from this checkpoint (a folder in "
+                   "--checkpoint-dir, or a path) instead of the latest")
     p.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
                    help="a collective waiting longer fails the job: a rank died or hangs (default 300)")
     _precision_flag(p)

@@ -71,7 +71,7 @@ from torch import nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from runtime.backend import free_port
+from runtime.backend import join_local, local_store
 
 # ---- data, model, training loop -------------------------------------------------------------------
 
@@ -176,7 +176,8 @@ def _spawn(fn: Any, world: int, args: argparse.Namespace, env: dict[str, str] | 
     saved = {k: os.environ.get(k) for k in env or {}}
     os.environ.update(env or {})  # spawned ranks inherit the environment
     try:
-        mp.spawn(_entry, args=(fn, world, free_port(), out, args), nprocs=world)
+        with local_store() as port:
+            mp.spawn(_entry, args=(fn, world, port, out, args), nprocs=world)
     finally:
         for k, v in saved.items():
             if v is None:
@@ -187,7 +188,7 @@ def _spawn(fn: Any, world: int, args: argparse.Namespace, env: dict[str, str] | 
 
 
 def _entry(rank: int, fn: Any, world: int, port: int, out: str, args: argparse.Namespace) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    join_local("gloo", port, rank, world)
     _quiet()
     result = fn(rank, world, args)
     if rank == 0:

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from runtime.backend import free_port
+from runtime.backend import join_local, local_store
 
 
 def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans: list[str], out: str) -> None:
@@ -28,7 +28,7 @@ def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans
     from runtime.memory import measured_step
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    join_local("gloo", port, rank, world)
     rows = []
     for text in plans:
         plan = Plan.from_json(text)
@@ -67,9 +67,9 @@ def main() -> None:
     args = parser.parse_args()
     cluster = get_cluster("cpu-local").with_ranks(args.nproc)
     plans = candidate_plans(args.model, args.nproc, cluster, args.batch)
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, local_store() as port:
         out = os.path.join(tmp, "rows.pt")
-        mp.spawn(_rank, args=(args.nproc, free_port(), args.model, args.batch, [p.to_json() for p in plans], out),
+        mp.spawn(_rank, args=(args.nproc, port, args.model, args.batch, [p.to_json() for p in plans], out),
                  nprocs=args.nproc, join=True)
         per_rank = torch.load(out, weights_only=False)
     rows = []

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from runtime.backend import free_port
+from runtime.backend import join_local, local_store
 
 
 def _optimizer(params):
@@ -69,8 +69,7 @@ def _hand_tp(model, world):
 
 
 def _rank(rank, world, port, out, args):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    join_local("gloo", port, rank, world)
     torch.set_num_threads(1)
     import autopar
 
@@ -126,10 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     args.kinds = ["ddp", "autopar-dp", "hand-tp", "autopar-tp"]
-    port = free_port()
     out = os.path.join(tempfile.mkdtemp(), "times.pt")
     print(f"{args.model} on {args.nproc} gloo ranks, {args.steps} timed steps each", file=sys.stderr)
-    mp.spawn(_rank, args=(args.nproc, port, out, args), nprocs=args.nproc)
+    with local_store() as port:
+        mp.spawn(_rank, args=(args.nproc, port, out, args), nprocs=args.nproc)
     t = torch.load(out)
     rows = [("data parallel", "DistributedDataParallel", t["ddp"], t["autopar-dp"]),
             ("tensor parallel", "parallelize_module", t["hand-tp"], t["autopar-tp"])]

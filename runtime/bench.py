@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from runtime.backend import free_port
+from runtime.backend import join_local, local_store
 
 
 def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, precision: str | None = None,
@@ -86,7 +86,7 @@ def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans
     from runtime.memory import measured_step
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    join_local("gloo", port, rank, world)
     times: list[tuple] = []
     for text in plans:
         torch.manual_seed(0)
@@ -120,8 +120,7 @@ def measure(model: str, nproc: int, batch: int | None, plans: list[Any], warmup:
             breakdown: bool = False) -> list[tuple[float, float, list | None]]:
     """Each plan run on `nproc` local ranks started once: (median step time, the largest rank's
     peak tensor bytes, the per-rank breakdown or None)."""
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, local_store() as port:
         out = os.path.join(tmp, "times.pt")
         mp.spawn(_rank, args=(nproc, port, model, batch, [p.to_json() for p in plans], warmup, steps, out, breakdown),
                  nprocs=nproc, join=True)

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from runtime.backend import free_port
+from runtime.backend import join_local, local_store
 
 SIZES = [2**k for k in range(10, 24, 2)]  # bytes per collective: 1 KiB … 4 MiB
 
@@ -200,7 +200,7 @@ def fit_link(links: dict[int, dict[str, Any]], cores: int) -> tuple[float, float
 
 def _rank(rank: int, world: int, port: int, out: str, backend: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    join_local(backend, port, rank, world)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     result: dict[str, Any] = {"device": measure_device(device) if rank == 0 else None, "links": {}}
     dist.barrier()
@@ -234,8 +234,7 @@ def calibrate(nproc: int, progress: Callable[[str], None] | None = None) -> dict
     from runtime import default_backend
 
     backend = default_backend()
-    port = free_port()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as tmp, local_store() as port:
         out = os.path.join(tmp, "calibration.pt")
         if progress:
             progress(f"{nproc} ranks: matmul, convolution, memory, collectives of 2…{nproc} ranks")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import resource
 import statistics
 import sys
@@ -17,7 +18,7 @@ from typing import Any
 import torch
 
 from runtime import failures
-from runtime.backend import free_port
+from runtime.backend import LOOPBACK, local_store, register_loopback_rendezvous
 
 # after a rank fails, the others get SIGTERM, and SIGKILL this much later (torch's default is 30 s;
 # `failures.reaping`): a frozen rank ignores SIGTERM, and checkpoints need no clean exit
@@ -40,6 +41,14 @@ class TrainJob:
     timeout_s: float = 300.0
     mixed_precision: str | None = None  # "bf16" / "fp16" / "fp32"; None: the plan's
     memory_limit: float | None = None  # bytes of tensors per rank, planned for and held to
+    resume_from: str | None = None  # a step-N folder (in checkpoint_dir, or a path): this one, not the latest
+
+    def resume_path(self) -> Path | None:
+        """The checkpoint `resume_from` names: a path, or a name inside `checkpoint_dir`."""
+        if self.resume_from is None:
+            return None
+        given = Path(self.resume_from)
+        return given if given.is_dir() or self.checkpoint_dir is None else Path(self.checkpoint_dir) / given
 
     def check(self) -> None:
         from autopar.errors import AutoparError
@@ -50,17 +59,38 @@ class TrainJob:
             raise AutoparError(f"--checkpoint-every must be ≥ 0 steps, got {self.checkpoint_every}")
         if (self.resume or self.checkpoint_every) and not self.checkpoint_dir:
             raise AutoparError("--resume and --checkpoint-every need --checkpoint-dir DIR: where checkpoints go")
+        if self.checkpoint_dir:
+            _check_writable_dir(Path(self.checkpoint_dir))
+        if self.resume_from is not None:
+            from runtime.checkpoint import _STEP, verify
+
+            path = self.resume_path()
+            problem = ("no such checkpoint folder" if not path.is_dir() else
+                       "not a step-N folder `autopar train` wrote" if not _STEP.fullmatch(path.name) else verify(path))
+            if problem:
+                raise AutoparError(f"--resume-from {self.resume_from}: {problem}")
         if self.memory_limit is not None and not self.memory_limit > 0:
             raise AutoparError(f"--memory-limit must be a positive number of GiB, got {self.memory_limit / 2**30:g}")
         if not self.timeout_s > 0:
             raise AutoparError(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
-        if self.checkpoint_dir and not self.resume:
+        if self.checkpoint_dir and not self.resume and self.resume_from is None:
             from runtime.checkpoint import latest
 
             found = latest(self.checkpoint_dir)
             if found is not None:
                 raise AutoparError(f"{self.checkpoint_dir} already holds checkpoints (up to {found.name}): pass "
                                    "--resume to continue from them, or another --checkpoint-dir")
+
+
+def _check_writable_dir(path: Path) -> None:
+    """A checkpoint folder the job can create and write, said before anything runs."""
+    from autopar.errors import AutoparError
+
+    existing = next((p for p in (path, *path.parents) if p.exists()), None)
+    if path.exists() and not path.is_dir():
+        raise AutoparError(f"--checkpoint-dir {path} is a file, not a folder: pass a folder (it is created if missing)")
+    if existing is not None and not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
+        raise AutoparError(f"--checkpoint-dir {path}: {existing} is not a folder this user can write: pass another")
 
 
 def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
@@ -88,12 +118,15 @@ def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
         rank = dist.get_rank()
         gen = torch.Generator().manual_seed(1)  # the same global batches on every rank
         start, losses, resumed_from, exact = 0, [], None, True
-        found = checkpoint.agreed_latest(job.checkpoint_dir) if job.resume else None
+        if job.resume_from is not None:
+            found = checkpoint.agreed_verified(job.resume_path())
+        else:
+            found = checkpoint.agreed_latest(job.checkpoint_dir) if job.resume else None
         if found is not None:
             step, phase = checkpoint.step_of(found), "resume"
             failures.record(progress_dir, rank, step, phase)
             with failures.collective_failures(f"loading {found}"):
-                saved = checkpoint.load(pm, found)
+                saved = checkpoint.load(pm, found, verified=True)
             if "losses" not in saved or "data" not in saved:
                 raise AutoparError(f"{found} was not written by `autopar train` (no losses or data order in it): "
                                    "resume it from Python with runtime.checkpoint.load")
@@ -102,7 +135,7 @@ def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
                                    f"ask for at least {saved['step']} steps")
             start, losses, resumed_from, exact = saved["step"], saved["losses"], str(found), saved["exact"]
             gen.set_state(saved["data"])
-        if job.resume and rank == 0:  # said now: a job killed later has said where it started
+        if (job.resume or job.resume_from) and rank == 0:  # said now: a job killed later has said where it started
             print(f"resumed from {found} at step {start}" + ("" if exact else " (another layout: random and "
                   "compressor state afresh)") if found else f"no checkpoint in {job.checkpoint_dir}: starting at step 0",
                   file=sys.stderr, flush=True)
@@ -157,17 +190,17 @@ def launch(job: TrainJob, quiet: bool = True) -> dict[str, Any]:
     from autopar.errors import AutoparError
 
     job.check()
-    with tempfile.TemporaryDirectory(prefix="autopar-progress-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="autopar-progress-") as scratch, local_store() as port:
         progress_dir = str(Path(job.checkpoint_dir) / "progress") if job.checkpoint_dir else scratch
         Path(progress_dir).mkdir(parents=True, exist_ok=True)
         for stale in Path(progress_dir).glob("rank*.json"):
             stale.unlink()
-        port = free_port()
         # torch 2.11's LaunchConfig has no shutdown_timeout (its agent waits its own default before SIGKILL)
         grace = ({"shutdown_timeout": SHUTDOWN_GRACE_S}
                  if "shutdown_timeout" in {f.name for f in dataclasses.fields(LaunchConfig)} else {})
         config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=job.nproc, run_id=uuid.uuid4().hex,
-                              rdzv_backend="c10d", rdzv_endpoint=f"127.0.0.1:{port}", max_restarts=0,
+                              rdzv_backend=register_loopback_rendezvous(), rdzv_endpoint=f"{LOOPBACK}:{port}", rdzv_configs={"is_host": True},
+                              local_addr=LOOPBACK, max_restarts=0,
                               monitor_interval=0.1, start_method="spawn", **grace)
         loggers = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
         levels = [log.level for log in loggers]

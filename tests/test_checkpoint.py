@@ -140,16 +140,31 @@ def test_a_checkpoint_of_another_model_is_one_clear_message(tmp_path):
     assert " holds no " in message and message.endswith("parameters): it was saved for another model")
 
 
-def test_latest_skips_partial_checkpoints(tmp_path):
-    def complete(name):
+def test_latest_skips_partial_and_damaged_checkpoints(tmp_path, caplog):
+    def complete(name, step):
         (tmp_path / name).mkdir()
-        (tmp_path / name / ".metadata").write_bytes(b"")
-        (tmp_path / name / "trainer.pt").write_bytes(b"")
+        (tmp_path / name / checkpoint.MARKER).write_text("")
+        (tmp_path / name / ".metadata").write_bytes(b"meta")
+        (tmp_path / name / "trainer.pt").write_bytes(b"trainer")
+        checkpoint._write_manifest(tmp_path / name, step)
 
-    complete("step-3")
-    complete("step-10")
+    complete("step-3", 3)
+    complete("step-10", 10)
+    complete("step-13", 13)
+    (tmp_path / "step-13" / "trainer.pt").write_bytes(b"traine")  # truncated
+    complete("step-14", 14)
+    (tmp_path / "step-14" / "trainer.pt").write_bytes(b"TRAINER")  # same size, other bytes
+    complete("step-15", 15)
+    (tmp_path / "step-15" / "rank0.pt").write_bytes(b"planted")  # not in the manifest
+    complete("step-16", 16)
+    (tmp_path / "step-16" / checkpoint.MANIFEST).unlink()  # never finished
     (tmp_path / "step-12.partial").mkdir()  # a job killed while writing it
     (tmp_path / "step-11").mkdir()  # emptied by a deletion that was cut short
-    complete("step-9.trash")
+    complete("step-9.trash", 9)
     assert checkpoint.latest(tmp_path) == tmp_path / "step-10"
+    warned = " ".join(r.getMessage() for r in caplog.records)
+    assert "step-13/trainer.pt has 6 bytes, its manifest says 7" in warned
+    assert "step-14/trainer.pt does not match its SHA-256" in warned
+    assert "step-15/rank0.pt is not in its manifest" in warned
+    assert "step-16: no manifest.json" in warned
     assert checkpoint.latest(tmp_path / "absent") is None

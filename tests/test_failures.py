@@ -61,8 +61,9 @@ def test_a_dying_rank_stops_the_job_and_is_named_with_its_step(tmp_path, how, sa
 
 def _hung(rank, store, out, plan, world):
     """Rank 1 stops answering after one step; the others' next step must give up after the timeout."""
+    # as torchrun starts a rank: the launcher serves the store, every rank joins it as a client
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=store)
+                      MASTER_PORT=store, TORCHELASTIC_USE_AGENT_STORE="True")
     import autopar
     from runtime.failures import PeerLost
 
@@ -92,10 +93,11 @@ def _hung(rank, store, out, plan, world):
 # on 4 ranks the pipeline's data-parallel pairs are groups of their own (not the job's): they time out too
 @pytest.mark.parametrize("plan, world", [("2,1,1", 2), ("2,1,2,2", 4)], ids=["dp", "dp-pipeline"])
 def test_a_hanging_rank_makes_the_others_fail_after_the_timeout(tmp_path, plan, world):
-    from runtime import free_port
+    from runtime.backend import local_store
 
     out = tmp_path / "rank0.json"
-    mp.spawn(_hung, args=(str(free_port()), str(out), plan, world), nprocs=world, join=True)
+    with local_store() as port:
+        mp.spawn(_hung, args=(str(port), str(out), plan, world), nprocs=world, join=True)
     result = json.loads(out.read_text())
     assert result["error"] and result["error"].startswith(
         "rank 0 gave up in a training step: another rank died or stopped responding")

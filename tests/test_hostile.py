@@ -1,0 +1,123 @@
+"""What hostile or broken input must not do: run code, listen beyond loopback, delete what the
+project did not make, block recovery, or end in a traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _listeners(pids: set[int]) -> set[tuple[str, int]]:
+    """(local address, port) of every TCP socket listening in `pids`, from /proc."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:  # gone meanwhile
+            continue
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # LISTEN
+                address, port = fields[1].split(":")
+                found.add((address, int(port, 16)))
+    return found
+
+
+def _tree(root: int) -> set[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [root]
+    while todo:
+        pid = todo.pop()
+        out.add(pid)
+        todo += children.get(pid, [])
+    return out
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 as /proc writes them
+
+
+def test_a_local_job_listens_on_loopback_only():
+    job = subprocess.Popen([sys.executable, "-m", "autopar", "train", "mlp-tiny", "--nproc", "2", "--steps", "300"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    seen: set[tuple[str, int]] = set()
+    while job.poll() is None:
+        seen |= _listeners(_tree(job.pid))
+        time.sleep(0.2)
+    assert job.returncode == 0, job.stderr.read()
+    assert len({port for _, port in seen}) >= 3  # the store and each rank's gloo pairs
+    assert {address for address, _ in seen} <= LOOPBACK, seen
+
+
+def _train(*argv):
+    return subprocess.run([sys.executable, "-m", "autopar", "train", "mlp-tiny", "--nproc", "2", *argv],
+                          capture_output=True, text=True, timeout=300)
+
+
+class _Payload:
+    """Unpickling this runs `open(path, "w")`: what a planted checkpoint file would do."""
+
+    def __init__(self, path):
+        self.path = path
+
+    def __reduce__(self):
+        return (open, (self.path, "w"))
+
+
+def test_checkpoints_resist_damage_planted_code_and_keep_user_files(tmp_path):
+    import json
+
+    import torch
+
+    from runtime import checkpoint
+
+    ck = tmp_path / "ck"
+    (ck / "notes.partial").mkdir(parents=True)
+    (ck / "notes.partial" / "important.txt").write_text("mine")
+    common = ["--steps", "4", "--checkpoint-dir", str(ck), "--plan", "2,1,1", "--json"]
+    straight = _train(*common, "--checkpoint-every", "2")
+    assert straight.returncode == 0, straight.stderr
+    assert (ck / "notes.partial" / "important.txt").read_text() == "mine"  # not ours: left alone, and said
+    assert "notes.partial, which autopar did not make: left alone" in straight.stderr
+
+    # the newest checkpoint truncated: --resume falls back to the intact one, on the same trajectory
+    shard = next(p for p in sorted((ck / "step-4").iterdir()) if p.suffix == ".distcp")
+    shard.write_bytes(shard.read_bytes()[:-10])
+    resumed = _train(*common, "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"skipping checkpoint {ck / 'step-4'}: {shard} has" in resumed.stderr
+    assert f"resumed from {ck / 'step-2'} at step 2" in resumed.stderr
+    assert json.loads(resumed.stdout)["losses"] == json.loads(straight.stdout)["losses"]
+
+    # --resume-from names one; a damaged one is refused with the file
+    chosen = _train(*common, "--resume-from", "step-2")
+    assert chosen.returncode == 0 and f"resumed from {ck / 'step-2'} at step 2" in chosen.stderr, chosen.stderr
+    shard = next(p for p in sorted((ck / "step-2").iterdir()) if p.suffix == ".distcp")
+    shard.write_bytes(b"x" + shard.read_bytes()[1:])
+    refused = _train(*common, "--resume-from", "step-2")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert f"--resume-from step-2: {shard} does not match its SHA-256" in refused.stderr
+
+    # code planted in a rank's state, the manifest rewritten to match: refused, never run
+    newest = checkpoint.latest(ck)
+    pwned = tmp_path / "pwned"
+    torch.save({"rng": _Payload(str(pwned))}, newest / "rank0.pt")
+    checkpoint._write_manifest(newest, checkpoint.step_of(newest))
+    planted = _train(*common, "--resume", "--steps", "5")
+    assert not pwned.exists()
+    assert planted.returncode == 2 and "Traceback" not in planted.stderr
+    assert f"{newest / 'rank0.pt'} holds something other than tensors and plain values" in planted.stderr
