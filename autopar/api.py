@@ -110,6 +110,7 @@ def parallelize(
     if tune:
         resolved = _tuned(resolved, model, args, example_target, loss_fn, optimizer, max_grad_norm)
     resolved.check_graph(graph.fingerprint())
+    resolved.check_placements(graph, {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)})
     if mixed_precision is not None:
         resolved.check_precision(precision)
     if memory_limit is not None and resolved.estimate is not None and resolved.estimate.peak_memory_bytes > memory_limit:

@@ -10,15 +10,19 @@ import os
 import sys
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from autopar.errors import AutoparError
-from autopar.jsonio import write_json
-from autopar.units import human, human_bytes, human_time, span
+from autopar.jsonio import read_json, write_json
+from autopar.limits import MAX_MEMORY_BYTES, MAX_SECONDS, check_counts
+from autopar.units import human, human_bytes, human_time, printable, span
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -52,7 +56,7 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> Any:
     from autopar.models import load_workload
     from autopar.summary import inspect_workload
 
-    with Console(stderr=True).status(f"capturing {args.model} …", spinner="dots"):
+    with Console(stderr=True).status(f"capturing {escape(printable(args.model))} …", spinner="dots"):
         workload = load_workload(args.model, batch=args.batch, dtype=DTYPES.get(args.dtype))
         report = inspect_workload(workload)
     if args.json:
@@ -75,7 +79,7 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> Any:
     out.print(f"{report['num_params']:,} parameters · graph {report['graph_hash']} · "
               f"captured in {report['capture_time_s']:.2f} s")
     for warning in report["warnings"]:
-        out.print(f"[yellow]warning:[/] {warning}")
+        out.print(Text.assemble(("warning:", "yellow"), f" {warning}"))
     return None
 
 
@@ -85,9 +89,10 @@ def _search(args: argparse.Namespace):
     from autopar.precision import parse_precision
     from cost_models import get_cluster
 
-    for flag, value in (("--time-limit", args.time_limit), ("--memory-limit", args.memory_limit)):
-        if value is not None and not value > 0:
-            raise AutoparError(f"{flag} must be a positive number, got {value:g}")
+    for flag, value, most in (("--time-limit", args.time_limit, MAX_SECONDS),
+                              ("--memory-limit", args.memory_limit, MAX_MEMORY_BYTES / 2**30)):
+        if value is not None and not 0 < value <= most:
+            raise AutoparError(f"{flag} must be a positive number, got {value:g} (at most {most:g})")
     mesh = parse_mesh(args.mesh)
     cluster = get_cluster(args.cluster)
     workload = load_workload(args.model, batch=args.batch)
@@ -100,13 +105,34 @@ def _progress(description: str):
     from rich.progress import Progress
 
     bar = Progress(console=Console(stderr=True), transient=True)
+    description = escape(printable(description))  # a model path may hold "[", which rich reads as markup
     task = bar.add_task(description, total=None)
-    return bar, lambda text: bar.update(task, description=f"{description}: {text}")
+    return bar, lambda text: bar.update(task, description=f"{description}: {escape(printable(text))}")
+
+
+def _check_out(flag: str, path: str | None, folder_ok: bool = False, make: bool = False) -> None:
+    """An output path that can be written, said before the work that fills it (a plan found in
+    minutes is not lost to a typo): not an existing folder (unless `folder_ok`), in a folder that
+    exists (or that `make` creates) and this user can write."""
+    if path is None:
+        return
+    target = Path(path)
+    if target.is_dir() and not folder_ok:
+        raise AutoparError(f"{flag} {path} is a folder: give a file name")
+    if target.exists() and not target.is_dir() and folder_ok:
+        raise AutoparError(f"{flag} {path} is a file: give a folder")
+    parent = target if folder_ok else target.parent
+    existing = next((p for p in (parent, *parent.parents) if p.exists()), Path("."))
+    if not make and existing != parent:
+        raise AutoparError(f"{flag} {path}: the folder {parent} does not exist")
+    if not (existing.is_dir() and os.access(existing, os.W_OK | os.X_OK)):
+        raise AutoparError(f"{flag} {path}: {existing} is not a folder this user can write")
 
 
 def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
     import time
 
+    _check_out("--out", args.out)
     from autopar.manual import Layout, manual_plan, manual_search
     from autopar.planner import plan_auto, plan_compressed
 
@@ -145,6 +171,7 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
 def cmd_show(args: argparse.Namespace, out: Console) -> Any:
     from autopar.plan import Plan
 
+    _check_out("--png", args.png)
     plan = Plan.load(args.plan)
     if args.png:
         _picture(plan, args.png)
@@ -212,7 +239,7 @@ def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
               "manual": manual}
     if args.json:
         return result
-    table = Table(title=f"{args.model} (batch {result['batch']}) on {result['cluster']} {args.mesh}: predicted")
+    table = Table(title=f"{args.model} (batch {result['batch']}) on {printable(result['cluster'])} {args.mesh}: predicted")
     for col in ("layout", "dp", "tp", "pp", "microbatches", "step time", "TFLOP/s per device", "memory", "fits"):
         table.add_column(col, justify="left" if col == "layout" else "right")
     rows = [{"name": "auto (" + ", ".join(f"{s.submesh[0]}x{s.submesh[1]}" for s in auto.stages) + ")",
@@ -221,7 +248,7 @@ def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
     for r in sorted(rows, key=lambda r: (not r["fits"], r["step_time_s"])):
         table.add_row(r["name"], str(r["dp"]), str(r["tp"]), str(r["pp"]), str(r["num_microbatches"]),
                       human_time(r["step_time_s"]), f"{r['tflops_per_device']:.1f}",
-                      human_bytes(r["peak_memory_bytes"]), "yes" if r["fits"] else "[red]no[/]")
+                      human_bytes(r["peak_memory_bytes"]), "yes" if r["fits"] else Text("no", style="red"))
     out.print(table)
     return None
 
@@ -230,6 +257,7 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> Any:
     from cost_models import calibration_file, collective_time
     from runtime.calibrate import calibrate, cluster_spec
 
+    _check_out("--out", args.out, make=True)
     if args.from_bench:
         return _fit(args, out)
     if args.nproc < 2:
@@ -278,9 +306,8 @@ def _fit(args: argparse.Namespace, out: Console) -> Any:
     from runtime.fit import fit
 
     try:
-        with open(args.from_bench) as f:
-            bench = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
+        bench = read_json(args.from_bench, "bench file")
+    except (OSError, ValueError) as exc:
         raise AutoparError(f"--from {args.from_bench}: not a readable JSON file ({exc}); give what "
                            "`autopar bench ... --json` printed") from None
     if not isinstance(bench, dict) or not {"model", "nproc", "layouts"} <= set(bench):
@@ -312,8 +339,8 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> Any:
     from cost_models import get_cluster
     from runtime.bench import bench
 
-    if args.nproc < 1 or args.steps < 1:
-        raise AutoparError(f"--nproc and --steps must be positive, got {args.nproc} and {args.steps}")
+    check_counts(args.nproc, args.steps, args.warmup)
+    _check_out("--breakdown", args.breakdown, folder_ok=True, make=True)
     cluster = get_cluster(args.cluster)
     cluster = cluster.with_ranks(args.nproc)  # local ranks sharing fewer cores: plan for what runs
     bar, step = _progress(f"benchmarking {args.model}")
@@ -327,7 +354,7 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> Any:
                        {"model": args.model, "cluster": cluster.name, **r})
     if args.json:
         return result
-    table = Table(title=f"{args.model} on {args.nproc} local ranks: predicted ({cluster.name}) and measured "
+    table = Table(title=f"{args.model} on {args.nproc} local ranks: predicted ({printable(cluster.name)}) and measured "
                         "(peak: tensors of the rank holding most)")
     for col in ("layout", "microbatches", "predicted", "measured", "measured / fastest", "predicted peak",
                 "measured peak", "measured / predicted"):
@@ -352,7 +379,7 @@ def cmd_train(args: argparse.Namespace, out: Console) -> Any:
                    args.delay, args.checkpoint_dir, args.checkpoint_every, args.resume, args.timeout,
                    args.mixed_precision, args.memory_limit * 2**30 if args.memory_limit is not None else None,
                    args.resume_from)
-    with Console(stderr=True).status(f"training {args.model} on {args.nproc} rank(s)"):
+    with Console(stderr=True).status(f"training {escape(printable(args.model))} on {args.nproc} rank(s)"):
         result = launch(job, quiet=not args.debug)
     if args.json:
         return result
@@ -534,14 +561,17 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    out = Console(highlight=False, width=None if sys.stdout.isatty() else 160)
+    # markup off: model, layer and cluster names from files are shown as written (`printable` escapes
+    # the control characters among them)
+    out = Console(highlight=False, markup=False, width=None if sys.stdout.isatty() else 160)
     try:
         with _stdout_to_stderr(getattr(args, "json", False)):
             result = args.func(args, out)
     except AutoparError as exc:
         if args.debug:
             traceback.print_exc()
-        Console(stderr=True, highlight=False, soft_wrap=True).print(f"[bold red]error:[/] {exc}", markup=True)
+        Console(stderr=True, highlight=False, soft_wrap=True).print(Text.assemble(("error:", "bold red"),
+                                                                                  f" {printable(str(exc))}"))
         return 2
     if result is not None:
         sys.stdout.write(json.dumps(result, indent=2) + "\n")

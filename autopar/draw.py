@@ -11,9 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from autopar.plan import Plan
-from autopar.units import human_bytes, human_time
+from autopar.plan import Plan, PlanError
+from autopar.units import human_bytes, human_time, printable
 from cost_models.simulator import Simulation
+
+MAX_BARS = 50_000  # forward and backward bars in the Gantt: past it the picture is unreadable and slow
+MAX_STAGES = 256  # rows
 
 COLOURS = {"F": "#4C78A8", "B": "#F58518", "send": "#9D9D9D", "sync": "#54A24B"}
 LABELS = {"F": "forward", "B": "backward", "send": "send to next stage", "sync": "gradient reduction (data axis)"}
@@ -29,8 +32,12 @@ def draw(plan: Plan, memory_limit: float | None = None) -> Any:
 
     from autopar.planner import replay
 
-    sim = replay(plan)
     n = len(plan.stages)
+    if n > MAX_STAGES or 2 * n * plan.num_microbatches > MAX_BARS:
+        raise PlanError(f"the plan has {n} stages × {plan.num_microbatches} microbatches: a drawing holds at most "
+                        f"{MAX_STAGES} stages and {MAX_BARS // 2} stage-microbatches; `autopar show` without --png "
+                        "prints it")
+    sim = replay(plan)
     fig = plt.figure(figsize=(13, 4.5 + 0.45 * n), constrained_layout=True)
     grid = fig.add_gridspec(2, 2, height_ratios=[1.3 + 0.25 * n, 2.2])
     gantt, devices, memory = fig.add_subplot(grid[0, :]), fig.add_subplot(grid[1, 0]), fig.add_subplot(grid[1, 1])
@@ -40,7 +47,7 @@ def draw(plan: Plan, memory_limit: float | None = None) -> Any:
     fig.legend(handles=[Patch(color=COLOURS[k], label=LABELS[k]) for k in COLOURS], loc="outside lower center",
                ncols=4, fontsize=9, frameon=False)
     est = plan.estimate
-    fig.suptitle(f"{plan.name} plan for {plan.model} (batch {plan.batch}) on {plan.cluster} "
+    fig.suptitle(f"{_literal(plan.name)} plan for {_literal(plan.model)} (batch {plan.batch}) on {_literal(plan.cluster)} "
                  f"{plan.mesh[0]}x{plan.mesh[1]}: {n} stage(s), {plan.num_microbatches} microbatches, {plan.schedule}"
                  + (f" — {human_time(sim.step_time_s)} per step, bubble {sim.bubble_fraction:.0%}" if est else ""),
                  x=0.01, ha="left", fontsize=11)
@@ -119,3 +126,8 @@ def _memory(ax: Any, plan: Plan, sim: Simulation, limit: float | None) -> None:
     ax.set_ylabel("peak memory per device")
     ax.set_title("memory per stage", fontsize=10, loc="left")
     ax.legend(fontsize=8, loc="lower right")
+
+
+def _literal(name: str) -> str:
+    """A name from the plan file as matplotlib shows it literally (no mathtext between "$" signs)."""
+    return printable(name).replace("$", r"\$")

@@ -1,11 +1,19 @@
-"""JSON files written atomically: a crash leaves the old file or the new one, never half of one."""
+"""JSON files written atomically (a crash leaves the old file or the new one, never half of one)
+and read strictly: a regular file of bounded size, text, finite numbers of bounded size, no
+duplicate keys, bounded nesting. What is wrong comes back as one `ValueError` sentence."""
 
 from __future__ import annotations
 
 import json
+import math
 import os
+import stat
 from pathlib import Path
 from typing import Any
+
+MAX_BYTES = 64 * 2**20  # a plan of a 1000-stage model is a few MB
+MAX_DIGITS = 30  # an integer longer than this is no size, count or time of ours
+MAX_DEPTH = 64
 
 
 def write_json(path: str | Path, data: Any) -> None:
@@ -13,3 +21,73 @@ def write_json(path: str | Path, data: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, path)
+
+
+def read_json(path: str | Path, what: str) -> Any:
+    """The JSON value in the regular file `path` (never a device, pipe or folder: they could block
+    or never end). Raises FileNotFoundError, or ValueError saying what is wrong."""
+    path = Path(path)
+    info = os.stat(path)  # FileNotFoundError for the caller to word
+    if not stat.S_ISREG(info.st_mode):
+        raise ValueError(f"{what} {path} is not a regular file")
+    if info.st_size > MAX_BYTES:
+        raise ValueError(f"{what} {path} has {info.st_size} bytes, more than the {MAX_BYTES} a {what} may have")
+    with open(path, "rb") as f:
+        raw = f.read(MAX_BYTES + 1)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ValueError(f"{what} {path} is not text (UTF-8 JSON)") from None
+    return loads(text, f"{what} {path}")
+
+
+def loads(text: str, source: str) -> Any:
+    """`json.loads`, strictly (see the module)."""
+    try:
+        data = json.loads(text, parse_int=_int, parse_float=_float, parse_constant=_constant,
+                          object_pairs_hook=_unique)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{source} is not valid JSON: {exc}") from None
+    except ValueError as exc:
+        raise ValueError(f"{source}: {exc}") from None
+    except RecursionError:
+        raise ValueError(f"{source} is nested too deeply to be JSON autopar wrote") from None
+    if _depth(data) > MAX_DEPTH:
+        raise ValueError(f"{source} is nested more than {MAX_DEPTH} levels deep")
+    return data
+
+
+def _int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_DIGITS:
+        raise ValueError(f"the integer {text[:12]}… has {len(text)} digits: too large for any field")
+    return int(text)
+
+
+def _float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"the number {text[:24]} is beyond float range")
+    return value
+
+
+def _constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"the key {key!r} appears twice in one object")
+        out[key] = value
+    return out
+
+
+def _depth(value: Any) -> int:
+    depth, level = 0, [value]
+    while level:
+        depth += 1
+        level = [v for x in level if isinstance(x, (dict, list)) for v in (x.values() if isinstance(x, dict) else x)]
+        if depth > MAX_DEPTH:
+            break
+    return depth

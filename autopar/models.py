@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from autopar.errors import ModelSpecError
+from autopar.limits import MAX_BATCH
 from autopar.zoo import ZOO
 
 
@@ -31,8 +32,8 @@ class Workload:
 def load_workload(spec: str, *, batch: int | None = None, device: str | torch.device = "meta",
                   dtype: torch.dtype | None = None) -> Workload:
     """Build the model `spec` names; zoo models are built on `device` (meta: no memory) in `dtype`."""
-    if batch is not None and batch < 1:
-        raise ModelSpecError(f"--batch must be a positive integer, got {batch}")
+    if batch is not None and not 1 <= batch <= MAX_BATCH:
+        raise ModelSpecError(f"--batch must be a positive integer of at most {MAX_BATCH}, got {batch}")
     if ":" in spec:
         return _from_function(spec, batch)
     entry = ZOO.get(spec)

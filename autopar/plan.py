@@ -8,6 +8,7 @@ the same inputs give the same file.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import re
@@ -16,8 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from autopar.errors import AutoparError
-from autopar.jsonio import write_json
-from autopar.units import human_time, span
+from autopar.jsonio import loads, read_json, write_json
+from autopar.limits import MAX_BATCH, MAX_DEVICES, MAX_MICROBATCHES
+from autopar.units import human_time, printable, span
 
 SCHEMA = "autopar.plan/1"
 SCHEDULES = ("1f1b", "gpipe")
@@ -90,19 +92,21 @@ class Plan:
     @staticmethod
     def load(path: str | Path) -> Plan:
         try:
-            text = Path(path).read_text()
+            data = read_json(path, "plan file")
         except FileNotFoundError:
             raise PlanError(f"plan file {path} does not exist") from None
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
         except OSError as exc:
-            raise PlanError(f"cannot read plan file {path}: {exc}") from None
-        return Plan.from_json(text, str(path))
+            raise PlanError(f"cannot read plan file {path}: {exc.strerror or exc}") from None
+        return _parse(data, str(path))
 
     @staticmethod
     def from_json(text: str, source: str = "plan") -> Plan:
         try:
-            data = json.loads(text)
-        except json.JSONDecodeError as exc:
-            raise PlanError(f"{source} is not valid JSON: {exc}") from None
+            data = loads(text, source)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
         return _parse(data, source)
 
     # ---- checks against what it will run on ------------------------------------------------
@@ -114,6 +118,42 @@ class Plan:
             raise PlanError(f"this plan was priced for {said.get(self.precision, self.precision)}, the run asks for "
                             f"{said.get(precision, precision)}: run it with --mixed-precision "
                             f"{self.precision or 'fp32'}, or re-plan with --mixed-precision {precision or 'fp32'}")
+
+    def check_placements(self, graph: Any, param_shapes: dict[str, tuple[int, ...]]) -> None:
+        """What a hand-edited plan of the right model can still get wrong: a placement beyond its
+        tensor's dimensions, a partial sum stored as a parameter, a parameter placed nowhere or one
+        the model lacks, an op that is not in the graph or sits in two stages."""
+        placed, owner = set(), {}
+        for i, s in enumerate(self.stages):
+            where = f"stages[{i}]"
+            for fqn, placement in s.params.items():
+                if fqn not in param_shapes:
+                    raise PlanError(f"{where}.params names {fqn!r}, which the model does not have")
+                if "P" in placement:
+                    raise PlanError(f"{where}.params[{fqn!r}] is {placement}: a stored parameter is never a partial "
+                                    "sum (P); use R or S(d)")
+                _within(placement, len(param_shapes[fqn]), f"{where}.params[{fqn!r}]")
+                placed.add(fqn)
+            for name, placement in s.ops.items():
+                if name in owner:
+                    raise PlanError(f"{where}.ops[{name!r}]: the op is in stages[{owner[name]}] too")
+                owner[name] = i
+                if name not in graph.graph.nodes:
+                    raise PlanError(f"{where}.ops names {name!r}, which the model's graph does not have")
+                outputs = graph.node(name).outputs
+                _within(placement, len(outputs[0].shape) if outputs else 0, f"{where}.ops[{name!r}]")
+            for name, placements in s.needs.items():
+                if name not in graph.graph.nodes:
+                    raise PlanError(f"{where}.needs names {name!r}, which the model's graph does not have")
+                inputs = graph.node(name).inputs
+                for k, placement in enumerate(placements):
+                    if placement is not None and k < len(inputs):
+                        _within([placement], len(inputs[k].shape), f"{where}.needs[{name!r}][{k}]")
+        used = {fqn for node in graph for fqn in node.params}
+        missing = sorted(used - placed)
+        if missing:
+            raise PlanError(f"the plan places no {', '.join(missing[:3])}{' …' if len(missing) > 3 else ''} "
+                            f"({len(missing)} of the model's {len(used)} parameters): re-plan, or add them to a stage")
 
     def check_graph(self, graph_hash: str) -> None:
         if graph_hash != self.graph_hash:
@@ -127,11 +167,11 @@ class Plan:
 
     def summary(self) -> str:
         """A few readable lines: stages, meshes, microbatches, prediction."""
-        lines = [f"{self.name} plan for {self.model} (batch {self.batch}) on {self.cluster} "
+        lines = [f"{printable(self.name)} plan for {printable(self.model)} (batch {self.batch}) on {printable(self.cluster)} "
                  f"{self.mesh[0]}x{self.mesh[1]}: {len(self.stages)} stage(s), {self.num_microbatches} "
                  f"microbatch(es), {self.schedule}" + (f", mixed precision {self.precision}" if self.precision else "")]
         for i, s in enumerate(self.stages):
-            names = [self.layers[k]["name"] for k in range(*s.layers)]
+            names = [printable(self.layers[k]["name"]) for k in range(*s.layers)]
             lines.append(f"  stage {i}: layers {s.layers[0]}–{s.layers[1] - 1} ({span(names)}) on {s.submesh[0]}x{s.submesh[1]} "
                          f"devices as dp {s.logical_mesh[0]} × tp {s.logical_mesh[1]}"
                          + (", recomputing activations" if s.recompute else ""))
@@ -167,7 +207,14 @@ def _parse(data: Any, source: str) -> Plan:
         if not (isinstance(layer, dict) and isinstance(layer.get("name"), str) and isinstance(layer.get("nodes"), list)
                 and all(isinstance(n, str) for n in layer["nodes"])):
             raise PlanError(f"{source}: layers[{i}] must be {{\"name\": str, \"nodes\": [str, ...]}}, got {layer!r}")
+    names = [n for layer in layers for n in layer["nodes"]]
+    if len(set(names)) != len(names):
+        twice = next(n for n, count in collections.Counter(names).items() if count > 1)
+        raise PlanError(f"{source}: node {twice!r} is in more than one layer (or twice in one)")
     mesh = pair(data, "mesh", "")
+    if mesh[0] * mesh[1] > MAX_DEVICES:
+        raise PlanError(f"{source}: mesh {list(mesh)} has {mesh[0] * mesh[1]} devices, more than the {MAX_DEVICES} "
+                        "autopar plans and runs")
     stages = []
     for i, s in enumerate(need(data, "stages", list)):
         where = f"stages[{i}]."
@@ -177,7 +224,7 @@ def _parse(data: Any, source: str) -> Plan:
             layers=pair(s, "layers", where), submesh=pair(s, "submesh", where), logical_mesh=pair(s, "logical_mesh", where),
             params=need(s, "params", dict, where), ops=need(s, "ops", dict, where),
             recompute=need(s, "recompute", bool, where), cost=need(s, "cost", dict, where),
-            needs=s.get("needs") or {})
+            needs=need(s, "needs", dict, where) if "needs" in s else {})
         for key, value in stage.cost.items():
             if not isinstance(value, (int, float)) or isinstance(value, bool):
                 raise PlanError(f"{source}: {where}cost.{key} must be a number, got {value!r}")
@@ -231,6 +278,9 @@ def _parse(data: Any, source: str) -> Plan:
         raise PlanError(f"{source}: precision must be \"bf16\", \"fp16\" or null (the model's dtype), got {precision!r}")
     mb = need(data, "num_microbatches", int)
     batch = need(data, "batch", int)
+    if not 1 <= batch <= MAX_BATCH or mb > MAX_MICROBATCHES:
+        raise PlanError(f"{source}: batch {batch} and num_microbatches {mb} must be at most {MAX_BATCH} and "
+                        f"{MAX_MICROBATCHES}")
     if mb < 1 or batch % mb:
         raise PlanError(f"{source}: num_microbatches {mb} must be at least 1 and divide the batch {batch}")
     est = data.get("estimate")
@@ -248,6 +298,14 @@ def _parse(data: Any, source: str) -> Plan:
         cluster=need(data, "cluster", str), mesh=mesh, layers=layers, stages=stages,
         num_microbatches=mb, schedule=schedule, precision=precision, dp_gradient=gradient, estimate=estimate,
         search=data.get("search") or {}, name=str(data.get("name", "auto")))
+
+
+def _within(placements: list[str], ndim: int, where: str) -> None:
+    for placement in placements:
+        m = re.fullmatch(r"S\((\d+)\)", placement)
+        if m and int(m.group(1)) >= ndim:
+            raise PlanError(f"{where} is {placements}: {placement} splits dimension {m.group(1)} of a tensor with "
+                            f"{ndim} dimension(s)")
 
 
 def _kind(kind: type | tuple) -> str:

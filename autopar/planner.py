@@ -16,6 +16,7 @@ from autopar.ilp import InfeasibleError
 from autopar.inter_op import INF, microbatch_counts, stage_dp, submesh_shapes
 from autopar.intra_op import REPLICATED_GRADIENTS, Rule, best_sharding, gathered_bytes, logical_meshes
 from autopar.layering import Layer, cluster_layers
+from autopar.limits import MAX_DEVICES, MAX_DEVICES_PER_HOST
 from autopar.models import Workload
 from autopar.placement import shard_dim
 from autopar.plan import Estimate, Plan, StagePlan
@@ -36,9 +37,13 @@ log = logging.getLogger(__name__)
 def parse_mesh(text: str) -> tuple[int, int]:
     """'HxD' -> (hosts, devices per host)."""
     parts = text.lower().split("x")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() and len(p) <= 6 and int(p) > 0 for p in parts):
         raise AutoparError(f"malformed mesh {text!r}: write HOSTSxDEVICES, e.g. --mesh 1x8 or --mesh 8x8")
-    return int(parts[0]), int(parts[1])
+    hosts, per_host = int(parts[0]), int(parts[1])
+    if hosts * per_host > MAX_DEVICES or per_host > MAX_DEVICES_PER_HOST:
+        raise AutoparError(f"mesh {text}: {hosts * per_host} devices ({per_host} per host); autopar plans at most "
+                           f"{MAX_DEVICES} devices, {MAX_DEVICES_PER_HOST} per host")
+    return hosts, per_host
 
 
 @dataclass

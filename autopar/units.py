@@ -30,3 +30,9 @@ def span(names: list[str]) -> str:
     """'wte…h.1', 'h.2…h.3' -> 'wte … h.3': the first and last module of a run of layers."""
     first, last = names[0].split("…")[0], names[-1].split("…")[-1]
     return first if first == last else f"{first} … {last}"
+
+
+def printable(text: str) -> str:
+    """`text` with every control or format character written as its escape (`\\x1b`), so a name
+    read from a file is shown, never interpreted by the terminal."""
+    return "".join(c if c.isprintable() or c == " " else ascii(c)[1:-1] for c in str(text))

@@ -9,14 +9,14 @@ host NIC, one direction). Presets come from public data sheets (../shared/REFERE
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from autopar.errors import ClusterSpecError
-from autopar.jsonio import write_json
+from autopar.jsonio import read_json, write_json
+from autopar.limits import MAX_DEVICES, MAX_DEVICES_PER_HOST, MAX_MEMORY_BYTES
 
 GB = 1e9
 GiB = 2**30
@@ -98,13 +98,13 @@ class ClusterSpec:
     @staticmethod
     def load(path: str | Path) -> ClusterSpec:
         try:
-            data = json.loads(Path(path).read_text())
+            data = read_json(path, "cluster file")
         except FileNotFoundError:
             raise ClusterSpecError(f"cluster file {path} does not exist") from None
-        except (OSError, UnicodeDecodeError) as exc:
-            raise ClusterSpecError(f"cannot read cluster file {path}: {exc}") from None
-        except json.JSONDecodeError as exc:
-            raise ClusterSpecError(f"cluster file {path} is not valid JSON: {exc}") from None
+        except ValueError as exc:
+            raise ClusterSpecError(str(exc)) from None
+        except OSError as exc:
+            raise ClusterSpecError(f"cannot read cluster file {path}: {exc.strerror or exc}") from None
         return _parse_cluster(data, str(path))
 
 
@@ -152,7 +152,7 @@ def _parse_cluster(data: Any, source: str) -> ClusterSpec:
     device = DeviceSpec(
         name=str(dev.get("name", "device")),
         peak_flops={k: float(v) for k, v in flops.items()},
-        memory_bytes=number(dev, "memory_bytes", "device.", integer=True),
+        memory_bytes=number(dev, "memory_bytes", "device.", integer=True, at_most=MAX_MEMORY_BYTES),
         memory_bandwidth=float(number(dev, "memory_bandwidth", "device.")),
         efficiency=float(number(dev, "efficiency", "device.")) if "efficiency" in dev else 0.5,
         matmul_half_flops=optional(dev, "matmul_half_flops", "device.", 0.0),
@@ -175,8 +175,8 @@ def _parse_cluster(data: Any, source: str) -> ClusterSpec:
     cores = data.get("cores_per_host")
     return ClusterSpec(
         name=str(data.get("name", Path(source).stem)),
-        num_hosts=number(data, "num_hosts", "", integer=True),
-        devices_per_host=number(data, "devices_per_host", "", integer=True),
+        num_hosts=number(data, "num_hosts", "", integer=True, at_most=MAX_DEVICES),
+        devices_per_host=number(data, "devices_per_host", "", integer=True, at_most=MAX_DEVICES_PER_HOST),
         device=device,
         description=str(data.get("description", "")),
         cores_per_host=None if cores is None else number(data, "cores_per_host", "", integer=True),

@@ -46,6 +46,8 @@ def parse(text: str) -> Spec:
         options = {k: float(v) for k, v in (o.split("=", 1) for o in rest)}
     except ValueError:
         raise AutoparError(f"compression {text!r}: values must be numbers, as in dgc:0.999,warmup=100") from None
+    if not all(math.isfinite(v) for v in [*options.values(), *([value] if value is not None else [])]):
+        raise AutoparError(f"compression {text!r}: values must be finite numbers, as in dgc:0.999,warmup=100")
     a = value
     if name in ("topk", "randk") and not (a and 0 < a <= 1):
         raise AutoparError(f"compression {text!r}: give the fraction kept, e.g. {name}:0.01")
@@ -53,7 +55,7 @@ def parse(text: str) -> Spec:
         raise AutoparError(f"compression {text!r}: give the final sparsity in [0, 1), e.g. dgc:0.999")
     if name == "qsgd" and a is not None and not 1 <= a <= 127:
         raise AutoparError(f"compression {text!r}: levels must be 1 to 127 (they travel in int8)")
-    if name == "powersgd" and a is not None and (a < 1 or a != int(a)):
+    if name == "powersgd" and a is not None and (a < 1 or a != int(a) or a > 4096):
         raise AutoparError(f"compression {text!r}: the rank must be a positive integer, e.g. powersgd:2")
     if name == "threshold" and not (a and a > 0):
         raise AutoparError(f"compression {text!r}: give the threshold τ, e.g. threshold:0.01")

@@ -91,7 +91,14 @@ def data_sync(params: list[nn.Parameter], group: dist.ProcessGroup, plan: Any) -
     gradient = plan.dp_gradient or {}
     link = None
     if os.environ.get("AUTOPAR_EMULATE_LINK"):
-        values = [float(v) for v in os.environ["AUTOPAR_EMULATE_LINK"].split(",")]
+        text = os.environ["AUTOPAR_EMULATE_LINK"]
+        try:
+            values = [float(v) for v in text.split(",")]
+        except ValueError:
+            values = []
+        if not 1 <= len(values) <= 2 or not all(0 <= v < float("inf") for v in values) or 0 in values[1:]:
+            raise UnsupportedPlan(f"AUTOPAR_EMULATE_LINK={text[:40]!r}: write latency_s[,bytes_per_s], finite "
+                                  "non-negative numbers, e.g. 0.1 or 0.05,1e9")
         link = EmulatedLink(*values)
     if gradient.get("delay"):
         if gradient.get("compression"):

@@ -52,9 +52,9 @@ class TrainJob:
 
     def check(self) -> None:
         from autopar.errors import AutoparError
+        from autopar.limits import MAX_MEMORY_BYTES, MAX_SECONDS, check_counts
 
-        if self.nproc < 1 or self.steps < 1:
-            raise AutoparError(f"--nproc and --steps must be positive, got {self.nproc} and {self.steps}")
+        check_counts(self.nproc, self.steps, self.checkpoint_every, self.delay)
         if self.checkpoint_every < 0:
             raise AutoparError(f"--checkpoint-every must be ≥ 0 steps, got {self.checkpoint_every}")
         if (self.resume or self.checkpoint_every) and not self.checkpoint_dir:
@@ -69,10 +69,11 @@ class TrainJob:
                        "not a step-N folder `autopar train` wrote" if not _STEP.fullmatch(path.name) else verify(path))
             if problem:
                 raise AutoparError(f"--resume-from {self.resume_from}: {problem}")
-        if self.memory_limit is not None and not self.memory_limit > 0:
+        if self.memory_limit is not None and not 0 < self.memory_limit <= MAX_MEMORY_BYTES:
             raise AutoparError(f"--memory-limit must be a positive number of GiB, got {self.memory_limit / 2**30:g}")
-        if not self.timeout_s > 0:
-            raise AutoparError(f"--timeout must be a positive number of seconds, got {self.timeout_s}")
+        if not 0 < self.timeout_s <= MAX_SECONDS:
+            raise AutoparError(f"--timeout must be a positive number of seconds, got {self.timeout_s} "
+                               f"(at most {MAX_SECONDS:g})")
         if self.checkpoint_dir and not self.resume and self.resume_from is None:
             from runtime.checkpoint import latest
 
@@ -104,7 +105,9 @@ def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
     from runtime import checkpoint, local_device
     from runtime.memory import measured_step
 
-    rank, step, phase = None, 0, "start"
+    # the launcher's number for this rank, known before the process group is: an error while
+    # building the model or the plan is reported with its cause too
+    rank, step, phase = int(os.environ.get("RANK", "0")), 0, "start"
     try:
         torch.manual_seed(0)  # every rank builds the same initial weights
         w = autopar.load_workload(job.model, batch=job.batch, device="cpu", dtype=torch.float32)
@@ -171,12 +174,13 @@ def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
     except AutoparError as exc:
         if not isinstance(exc, failures.PeerLost):  # a peer's death is not the user's input
             return {"error": str(exc)}
-        if rank is not None:
-            failures.record(progress_dir, rank, step, phase, error=str(exc))
+        failures.record(progress_dir, rank, step, phase, error=str(exc))
         raise
-    except Exception as exc:  # the launcher reports it with the rank and step
-        if rank is not None:
-            failures.record(progress_dir, rank, step, phase, error=f"{type(exc).__name__}: {exc}")
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # the launcher reports it with the rank and step (DCP's CheckpointException
+        # is a BaseException)
+        failures.record(progress_dir, rank, step, phase, error=f"{type(exc).__name__}: {str(exc)[:2000]}")
         raise
 
 

@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 
 def _listeners(pids: set[int]) -> set[tuple[str, int]]:
     """(local address, port) of every TCP socket listening in `pids`, from /proc."""
@@ -121,3 +123,70 @@ def test_checkpoints_resist_damage_planted_code_and_keep_user_files(tmp_path):
     assert not pwned.exists()
     assert planted.returncode == 2 and "Traceback" not in planted.stderr
     assert f"{newest / 'rank0.pt'} holds something other than tensors and plain values" in planted.stderr
+
+
+def _files(tmp_path: Path) -> None:
+    """Broken inputs the cases below name: plans and clusters as a careless or hostile hand makes them."""
+    import json
+    import re
+
+    plan = json.loads(subprocess.run([sys.executable, "-m", "autopar", "plan", "mlp-tiny", "--mesh", "1x2", "--json"],
+                                     capture_output=True, text=True, check=True).stdout)
+    plan.pop("png", None)
+    (tmp_path / "needs.json").write_text(json.dumps({**plan, "stages": [{**plan["stages"][0], "needs": [1]}]}))
+    (tmp_path / "digits.json").write_text(re.sub(r'"batch": \d+', '"batch": ' + "9" * 5000, json.dumps(plan)))
+    (tmp_path / "nested.json").write_text("[" * 100_000 + "]" * 100_000)
+    (tmp_path / "binary.json").write_bytes(bytes(range(256)) * 4)
+    evil = {**plan, "model": "mlp[bold red]X[/]\x1b[2J\x07", "cluster": "/dev/zero"}
+    (tmp_path / "zero.json").write_text(json.dumps(evil))
+    (tmp_path / "evil.json").write_text(json.dumps({**evil, "cluster": "cpu-local"}))
+    many = {**plan, "num_microbatches": 10**8, "batch": 10**8}
+    (tmp_path / "many.json").write_text(json.dumps(many))
+    (tmp_path / "huge-cluster.json").write_text(
+        subprocess.run([sys.executable, "-c", "from cost_models import get_cluster; import json; d = get_cluster("
+                        "'a100-dgx').to_dict(); d['device']['memory_bytes'] = 10**400; print(json.dumps(d))"],
+                       capture_output=True, text=True, check=True).stdout)
+    (tmp_path / "afile").write_text("")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["show", "{tmp}/needs.json"], "needs must be an object, got [1]"),
+    (["show", "{tmp}/digits.json"], "digits: too large for any field"),
+    (["show", "{tmp}/nested.json"], "nested"),
+    (["show", "{tmp}/binary.json"], "is not text (UTF-8 JSON)"),
+    (["show", "{tmp}/many.json"], "must be at most 2147483648 and 65536"),
+    (["clusters", "{tmp}/huge-cluster.json"], "digits: too large for any field"),
+    (["plan", "mlp-tiny", "--mesh", "100000x8"], "autopar plans at most 16384 devices"),
+    (["plan", "mlp-tiny", "--mesh", "1x2", "--batch", str(2**70)], "--batch must be a positive integer of at most"),
+    (["plan", "mlp-tiny", "--mesh", "1x2", "--compression", "powersgd:nan"], "values must be finite numbers"),
+    (["plan", "mlp-tiny", "--mesh", "1x2", "--compression", "powersgd:inf"], "values must be finite numbers"),
+    (["plan", "mlp-tiny", "--mesh", "1x2", "--out", "{tmp}"], "--out {tmp} is a folder: give a file name"),
+    (["plan", "mlp-tiny", "--mesh", "1x2", "--out", "{tmp}/missing/plan.json"], "the folder {tmp}/missing does not exist"),
+    (["train", "mlp-tiny", "--nproc", "2", "--checkpoint-dir", "{tmp}/afile"], "is a file, not a folder"),
+    (["train", "mlp-tiny", "--nproc", "2", "--timeout", "1e15"], "--timeout must be a positive number of seconds"),
+    (["train", "mlp-tiny", "--nproc", "2", "--plan", "2,1,1", "--steps", "1", "@AUTOPAR_EMULATE_LINK=abc"],
+     "AUTOPAR_EMULATE_LINK='abc': write latency_s[,bytes_per_s]"),
+])
+def test_broken_input_is_one_message_with_exit_2(argv, message, tmp_path):
+    _files(tmp_path)
+    env = dict(os.environ)
+    for a in [a for a in argv if a.startswith("@")]:
+        key, _, value = a[1:].partition("=")
+        env[key] = value
+    argv = [a.format(tmp=tmp_path) for a in argv if not a.startswith("@")]
+    proc = subprocess.run([sys.executable, "-m", "autopar", *argv], capture_output=True, text=True, timeout=120,
+                          env=env)
+    assert proc.returncode == 2, proc.stderr
+    assert message.format(tmp=tmp_path) in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_names_from_files_are_printed_literally(tmp_path):
+    _files(tmp_path)
+    proc = subprocess.run([sys.executable, "-m", "autopar", "show", str(tmp_path / "evil.json")],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "mlp[bold red]X[/]\\x1b[2J\\x07" in proc.stdout and "\x1b" not in proc.stdout
+    # its cluster named as /dev/zero: not read (a device), drawn without the memory line, at once
+    proc = subprocess.run([sys.executable, "-m", "autopar", "show", str(tmp_path / "zero.json"), "--png",
+                           str(tmp_path / "z.png")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and (tmp_path / "z.png").stat().st_size > 0, proc.stderr

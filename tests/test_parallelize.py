@@ -235,7 +235,7 @@ SEARCHED = [
     # 4 ranks on 2 cores: the search prefers pipelines, whose idle stages free cores. (moe-tiny's
     # searched plan microbatches too, which regroups GShard's capacity groups: its losses differ
     # from one process by design; its layouts are compared in test_recompute and test_precision)
-    ("mlp-tiny", 2, [(1, 2)]), ("mlp-tiny", 4, [(1, 4)]), ("gpt-tiny", 4, [(1, 2), (2, 1)]),
+    ("mlp-tiny", 2, [(1, 2)]), ("mlp-tiny", 4, [(1, 4)]), ("gpt-tiny", 4, [(2, 1), (2, 1)]),
     ("hf-gpt2", 4, [(2, 1), (2, 1)]),
     ("gpt-tiny", 3, [(2, 1), (1, 1)]),  # stages of 2 and 1 devices
 ]
