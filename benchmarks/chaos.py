@@ -16,6 +16,10 @@ reference exactly.
 - redone steps: steps run again after a resume (the work since the last checkpoint: at most
   `--checkpoint-every`).
 
+`--corruptions` of the restarts first damage the newest checkpoint (truncate a file, change a byte
+in it, or delete it): the resumed job must skip it and start from the newest intact one (counted
+in "lost steps" otherwise), and the final trajectory must still equal the reference.
+
     python benchmarks/chaos.py [--model gpt-tiny] [--plan 2,1,2,2] [--nproc 4] [--steps 30] [--kills 12] [--json]
 """
 
@@ -74,6 +78,21 @@ def _kill_one(proc: subprocess.Popen, progress: Path, rank: int, step: int, dela
     return None
 
 
+def _damage(path: Path, rng: random.Random) -> str:
+    """Truncate, change or delete one random file of the checkpoint at `path`; say which."""
+    victim = rng.choice(sorted(p for p in path.iterdir() if p.is_file()))
+    how = rng.choice(["truncate", "flip", "delete"])
+    data = victim.read_bytes()
+    if how == "truncate":
+        victim.write_bytes(data[: len(data) // 2])
+    elif how == "flip" and data:
+        i = rng.randrange(len(data))
+        victim.write_bytes(data[:i] + bytes([data[i] ^ 0xFF]) + data[i + 1:])
+    else:
+        victim.unlink()
+    return f"{how} {path.name}/{victim.name}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt-tiny")
@@ -88,6 +107,8 @@ def main() -> None:
                         help="a job still running this long after a kill (after a freeze: plus the timeout and "
                              "the launcher's grace) is a hang")
     parser.add_argument("--run-limit", type=float, default=600.0, help="a job reaching no kill or end this long is a hang")
+    parser.add_argument("--corruptions", type=int, default=4,
+                        help="of the restarts, this many first damage the newest checkpoint")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -107,12 +128,20 @@ def main() -> None:
     final = None
     targets = sorted(rng.randrange(args.steps) for _ in range(args.kills))  # kill steps, spread over the run
     frozen = set(rng.sample(range(args.kills), min(args.freezes, args.kills)))
+    damaged = set(rng.sample(range(1, args.kills + 1), min(args.corruptions, args.kills)))  # before these restarts
+    corruptions, fell_back = [], 0
     try:
         while final is None:
             runs += 1
             shutil.rmtree(directory / "progress", ignore_errors=True)  # no stale pids
-            begun = checkpoint.latest(directory)
+            newest = checkpoint.latest(directory)
+            if len(kills) in damaged and newest is not None and len(checkpoint._complete(directory)) > 1:
+                damaged.discard(len(kills))
+                corruptions.append(_damage(newest, rng))
+                status(f"damaged: {corruptions[-1]}")
+            begun = checkpoint.latest(directory)  # the newest intact one: where the job must resume
             start = checkpoint.step_of(begun) if begun else 0
+            fell_back += begun != newest
             proc = subprocess.Popen(_command(args, directory, True), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True, start_new_session=True)
             kill = None
@@ -128,9 +157,9 @@ def main() -> None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 out, err = proc.communicate()
             resumed = re.search(r"resumed from \S*step-\d+ at step (\d+)", err)
-            if kills:  # the resume must start at the latest checkpoint the previous kill left
+            if kills:  # the resume must start at the newest intact checkpoint the previous kill left
                 at = int(resumed.group(1)) if resumed else start  # killed before it said so
-                lost += max(0, kills[-1]["checkpointed"] - at)
+                lost += max(0, (start if begun != newest else kills[-1]["checkpointed"]) - at)
                 redone += max(0, kills[-1]["step"] - at)
             if kill is not None and kill.get("stalled"):
                 continue  # counted as a hang above: the job got nowhere within --run-limit
@@ -159,6 +188,7 @@ def main() -> None:
         "max_exit_s": max((k["exit_s"] for k in kills if k["signal"] == "SIGKILL"), default=0.0),
         "max_exit_after_freeze_s": max((k["exit_s"] for k in kills if k["signal"] == "SIGSTOP"), default=0.0),
         "trajectory_equal": final["losses"] == expected, "last_resume_step": last_start,
+        "corruptions": len(corruptions), "resumed_from_an_older_checkpoint": fell_back, "damage_log": corruptions,
         "wall_s": time.time() - started, "kill_log": kills,
     }
     if args.json:
@@ -171,8 +201,9 @@ def main() -> None:
     console.print(f"chaos: {args.model}, plan {args.plan}, {args.nproc} ranks, {args.steps} steps, "
                   f"checkpoint every {args.checkpoint_every}")
     table = Table("measure", "value")
-    for key in ("kills", "freezes", "runs", "hangs", "lost_steps", "redone_steps", "kills_not_named", "killed_in_checkpoint",
-                "max_exit_s", "max_exit_after_freeze_s", "trajectory_equal", "wall_s"):
+    for key in ("kills", "freezes", "corruptions", "resumed_from_an_older_checkpoint", "runs", "hangs", "lost_steps",
+                "redone_steps", "kills_not_named", "killed_in_checkpoint", "max_exit_s", "max_exit_after_freeze_s",
+                "trajectory_equal", "wall_s"):
         table.add_row(key, f"{result[key]:.2f}" if isinstance(result[key], float) else str(result[key]))
     console.print(table)
 
