@@ -1,11 +1,11 @@
 """JSON files written atomically (a crash leaves the old file or the new one, never half of one)
-and read strictly: a regular file of bounded size, text, finite numbers of bounded size, no
-duplicate keys, bounded nesting. What is wrong comes back as one `ValueError` sentence."""
+and read strictly: a regular file of bounded size, text, integers of bounded size, no duplicate
+keys, bounded nesting. What is wrong comes back as one `ValueError` sentence. Non-finite numbers
+(NaN, 1e400) are left to the field checks of plans and cluster files, which name the field."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import stat
 from pathlib import Path
@@ -44,8 +44,7 @@ def read_json(path: str | Path, what: str) -> Any:
 def loads(text: str, source: str) -> Any:
     """`json.loads`, strictly (see the module)."""
     try:
-        data = json.loads(text, parse_int=_int, parse_float=_float, parse_constant=_constant,
-                          object_pairs_hook=_unique)
+        data = json.loads(text, parse_int=_int, object_pairs_hook=_unique)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{source} is not valid JSON: {exc}") from None
     except ValueError as exc:
@@ -61,17 +60,6 @@ def _int(text: str) -> int:
     if len(text.lstrip("-")) > MAX_DIGITS:
         raise ValueError(f"the integer {text[:12]}… has {len(text)} digits: too large for any field")
     return int(text)
-
-
-def _float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"the number {text[:24]} is beyond float range")
-    return value
-
-
-def _constant(name: str) -> float:
-    raise ValueError(f"{name} is not a number JSON allows")
 
 
 def _unique(pairs: list[tuple[str, Any]]) -> dict[str, Any]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import json
+import math
 import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -226,8 +227,8 @@ def _parse(data: Any, source: str) -> Plan:
             recompute=need(s, "recompute", bool, where), cost=need(s, "cost", dict, where),
             needs=need(s, "needs", dict, where) if "needs" in s else {})
         for key, value in stage.cost.items():
-            if not isinstance(value, (int, float)) or isinstance(value, bool):
-                raise PlanError(f"{source}: {where}cost.{key} must be a number, got {value!r}")
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise PlanError(f"{source}: {where}cost.{key} must be a finite number, got {value!r}")
         for kind, table in (("params", stage.params), ("ops", stage.ops)):
             for key, placement in table.items():
                 if not (isinstance(placement, list) and len(placement) == 2
@@ -290,8 +291,8 @@ def _parse(data: Any, source: str) -> Plan:
         if not isinstance(est, dict) or set(est) != set(fields):
             raise PlanError(f"{source}: estimate must have exactly {', '.join(fields)}")
         for key in ("step_time_s", "tflops_per_device", "peak_memory_bytes", "bubble_fraction"):
-            if not isinstance(est[key], (int, float)) or isinstance(est[key], bool):
-                raise PlanError(f"{source}: estimate.{key} must be a number, got {est[key]!r}")
+            if not isinstance(est[key], (int, float)) or isinstance(est[key], bool) or not math.isfinite(est[key]):
+                raise PlanError(f"{source}: estimate.{key} must be a finite number, got {est[key]!r}")
         estimate = Estimate(**{**est, "fits": bool(est["fits"])})
     return Plan(
         model=need(data, "model", str), graph_hash=need(data, "graph_hash", str), batch=batch,

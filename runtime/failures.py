@@ -81,14 +81,20 @@ def guarded(step: Callable) -> Callable:
     return run
 
 
-def record(directory: str | Path, rank: int, step: int, phase: str, error: str | None = None) -> None:
-    """This rank is at `step` doing `phase`, or failed there with `error` (replaced atomically:
-    readers never see half a file)."""
+def record(directory: str | Path, rank: int, step: int, phase: str, error: str | None = None,
+           user: bool = False) -> None:
+    """This rank is at `step` doing `phase`, or failed there with `error` (`user`: an error in what
+    the user gave, reported as it is) (replaced atomically: readers never see half a file)."""
     path = Path(directory) / f"rank{rank}.json"
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps({"pid": os.getpid(), "step": step, "phase": phase, "time": time.time(),
-                               "error": error}))
+                               "error": error, "user": user}))
     os.replace(tmp, path)
+
+
+def user_error(directory: str | Path, ranks: int) -> str | None:
+    """The first error in the user's input a rank recorded, if any."""
+    return next((p["error"] for r in range(ranks) if (p := progress(directory, r)) and p.get("user")), None)
 
 
 def progress(directory: str | Path, rank: int) -> dict[str, Any] | None:

@@ -96,8 +96,8 @@ def _check_writable_dir(path: Path) -> None:
 
 def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
     """One rank: build the zoo model on this rank's device, parallelize it, train to `job.steps`,
-    resuming from the latest checkpoint when asked. Errors the user can fix come back as
-    {"error": message} so the launcher reports them as such."""
+    resuming from the latest checkpoint when asked. Any error fails the rank, so the launcher stops
+    the others; one in the user's input is recorded as such and reported as it is."""
     import torch.distributed as dist
 
     import autopar
@@ -172,9 +172,9 @@ def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
                 "peak_tensor_bytes": tensor_bytes, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
                 "peak_cuda_allocated_bytes": cuda, "comm": pm.comm_stats()}
     except AutoparError as exc:
-        if not isinstance(exc, failures.PeerLost):  # a peer's death is not the user's input
-            return {"error": str(exc)}
-        failures.record(progress_dir, rank, step, phase, error=str(exc))
+        # a peer's death is not the user's input; either way this rank fails, so the launcher stops
+        # the others at once (a rank that returned would leave them waiting for it in a collective)
+        failures.record(progress_dir, rank, step, phase, error=str(exc), user=not isinstance(exc, failures.PeerLost))
         raise
     except (KeyboardInterrupt, SystemExit):
         raise
@@ -216,6 +216,9 @@ def launch(job: TrainJob, quiet: bool = True) -> dict[str, Any]:
             with failures.reaping(progress_dir, job.nproc, SHUTDOWN_GRACE_S, seen):
                 results = elastic_launch(config, worker)(job, progress_dir)
         except ChildFailedError as exc:
+            given = failures.user_error(progress_dir, job.nproc)
+            if given is not None:
+                raise AutoparError(given) from None
             message = failures.blame(exc.failures, seen, job.steps)
             if job.checkpoint_dir:
                 from runtime import checkpoint
@@ -228,9 +231,6 @@ def launch(job: TrainJob, quiet: bool = True) -> dict[str, Any]:
             for log, level in zip(loggers, levels):
                 log.setLevel(level)
     ranks = [results[r] for r in sorted(results)]
-    errors = {r["error"] for r in ranks if "error" in r}
-    if errors:
-        raise AutoparError(errors.pop())
     first = ranks[0]
     per_step = [max(r["step_times_s"][i] for r in ranks) for i in range(len(first["step_times_s"]))]
     step_time = statistics.median(per_step[1:] or per_step) if per_step else None  # None: nothing left to run

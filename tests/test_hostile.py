@@ -125,6 +125,18 @@ def test_checkpoints_resist_damage_planted_code_and_keep_user_files(tmp_path):
     assert f"{newest / 'rank0.pt'} holds something other than tensors and plain values" in planted.stderr
 
 
+BOOM = """
+import os
+import torch
+
+def make():  # fails on one rank only: the other must not wait for it
+    if os.environ.get("RANK") == "1":
+        raise RuntimeError("boom on rank 1")
+    return torch.nn.Linear(4, 4), (torch.randn(8, 4),), lambda out, t: ((out - t) ** 2).mean(), \\
+        lambda b, g: ((torch.randn(b, 4, generator=g),), torch.randn(b, 4, generator=g))
+"""
+
+
 def _files(tmp_path: Path) -> None:
     """Broken inputs the cases below name: plans and clusters as a careless or hostile hand makes them."""
     import json
@@ -147,6 +159,10 @@ def _files(tmp_path: Path) -> None:
                         "'a100-dgx').to_dict(); d['device']['memory_bytes'] = 10**400; print(json.dumps(d))"],
                        capture_output=True, text=True, check=True).stdout)
     (tmp_path / "afile").write_text("")
+    op = next(iter(plan["stages"][0]["ops"]))
+    s99 = {**plan, "stages": [{**plan["stages"][0], "ops": {**plan["stages"][0]["ops"], op: ["R", "S(99)"]}}]}
+    (tmp_path / "s99.json").write_text(json.dumps(s99))
+    (tmp_path / "boom.py").write_text(BOOM)
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -164,6 +180,8 @@ def _files(tmp_path: Path) -> None:
     (["plan", "mlp-tiny", "--mesh", "1x2", "--out", "{tmp}/missing/plan.json"], "the folder {tmp}/missing does not exist"),
     (["train", "mlp-tiny", "--nproc", "2", "--checkpoint-dir", "{tmp}/afile"], "is a file, not a folder"),
     (["train", "mlp-tiny", "--nproc", "2", "--timeout", "1e15"], "--timeout must be a positive number of seconds"),
+    (["train", "mlp-tiny", "--nproc", "2", "--plan", "{tmp}/s99.json"], "S(99) splits dimension 99 of a tensor with"),
+    (["train", "{tmp}/boom.py:make", "--nproc", "2", "--steps", "1"], "calling make() failed: RuntimeError: boom on rank 1"),
     (["train", "mlp-tiny", "--nproc", "2", "--plan", "2,1,1", "--steps", "1", "@AUTOPAR_EMULATE_LINK=abc"],
      "AUTOPAR_EMULATE_LINK='abc': write latency_s[,bytes_per_s]"),
 ])
