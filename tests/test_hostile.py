@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+import autopar
+
 
 def _listeners(pids: set[int]) -> set[tuple[str, int]]:
     """(local address, port) of every TCP socket listening in `pids`, from /proc."""
@@ -137,14 +139,18 @@ def make():  # fails on one rank only: the other must not wait for it
 """
 
 
-def _files(tmp_path: Path) -> None:
+@pytest.fixture(scope="module")
+def broken(tmp_path_factory) -> Path:
     """Broken inputs the cases below name: plans and clusters as a careless or hostile hand makes them."""
     import json
     import re
 
-    plan = json.loads(subprocess.run([sys.executable, "-m", "autopar", "plan", "mlp-tiny", "--mesh", "1x2", "--json"],
-                                     capture_output=True, text=True, check=True).stdout)
-    plan.pop("png", None)
+    from autopar.planner import Search, plan_auto
+    from cost_models import get_cluster
+
+    tmp_path = tmp_path_factory.mktemp("broken")
+    w = autopar.load_workload("mlp-tiny")  # the suite's batch, as `autopar train mlp-tiny` runs it
+    plan = json.loads(plan_auto(Search.start(w, get_cluster("cpu-local"), (1, 2))).to_json())
     (tmp_path / "needs.json").write_text(json.dumps({**plan, "stages": [{**plan["stages"][0], "needs": [1]}]}))
     (tmp_path / "digits.json").write_text(re.sub(r'"batch": \d+', '"batch": ' + "9" * 5000, json.dumps(plan)))
     (tmp_path / "nested.json").write_text("[" * 100_000 + "]" * 100_000)
@@ -154,15 +160,15 @@ def _files(tmp_path: Path) -> None:
     (tmp_path / "evil.json").write_text(json.dumps({**evil, "cluster": "cpu-local"}))
     many = {**plan, "num_microbatches": 10**8, "batch": 10**8}
     (tmp_path / "many.json").write_text(json.dumps(many))
-    (tmp_path / "huge-cluster.json").write_text(
-        subprocess.run([sys.executable, "-c", "from cost_models import get_cluster; import json; d = get_cluster("
-                        "'a100-dgx').to_dict(); d['device']['memory_bytes'] = 10**400; print(json.dumps(d))"],
-                       capture_output=True, text=True, check=True).stdout)
+    huge = get_cluster("a100-dgx").to_dict()
+    huge["device"]["memory_bytes"] = 10**400
+    (tmp_path / "huge-cluster.json").write_text(json.dumps(huge))
     (tmp_path / "afile").write_text("")
     op = next(iter(plan["stages"][0]["ops"]))
     s99 = {**plan, "stages": [{**plan["stages"][0], "ops": {**plan["stages"][0]["ops"], op: ["R", "S(99)"]}}]}
     (tmp_path / "s99.json").write_text(json.dumps(s99))
     (tmp_path / "boom.py").write_text(BOOM)
+    return tmp_path
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -185,8 +191,8 @@ def _files(tmp_path: Path) -> None:
     (["train", "mlp-tiny", "--nproc", "2", "--plan", "2,1,1", "--steps", "1", "@AUTOPAR_EMULATE_LINK=abc"],
      "AUTOPAR_EMULATE_LINK='abc': write latency_s[,bytes_per_s]"),
 ])
-def test_broken_input_is_one_message_with_exit_2(argv, message, tmp_path):
-    _files(tmp_path)
+def test_broken_input_is_one_message_with_exit_2(argv, message, broken):
+    tmp_path = broken
     env = dict(os.environ)
     for a in [a for a in argv if a.startswith("@")]:
         key, _, value = a[1:].partition("=")
@@ -198,8 +204,8 @@ def test_broken_input_is_one_message_with_exit_2(argv, message, tmp_path):
     assert message.format(tmp=tmp_path) in proc.stderr and "Traceback" not in proc.stderr
 
 
-def test_names_from_files_are_printed_literally(tmp_path):
-    _files(tmp_path)
+def test_names_from_files_are_printed_literally(broken):
+    tmp_path = broken
     proc = subprocess.run([sys.executable, "-m", "autopar", "show", str(tmp_path / "evil.json")],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

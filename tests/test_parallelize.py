@@ -272,7 +272,7 @@ def _bad(rank, world, case):
         elif case == "unrunnable":  # a hand-edited plan asks for a placement the op cannot take
             plan = _layout(w, world, "1,2,1")
             gelu = next(n for n in plan.stages[0].ops if n.startswith("gelu"))
-            plan.stages[0].needs[gelu] = ["S(5)"]
+            plan.stages[0].needs[gelu] = ["P"]  # within its rank, but a partial sum gelu cannot take
             autopar.parallelize(w.model, (1, world), w.example_inputs, plan=plan, **kwargs)
     except AutoparError as exc:
         return str(exc)
