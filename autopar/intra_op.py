@@ -314,18 +314,20 @@ class _Stage:
     def strategies(self, anchor: str, rule: Rule | None = None) -> list[Strategy]:
         """The tensor-axis splits an anchor may take (narrowed by a layout rule), each with and
         without ZeRO-3 on the data axis when the group holds parameters. The batch is the data
-        axis's alone: the shardings are solved at the whole batch, and a batch split on the tensor
-        axis that divides the whole batch need not divide a microbatch (the runtime cannot run it),
-        so the tensor axis splits other letters (or none)."""
+        axis's: the shardings are solved at the whole batch, and a batch split on the tensor axis
+        that divides the whole batch need not divide a microbatch (the runtime cannot run it), so
+        the search's tensor axis splits other letters (or none). A layout rule that names its
+        letters may still split the batch there (DeepSpeed-MoE's every-device data parallelism);
+        `StageCosts.splits_microbatch` keeps such a stage to microbatches it divides."""
         sig = self.sig[anchor]
         letters: list[str | None] = [None]
         if sig.kind in (L.ANCHOR,) and self.mesh.tp > 1:
             sizes = self._sizes(anchor)
             batch_letters = self._batch_letters(anchor)
             for c in sorted(sig.shardable):
-                if c in batch_letters:
+                if c in batch_letters and (rule is None or rule.letters is None):
                     continue
-                n = self.mesh.tp
+                n = self.mesh.tp * (self.mesh.dp if c in batch_letters else 1)
                 if c in sizes and sizes[c] % n == 0 and sizes[c] >= n:
                     if any(c in o for o in sig.outputs) or sig.linear:
                         letters.append(c)

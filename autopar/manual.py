@@ -36,7 +36,7 @@ def megatron_letters(sig: L.Signature, node: OpNode, batch: set[str]) -> set[str
     if op in ("conv2d", "convolution"):
         return {"o", "c"}
     if op == "einsum" or "grouped_mm" in op:
-        return set(sig.shardable)  # expert and hidden dimensions of MoE layers
+        return (set(sig.shardable) - batch) or {None}  # expert and hidden dimensions of MoE layers
     return {None}
 
 
