@@ -170,6 +170,11 @@ def layout(plan: Any) -> str:
                        "dp_gradient": plan.dp_gradient, "batch": plan.batch}, sort_keys=True, default=list)
 
 
+def is_step(path: str | Path) -> bool:
+    """Whether `path` is named as a checkpoint folder is (step-N)."""
+    return _STEP.fullmatch(Path(path).name) is not None
+
+
 def step_of(path: str | Path) -> int:
     m = _STEP.fullmatch(Path(path).name)
     if m is None:

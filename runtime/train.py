@@ -62,11 +62,11 @@ class TrainJob:
         if self.checkpoint_dir:
             _check_writable_dir(Path(self.checkpoint_dir))
         if self.resume_from is not None:
-            from runtime.checkpoint import _STEP, verify
+            from runtime.checkpoint import is_step, verify
 
             path = self.resume_path()
             problem = ("no such checkpoint folder" if not path.is_dir() else
-                       "not a step-N folder `autopar train` wrote" if not _STEP.fullmatch(path.name) else verify(path))
+                       "not a step-N folder `autopar train` wrote" if not is_step(path) else verify(path))
             if problem:
                 raise AutoparError(f"--resume-from {self.resume_from}: {problem}")
         if self.memory_limit is not None and not 0 < self.memory_limit <= MAX_MEMORY_BYTES:
