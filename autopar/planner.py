@@ -281,7 +281,7 @@ def _nothing_fits(search: Search) -> AutoparError:
     hosts, per_host = search.mesh
     where = f"{hosts}x{per_host} {search.cluster.name}"
     n, batch = len(search.layers), search.workload.batch
-    counts = [m for m in range(batch, 0, -1) if batch % m == 0]  # the smallest microbatch that shards
+    counts = sorted(microbatch_counts(batch), reverse=True)  # the smallest microbatch that shards
     lean = next(([o.memory(1) for o in opts] for m in counts
                  if (opts := search.costs.options(search.atoms(0, n), search.mesh, m))), [])
     if lean:

@@ -121,6 +121,7 @@ class StageCosts:
         self._subgraphs: dict[int, OpGraph] = {}
         self._first: dict[str, int] = {}  # structural hash -> the atom its results were solved on
         self._prefix: dict = {}  # (submesh, logical, lean) -> prefix sums of atom costs
+        self._splits: dict = {}  # (submesh, logical, lean) -> each atom's tp_batch
         self.cut = cut_bytes(self.graph, self.atoms)  # bytes crossing the boundary after atom k
         self._batch = next(n for n in self.graph if n.op == "input").outputs[0].shape[0]
         self.flops = [(a.flops_fwd, a.flops_bwd) for a in self.atoms]
@@ -251,9 +252,17 @@ class StageCosts:
         if lm[1] == 1:
             return True
         a, b = atoms or (0, len(self.atoms))
-        self.range_sums((a, b), submesh, lm, lean)  # solves them
-        return all(size % (m * pieces) == 0 and size // (m * pieces) > 1 for k in range(a, b)
-                   for size, pieces in getattr(self._cache.get((self.hashes[k], submesh, lm, lean)), "tp_batch", ()))
+        return all(size % (m * pieces) == 0 and size // (m * pieces) > 1
+                   for splits in self._tp_splits(submesh, lm, lean)[a:b] for size, pieces in splits)
+
+    def _tp_splits(self, submesh: tuple[int, int], lm: tuple[int, int], lean: bool) -> list[frozenset]:
+        """Each atom's `StageSharding.tp_batch` on this mesh (solving them once), cached."""
+        key = (submesh, lm, lean)
+        if key not in self._splits:
+            self.range_sums((0, 0), submesh, lm, lean)
+            self._splits[key] = [getattr(self._cache.get((h, submesh, lm, lean)), "tp_batch", frozenset())
+                                 for h in self.hashes]
+        return self._splits[key]
 
     def variant_table(self, bounds: np.ndarray, submesh: tuple[int, int], variant, m: int) -> dict[str, np.ndarray]:
         """`option_for` for every layer range [bounds[i], bounds[j]) at once: arrays indexed [i, j]
@@ -298,7 +307,7 @@ class StageCosts:
             * np.ones_like(acts)
         time = fwd + bwd + send
         time = np.where(np.isnan(time), np.inf, time)
-        if lm[1] > 1:  # a range with an atom whose split of the batch the microbatch breaks
+        if lm[1] > 1 and any(self._tp_splits(submesh, lm, lean)):  # a range with an atom whose batch split m breaks
             broken = np.concatenate([[0], np.cumsum([not self.splits_microbatch(submesh, lm, lean, m, (k, k + 1))
                                                      for k in range(len(self.atoms))])])[bounds]
             time = np.where(broken[None, :] - broken[:, None] > 0, np.inf, time)
