@@ -71,9 +71,9 @@ def parallelize(
     from autopar.precision import parse_precision
 
     precision = parse_precision(mixed_precision)
-    if compression not in (None, "auto"):
-        from cost_models.compression import parse
+    from cost_models.compression import parse
 
+    if compression not in (None, "auto"):
         parse(compression)  # a misspelt method fails here, on every rank, before any process group
     if delay < 0:
         raise AutoparError(f"delay must be a number of steps ≥ 0, got {delay}")
@@ -124,7 +124,7 @@ def parallelize(
     if compression not in (None, "auto") or delay:  # the caller's choice overrides the plan's
         resolved = dataclasses.replace(resolved, dp_gradient={
             **resolved.dp_gradient, "compression": resolved.dp_gradient.get("compression") if compression == "auto"
-            else compression, "delay": delay})
+            else parse(compression).canonical() if compression else None, "delay": delay})
     if (resolved.dp_gradient.get("compression") or resolved.dp_gradient.get("delay")) and resolved.precision == "fp16":
         raise AutoparError("fp16 scales the loss, and compressors and delayed averaging keep gradients across steps "
                            "(error feedback, averages in flight), where a scaled or overflowed one would stay: use bf16 "

@@ -171,8 +171,9 @@ def manual_plan(search: Search, layout: Layout) -> Plan:
         if any(opt is None for _, _, opt in chosen):
             continue
         plan = assemble(search, chosen, m, name=layout.name)
-        if best is None or (plan.estimate.fits, -plan.estimate.step_time_s) > (best.estimate.fits,
-                                                                                -best.estimate.step_time_s):
+        # ascending counts: a tie (to rounding) keeps the fewer microbatches, which cost less than priced
+        if best is None or (plan.estimate.fits, -plan.estimate.step_time_s) > (
+                best.estimate.fits, -best.estimate.step_time_s * (1 - 1e-9)):
             best = plan
     if best is None and not counts:
         raise AutoparError(f"layout {layout.name}: no microbatch count splits the batch {search.workload.batch}")
@@ -234,8 +235,9 @@ def deepspeed_moe_plan(search: Search) -> Plan:
         if option is None:
             continue
         plan = assemble(view, [((0, n), search.mesh, option)], m, name=DEEPSPEED_MOE_NAME)
-        if best is None or (plan.estimate.fits, -plan.estimate.step_time_s) > (best.estimate.fits,
-                                                                                -best.estimate.step_time_s):
+        # ascending counts: a tie (to rounding) keeps the fewer microbatches, which cost less than priced
+        if best is None or (plan.estimate.fits, -plan.estimate.step_time_s) > (
+                best.estimate.fits, -best.estimate.step_time_s * (1 - 1e-9)):
             best = plan
     if best is None:
         raise AutoparError(f"{DEEPSPEED_MOE_NAME}: the batch {batch} does not split over {devices} devices")

@@ -386,7 +386,8 @@ def _plan(search: Search, stages: list[StagePlan], sim, m: int, name: str, info:
         layers=[{"name": layer.name, "nodes": list(layer.nodes)} for layer in search.layers],
         stages=stages, num_microbatches=m, schedule=search.schedule, precision=search.graph.precision,
         dp_gradient={"zero_stage": 3 if zero else 0,
-                     "compression": search.costs.compression.text if search.costs.compression else None, "delay": 0},
+                     "compression": search.costs.compression.canonical() if search.costs.compression else None,
+                     "delay": 0},
         estimate=estimate, name=name,
         search={"method": name, **info, **({"hosts": [sim.hosts.devices_per_host, sim.hosts.cores_per_host]}
                                             if sim.hosts else {})})

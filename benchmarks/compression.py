@@ -145,9 +145,19 @@ class Method:
     momentum: float = 0.9
 
 
+def method(label: str, spec: str | None, lr: float) -> Method:
+    """Dense (spec None) or a compressor, with the optimizer it needs: none of its own momentum where
+    the compressor carries it (DGC, 1-bit SGD); signSGD at lr/100, its update is a ±1 vote."""
+    from cost_models.compression import carries_momentum, parse
+
+    if spec is None:
+        return Method(label, lr=lr)
+    return Method(label, spec, lr=lr / 100 if spec == "signsgd" else lr,
+                  momentum=0.0 if carries_momentum(parse(spec)) else 0.9)
+
+
 def dgc(sparsity: float, warmup: int, lr: float) -> Method:
-    """DGC does the momentum (momentum correction): the optimizer must have none."""
-    return Method(f"dgc:{sparsity}", f"dgc:{sparsity},momentum=0.9,warmup={warmup}", lr=lr, momentum=0.0)
+    return method(f"dgc:{sparsity}", f"dgc:{sparsity},momentum=0.9,warmup={warmup}", lr)
 
 
 def build(method: Method, hidden: int, world: int, data: Digits, batch: int, seed: int, rank: int) -> Any:
@@ -217,8 +227,7 @@ TARGETS: dict[str, list[tuple[str, float]]] = {
 def convergence_methods(warmup: int, lr: float) -> list[Method]:
     plain = ["fp16", "powersgd:2", "topk:0.01", "topk:0.01,ef=0", "onebit", "onebit,ef=0", "terngrad",
              "qsgd:16", "randk:0.01"]
-    return ([Method("none", lr=lr), dgc(0.999, warmup, lr)] + [Method(s, s, lr=lr) for s in plain]
-            + [Method("signsgd", "signsgd", lr=lr / 100)])
+    return [method("none", None, lr), dgc(0.999, warmup, lr)] + [method(s, s, lr) for s in plain + ["signsgd"]]
 
 
 @dataclass
@@ -564,6 +573,12 @@ def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]
                       str(r["steps_to_accuracy"] or "not reached"),
                       f"{r['time_to_accuracy_s']:.2f}" if r["time_to_accuracy_s"] else "—",
                       f"{r['speedup']:.1f}×" if r["speedup"] else "—", _yes(r["meets"])] for r in k["rows"]]))
+    import compression_sweep
+
+    if "sweep" in result:
+        out.append(compression_sweep.sweep_table(result["sweep"]))
+    if "anchor" in result:
+        out.append(compression_sweep.anchor_table(result["anchor"]))
     if "latency" in result:
         t = result["latency"]
         title = (f"EMULATED latency ({t['latency_s'] * 1e3:g} ms per all-reduce, AUTOPAR_EMULATE_LINK): "
@@ -611,7 +626,8 @@ def print_markdown(result: dict[str, Any]) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--part", choices=["convergence", "link", "latency", "all"], default="all")
+    ap.add_argument("--part", choices=["convergence", "link", "latency", "sweep", "anchor", "all"], default="all",
+                    help="all: convergence, link and latency (the sweep and the anchor run when named)")
     ap.add_argument("--nproc", type=int, default=4, help="ranks of the convergence part")
     ap.add_argument("--epochs", type=int, default=10, help="epochs of the convergence part")
     ap.add_argument("--batch", type=int, default=64, help="global batch")
@@ -632,7 +648,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--markdown", action="store_true")
     ap.add_argument("--link-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--link-config", default=None, help=argparse.SUPPRESS)
+    import compression_sweep  # imports this file's data and loop as `compression`: not at the top
+
+    compression_sweep.add_arguments(ap)
     args = ap.parse_args(argv)
+    if args.sweep:
+        args.part = "sweep"
     try:
         import sklearn  # noqa: F401
     except ImportError:
@@ -644,7 +665,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.batch % args.nproc or args.batch % 2:
         ap.error(f"--batch {args.batch} must divide by the ranks ({args.nproc} and 2)")
     parts = ["convergence", "link", "latency"] if args.part == "all" else [args.part]
-    runners = {"convergence": run_convergence, "link": run_link, "latency": run_latency}
+    runners = {"convergence": run_convergence, "link": run_link, "latency": run_latency,
+               "sweep": compression_sweep.run_sweep, "anchor": compression_sweep.run_anchor}
     result: dict[str, Any] = {"seconds": {}}
     for part in parts:
         start = time.perf_counter()

@@ -27,12 +27,55 @@ _PASSES = {"fp16": 2, "randk": 2, "powersgd": 3, "topk": 4, "dgc": 4, "onebit": 
            "signsgd": 2}
 
 
+# Deep Gradient Compression's warm-up (Lin et al. 2018, §3.4): the density falls exponentially over
+# DGC_STAGES stages before the final sparsity, as its reference code computes it (density_k =
+# final^((k+1)/(stages+1)): 74.9 %, 93.7 %, 98.4 %, 99.6 % for a final 99.9 %, the paper's figures).
+# The paper spends four epochs on it; the runtime counts steps, so a stage lasts `warmup` steps.
+DGC_STAGES = 4
+DGC_WARMUP_STEPS = 25
+# options each method reads, at their defaults (a plan records them written out: `canonical`)
+DEFAULTS: dict[str, dict[str, float]] = {
+    "dgc": {"momentum": 0.9, "warmup": DGC_WARMUP_STEPS},
+    "onebit": {"momentum": 0.9},
+    "terngrad": {"clip": 2.5},
+}
+
+
 @dataclass
 class Spec:
     method: str
     arg: float | None
     options: dict[str, float]
     text: str
+
+    def option(self, key: str) -> float:
+        return self.options.get(key, DEFAULTS.get(self.method, {}).get(key, 0.0))
+
+    def canonical(self) -> str:
+        """The spec with every default option written out, so a plan says what ran."""
+        options = {**DEFAULTS.get(self.method, {}), **self.options}
+        return ",".join([self.text.split(",")[0]] + [f"{k}={int(v) if v == int(v) else v!r}"
+                                                     for k, v in sorted(options.items())])
+
+
+def carries_momentum(spec: Spec) -> bool:
+    """DGC (momentum correction) and 1-bit SGD (its momentum compressed with error feedback, as
+    1-bit Adam does; not without error feedback) keep the momentum on each rank and send from it:
+    the optimizer must have none."""
+    return spec.method == "dgc" or (spec.method == "onebit" and spec.option("momentum") > 0
+                                    and spec.options.get("ef", 1) != 0)
+
+
+def dgc_density(sparsity: float, warmup: float, step: int) -> float:
+    """The fraction of a gradient DGC sends at `step`: the warm-up's stages, then 1 − sparsity."""
+    stage = min(step // warmup, DGC_STAGES) if warmup else DGC_STAGES
+    return (1 - sparsity) ** ((stage + 1) / (DGC_STAGES + 1))
+
+
+def dgc_sparsifies(shape: tuple[int, ...]) -> bool:
+    """DGC selects from weight matrices; biases and norms (fewer than two dimensions) travel dense
+    with plain momentum, as in the paper's reference code."""
+    return len(shape) > 1
 
 
 def parse(text: str) -> Spec:
@@ -77,6 +120,8 @@ def wire(spec: Spec, shape: tuple[int, ...], ranks: int) -> tuple[str, int]:
             return "all_reduce", 4 * n
         rows, cols = shape[0], n // shape[0]
         return "all_reduce", 4 * min(int(a or 2), rows, cols) * (rows + cols)
+    if spec.method == "dgc" and not dgc_sparsifies(shape):
+        return "all_reduce", 4 * n
     if spec.method in ("topk", "dgc"):
         kept = math.ceil((a if spec.method == "topk" else 1 - a) * n)
         header = 16 if spec.method == "dgc" else 0  # its sizes travel first: two int64
@@ -95,13 +140,13 @@ def wire(spec: Spec, shape: tuple[int, ...], ranks: int) -> tuple[str, int]:
     raise ValueError(f"compression {spec.text!r} sends what the data decides: no formula gives its bytes")
 
 
-PER_TENSOR = ("powersgd", "onebit", "terngrad", "qsgd")  # the others compress a bucket end to end
+PER_TENSOR = ("dgc", "powersgd", "onebit", "terngrad", "qsgd")  # the others compress a bucket end to end
 BUCKET_ELEMENTS = 25 * 2**20 // 4  # the synchroniser's 25 MiB buckets of fp32 gradients
 
 
 def messages(spec: Spec, kind: str, shape: tuple[int, ...]) -> int:
     """Collectives the runtime issues for one unit (a gradient, or a bucket for flat methods)."""
-    sizes_first = 1 if spec.method == "dgc" else 0  # variable-length parts: their sizes travel first
+    sizes_first = 1 if spec.method == "dgc" and dgc_sparsifies(shape) else 0  # variable-length parts: sizes first
     if kind == "all_reduce":
         return sizes_first + (2 if spec.method == "powersgd" and len(shape) > 1 else 1)
     return sizes_first + (1 if spec.method == "signsgd" else 2)

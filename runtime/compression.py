@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from cost_models.compression import Spec, parse
+from cost_models.compression import Spec, carries_momentum, dgc_sparsifies, parse
 from runtime.compressors import (
     QSGD,
     DGCSelect,
@@ -60,10 +60,11 @@ class NoMemory:
 @dataclass
 class DGCMemory:
     """DGC's memory: momentum correction (accumulate the velocity u = m·u + g into v, and send
-    from v), local gradient clipping (each rank clips the norm of each gradient it compresses, a
-    bucket's or a layer's, at clip/√N), and
-    momentum factor masking (u and v cleared where sent). At 0 % sparsity every coordinate is sent
-    every step, nothing is stale, and the masking is off: the result is momentum SGD exactly."""
+    from v), local gradient clipping (each rank clips the norm of each gradient at clip/√N), and
+    momentum factor masking (u and v cleared where sent). Tensors sent dense (biases) and every
+    tensor at 0 % sparsity are not masked: nothing is stale there, and the result is momentum SGD.
+    Without masking it is also 1-bit SGD's memory: the momentum, compressed with error feedback
+    (v is the residual plus this step's momentum), as 1-bit Adam compresses Adam's (Tang et al. 2021)."""
 
     momentum: float = 0.9
     clip: float | None = None
@@ -82,21 +83,21 @@ class DGCMemory:
 
     def update(self, key: str, compensated: torch.Tensor, sent: torch.Tensor) -> None:
         self.v[key] = compensated - sent  # zero where sent: the selected values travel exactly
-        if self.masking:
+        if self.masking and dgc_sparsifies(tuple(sent.shape)):
             self.u[key] = torch.where(sent != 0, 0, self.u[key])
 
 
 def _compressor(spec: Spec, nccl: bool) -> Any:
-    a, o = spec.arg, spec.options
+    a = spec.arg
     return {
         "fp16": lambda: Half(torch.bfloat16 if nccl else torch.float16),
         "topk": lambda: TopK(a),
         "randk": lambda: RandomK(a),
-        "dgc": lambda: DGCSelect(a, warmup=int(o.get("warmup", 0))),
+        "dgc": lambda: DGCSelect(a, warmup=spec.option("warmup")),
         "powersgd": lambda: PowerSGD(int(a or 2)),
         "onebit": OneBit,
         "threshold": lambda: Threshold(a),
-        "terngrad": lambda: TernGrad(o.get("clip", 2.5) or None),
+        "terngrad": lambda: TernGrad(spec.option("clip") or None),
         "qsgd": lambda: QSGD(int(a or 16)),
         "signsgd": SignSGD,
     }[spec.method]()
@@ -115,9 +116,9 @@ class Compressed:
         self.n = dist.get_world_size(group)
         self.compressor = _compressor(self.spec, dist.get_backend(group) == "nccl")
         ef = self.spec.options.get("ef", 1.0 if self.compressor.error_feedback else 0.0)
-        if self.spec.method == "dgc":
-            self.memory: Any = DGCMemory(self.spec.options.get("momentum", 0.9), self.spec.options.get("clip"),
-                                         self.n, masking=self.spec.arg > 0)
+        if carries_momentum(self.spec):  # DGC masks what it sent; 1-bit's momentum is dense
+            self.memory: Any = DGCMemory(self.spec.option("momentum"), self.spec.options.get("clip"),
+                                         self.n, masking=self.spec.method == "dgc" and self.spec.arg > 0)
         else:
             self.memory = ErrorFeedback() if ef else NoMemory()
         # the compressors' own draws (sampling, stochastic rounding): independent across ranks, so
@@ -129,10 +130,10 @@ class Compressed:
 
     @property
     def per_tensor(self) -> bool:
-        """Methods that scale by a layer's statistics see each gradient (PowerSGD's and 1-bit's
-        shapes, TernGrad's maximum, QSGD's buckets start at each layer); the others a bucket's
-        gradients end to end."""
-        return isinstance(self.compressor, (PowerSGD, OneBit, TernGrad, QSGD))
+        """Methods that scale by a layer's statistics see each gradient (DGC's threshold per layer,
+        PowerSGD's and 1-bit's shapes, TernGrad's maximum, QSGD's buckets start at each layer); the
+        others a bucket's gradients end to end."""
+        return isinstance(self.compressor, (DGCSelect, PowerSGD, OneBit, TernGrad, QSGD))
 
     def average(self, grads: list[torch.Tensor], keys: list[str]) -> list[torch.Tensor]:
         if not self.per_tensor:
@@ -144,7 +145,11 @@ class Compressed:
     def _one(self, grad: torch.Tensor, key: str) -> torch.Tensor:
         x = self.memory.compensate(key, grad)
         c = self.compressor
-        if c.allreduce:
+        if isinstance(c, DGCSelect) and not dgc_sparsifies(tuple(x.shape)):  # a bias: its momentum, dense
+            total, own = x.clone(), x
+            self._collective("all_reduce", total)
+            dist.all_reduce(total, group=self.group)
+        elif c.allreduce:
             total, own = self._all_reduce_rounds(c.rounds(x, self.n, key, self.step))
         else:
             parts = c.compress(x, self.step, self.generator)

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from cost_models.compression import DGC_WARMUP_STEPS, dgc_density
+
 # ---- bit packing --------------------------------------------------------------------------------
 
 _WEIGHTS = {bits: torch.tensor([1 << (bits * i) for i in range(8 // bits)], dtype=torch.int32)
@@ -160,19 +162,17 @@ class TopK(_Sparse):
         return _sparse(flat, flat.abs().topk(self.k(flat.numel()), sorted=False).indices)
 
 
-DGC_WARMUP = (0.75, 0.9375, 0.984375, 0.996)
-
-
 @dataclass
 class DGCSelect(_Sparse):
-    """Deep Gradient Compression's selection (Lin et al. 2018): the threshold is the top-k
-    magnitude of a random sample (1 %, at least 1000 elements), so selection costs a pass, not a
-    sort; more than 1.3 k survivors are cut to k exactly. Sparsity warms up exponentially
-    (75 % → 93.75 % → 98.4375 % → 99.6 % → final), `warmup` steps each. The momentum correction,
-    clipping and masking live in its memory (`runtime.compression.DGCMemory`)."""
+    """Deep Gradient Compression's selection (Lin et al. 2018), per weight matrix: the threshold is
+    the top-k magnitude of a random sample (1 %, at least 1000 elements), so selection costs a
+    pass, not a sort; more than 1.3 k survivors are cut to k exactly. The density warms up
+    exponentially over `cost_models.compression.DGC_STAGES` stages of `warmup` steps. The
+    momentum correction, clipping and masking live in its memory (`runtime.compression.DGCMemory`);
+    tensors it does not sparsify (`dgc_sparsifies`) the communicator averages dense."""
 
     sparsity: float
-    warmup: int = 0
+    warmup: float = DGC_WARMUP_STEPS
     sample: float = 0.01
     allreduce = False
     error_feedback = True
@@ -180,9 +180,7 @@ class DGCSelect(_Sparse):
     sparse = True
 
     def density(self, step: int) -> float:
-        stage = step // self.warmup if self.warmup else len(DGC_WARMUP)
-        return 1 - (DGC_WARMUP[stage] if stage < len(DGC_WARMUP) and DGC_WARMUP[stage] < self.sparsity
-                    else self.sparsity)
+        return dgc_density(self.sparsity, self.warmup, step)
 
     def compress(self, x: torch.Tensor, step: int, gen: torch.Generator | None = None) -> list[torch.Tensor]:
         flat = x.reshape(-1)

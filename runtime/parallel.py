@@ -115,13 +115,21 @@ def data_sync(params: list[nn.Parameter], group: dist.ProcessGroup, plan: Any) -
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, plan: Any) -> None:
-    """DGC's momentum correction is the momentum: an optimizer with its own would apply it twice."""
-    if str((plan.dp_gradient or {}).get("compression") or "").startswith("dgc") and any(
-            g.get("momentum", 0) for g in optimizer.param_groups):
-        from autopar.errors import AutoparError
+    """A compressor that carries the momentum (DGC's momentum correction, 1-bit SGD's compressed
+    momentum) and an optimizer with its own would apply it twice."""
+    text = (plan.dp_gradient or {}).get("compression")
+    if not text or not any(g.get("momentum", 0) for g in optimizer.param_groups):
+        return
+    from autopar.errors import AutoparError
+    from cost_models.compression import carries_momentum, parse
 
-        raise AutoparError("DGC carries the momentum itself (momentum correction): build the optimizer without "
-                           "momentum and give DGC's as dgc:SPARSITY,momentum=0.9")
+    spec = parse(str(text))
+    if carries_momentum(spec):
+        raise AutoparError(
+            f"compression {spec.canonical()} carries the momentum itself: build the optimizer without momentum "
+            "(set the compressor's with ,momentum=M)" + ("; onebit,momentum=0 is Seide's 1-bit SGD on the gradient "
+                                                        "beside the optimizer's momentum, which diverges at large steps"
+                                                        if spec.method == "onebit" else ""))
 
 
 def positional(forward: Callable, inputs: Any) -> tuple:

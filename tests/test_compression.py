@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar import AutoparError
-from cost_models.compression import parse, wire
-from runtime.compression import DGCMemory, ErrorFeedback
+from cost_models.compression import DGC_WARMUP_STEPS, carries_momentum, parse, wire
+from runtime.compression import DGCMemory, ErrorFeedback, _compressor
 from runtime.compressors import (
     QSGD,
     DGCSelect,
@@ -25,7 +25,7 @@ from runtime.compressors import (
 from tests.distributed import run_ranks
 from tests.test_parallelize import _assert_same_training, _single
 
-METHODS = ["fp16", "topk:0.01", "randk:0.05", "dgc:0.99", "powersgd:2", "onebit", "threshold:0.001",
+METHODS = ["fp16", "topk:0.01", "randk:0.05", "dgc:0.99,warmup=0", "powersgd:2", "onebit", "threshold:0.001",
            "terngrad", "qsgd:16", "signsgd"]
 
 
@@ -83,20 +83,32 @@ def test_stochastic_quantizers_are_unbiased(compressor):
     assert (mean - x).abs().max() < 5 * bound / math.sqrt(draws)
 
 
-def test_dgc_warms_up_its_sparsity_exponentially():
-    select = DGCSelect(0.999, warmup=10)
-    assert [1 - select.density(s) for s in (0, 10, 20, 30, 40, 1000)] == pytest.approx(
-        [0.75, 0.9375, 0.984375, 0.996, 0.999, 0.999])
+def test_dgc_warms_up_by_default_through_the_papers_stages():
+    """Lin et al. 2018, §3.4: 75 % → 93.75 % → 98.4375 % → 99.6 % → 99.9 %, a stage per
+    DGC_WARMUP_STEPS steps unless told otherwise, written out in the spec a plan records."""
+    spec = parse("dgc:0.999")
+    assert spec.canonical() == f"dgc:0.999,momentum=0.9,warmup={DGC_WARMUP_STEPS}"
+    select = _compressor(spec, nccl=False)
+    w = DGC_WARMUP_STEPS
+    steps = [0, w - 1, w, 2 * w, 3 * w, 4 * w, 100 * w]
+    assert [1 - select.density(s) for s in steps] == pytest.approx(
+        [0.75, 0.75, 0.9375, 0.984375, 0.996, 0.999, 0.999], abs=2e-3)  # the reference code: 74.9 %, 93.7 %, ...
+    assert 1 - _compressor(parse("dgc:0.99,warmup=0"), nccl=False).density(0) == pytest.approx(0.99)
+    assert 1 - DGCSelect(0.999, warmup=10).density(25) == pytest.approx(0.984375, abs=2e-3)
 
 
 def test_dgc_momentum_correction_accumulates_velocity_and_masks_what_was_sent():
     memory = DGCMemory(momentum=0.5)
-    g = torch.tensor([1.0, 2.0])
+    g = torch.tensor([[1.0, 2.0]])  # a weight matrix: DGC sparsifies it
     v = memory.compensate("w", g)  # u = g, v = u
-    memory.update("w", v, torch.tensor([1.0, 0.0]))  # the first coordinate went out
-    assert memory.u["w"].tolist() == [0.0, 2.0] and memory.v["w"].tolist() == [0.0, 2.0]
+    memory.update("w", v, torch.tensor([[1.0, 0.0]]))  # the first coordinate went out
+    assert memory.u["w"].tolist() == [[0.0, 2.0]] and memory.v["w"].tolist() == [[0.0, 2.0]]
     v = memory.compensate("w", g)  # u = 0.5·u + g, v += u
-    assert memory.u["w"].tolist() == [1.0, 3.0] and v.tolist() == [1.0, 5.0]
+    assert memory.u["w"].tolist() == [[1.0, 3.0]] and v.tolist() == [[1.0, 5.0]]
+    # a bias travels dense: its momentum is kept (plain momentum SGD), nothing is masked
+    b = memory.compensate("b", torch.tensor([1.0, 2.0]))
+    memory.update("b", b, b)
+    assert memory.u["b"].tolist() == [1.0, 2.0] and memory.v["b"].tolist() == [0.0, 0.0]
 
 
 @pytest.mark.parametrize("spec, message", [
@@ -187,11 +199,11 @@ def _train(rank, world, methods):
     for method in methods:
         torch.manual_seed(0)
         w = autopar.load_workload("mlp-tiny", batch=8, device="cpu")
-        dgc = method.startswith("dgc")
+        carried = "@" not in method and not method.startswith(("delay", "none")) and carries_momentum(parse(method))
         delay = int(method.split(":")[1]) if method.startswith("delay") else 0
 
-        def optimizer(params, dgc=dgc):  # DGC carries the momentum itself
-            return torch.optim.SGD(params, lr=0.1, momentum=0.0 if dgc else 0.9)
+        def optimizer(params, carried=carried):  # DGC and 1-bit SGD carry the momentum themselves
+            return torch.optim.SGD(params, lr=0.1, momentum=0.0 if carried else 0.9)
 
         method, _, layout = method.partition("@")  # a layout other than pure data parallelism
         pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=optimizer,
@@ -206,7 +218,8 @@ def _train(rank, world, methods):
             losses.append(pm.step(*w.make_batch(8, g)))
             states.append(pm.full_state_dict())
         moved = torch.cat([(states[-1][k] - start[k]).reshape(-1) for k in sorted(start)])
-        out[method + (f"@{layout}" if layout else "")] = (losses, states, pm.comm_stats()["dp"], moved)
+        out[method + (f"@{layout}" if layout else "")] = (losses, states, pm.comm_stats()["dp"], moved,
+                                                          pm.plan.dp_gradient["compression"])
     return out
 
 
@@ -234,8 +247,11 @@ def test_every_method_trains_on_gloo_and_keeps_replicas_identical(tmp_path, worl
             continue
         if "@" not in method:  # a pipeline stage averages its own parameters only
             assert raw == sum(p.numel() * 4 for p in first[1][0].values())
-        if method.split("@")[0] in ("dgc:0.99", "topk:0.01", "powersgd:2", "onebit", "signsgd", "terngrad"):
+        if method.split("@")[0] in ("dgc:0.99,warmup=0", "topk:0.01", "powersgd:2", "onebit", "signsgd", "terngrad"):
             assert sent < raw / 8, method
+    # the plan records every option the compressor ran with, defaults written out
+    assert ranks[0]["dgc:0.99,warmup=0"][4] == "dgc:0.99,momentum=0.9,warmup=0"
+    assert ranks[0]["onebit"][4] == "onebit,momentum=0.9"
     # DGC at 0 % sparsity with its momentum correction is momentum SGD (and its dense fallback)
     losses, params = _single("mlp-tiny")
     dense = ranks[0]["dgc:0,momentum=0.9"]

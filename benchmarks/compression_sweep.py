@@ -1,0 +1,328 @@
+"""Gradient compression across settings, and beside torch's own DDP hooks (`compression.py --sweep`,
+`--part anchor`).
+
+The sweep: every method × 3 seeds × 2 global batches (64, 256) × 2 learning rates × 2 rank counts
+(2, 4), on two tasks over scikit-learn's digits: the MLP 64-256-256-10 of the convergence part
+(lr 0.05 and 0.1) and a small CNN (two 3×3 convolutions of 16 and 32 channels, a 2×2 max-pool, a
+linear layer; lr 0.05 and 0.1), each run a fixed number of steps (`--sweep-steps`, default 200)
+of SGD with momentum 0.9 (DGC: its own momentum correction; signSGD: lr/100, its update is a ±1
+vote), pure data parallel through `autopar.parallelize`. Each method's final test accuracy is
+compared with dense training's on the same setting (task, seed, batch, lr, ranks); time to dense
+accuracy is the training time (evaluation every `--eval-every` steps excluded) until a run first
+reaches dense's final accuracy. Threshold quantisation is left out: its τ is in the gradient's
+units, so no value holds across tasks.
+
+The anchor: torch ships PowerSGD and fp16 compression as DDP communication hooks. DDP with
+`powerSGD_hook` (rank 2, error feedback, warm start; `start_powerSGD_iter=2`, the least torch
+allows with those, so its first two steps are dense) runs beside `powersgd:2`, and DDP with
+`fp16_compress_hook` beside `fp16`, on the same data, seeds, model and optimizer: test accuracy,
+bytes handed to collectives per step and rank, and median step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from compression import Digits, _spawn, batch_stream, load_data, method, mlp
+
+# method → accuracy points it may lose against dense in every setting (None: reported only)
+TARGETS: dict[str, float | None] = {
+    "fp16": None, "powersgd:2": 1.0, "topk:0.01": 1.0, "topk:0.01,ef=0": None, "dgc:0.999": 1.0,
+    "onebit": 1.0, "onebit,ef=0": None, "terngrad": 2.0, "qsgd:16": 2.0, "randk:0.01": None, "signsgd": None,
+}
+SEEDS = (0, 1, 2)
+BATCHES = (64, 256)
+RANKS = (2, 4)
+
+
+def cnn(seed: int | None) -> nn.Module:
+    """8×8 digits → conv 16 → conv 32 → max-pool → linear 10 (10.0k parameters)."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    return nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(32 * 4 * 4, 10))
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    title: str
+    lrs: tuple[float, float]
+
+    def model(self, seed: int | None) -> nn.Module:
+        return mlp(256, seed) if self.name == "mlp" else cnn(seed)
+
+
+TASKS = {"mlp": Task("mlp", "digits MLP 64-256-256-10", (0.05, 0.1)),
+         "cnn": Task("cnn", "digits CNN conv16-conv32-pool-linear", (0.05, 0.1))}
+
+
+@torch.no_grad()
+def accuracy(pm: Any, task: Task, data: Digits) -> float:
+    model = task.model(None)
+    model.load_state_dict(pm.full_state_dict())
+    return 100.0 * float((model(data.x_test).argmax(1) == data.y_test).float().mean())
+
+
+@dataclass
+class Run:
+    task: str
+    method: str
+    ranks: int
+    batch: int
+    lr: float
+    seed: int
+    accuracy: float
+    diverged: bool
+    seconds: float  # training time, evaluations excluded
+    bytes_sent: float  # per rank per step, mean over the run
+    bytes_raw: float
+    curve: list[tuple[int, float, float]] = field(default_factory=list)  # (step, seconds, accuracy)
+
+
+def train_one(task: Task, spec: str, world: int, batch: int, lr: float, seed: int, data: Digits, steps: int,
+              eval_every: int, rank: int) -> Run:
+    m = method(spec, None if spec == "none" else spec, lr)
+    model = task.model(seed)
+    torch.manual_seed(seed + 1 + rank)  # stochastic compressors draw differently on each rank
+
+    def optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return torch.optim.SGD(params, lr=m.lr, momentum=m.momentum)
+
+    import autopar
+
+    pm = autopar.parallelize(model, (1, world), (data.x_train[:batch],), loss_fn=F.cross_entropy,
+                             optimizer=optimizer, plan=f"{world},1,1", compression=m.compression)
+    stream = batch_stream(data, batch, seed)
+    clock, sent, raw, curve, loss = 0.0, 0, 0, [], 0.0
+    for step in range(1, steps + 1):
+        x, y = next(stream)
+        start = time.perf_counter()
+        loss = pm.step(x, y)
+        clock += time.perf_counter() - start
+        stats = pm.comm_stats()["dp"]
+        sent, raw = sent + stats["bytes_sent"], raw + stats["bytes_raw"]
+        if step % eval_every == 0 or step == steps:
+            curve.append((step, clock, accuracy(pm, task, data)))
+    return Run(task.name, spec, world, batch, lr, seed, curve[-1][2], not math.isfinite(loss), clock,
+               sent / steps, raw / steps, curve)
+
+
+def _sweep_rank(rank: int, world: int, args: argparse.Namespace) -> list[Run]:
+    data = {seed: load_data(seed) for seed in SEEDS}
+    runs = []
+    settings = [(t, b, lr, s) for t in args.tasks for b in BATCHES for lr in TASKS[t].lrs for s in SEEDS]
+    for i, (t, batch, lr, seed) in enumerate(settings):
+        for spec in ["none", *args.methods]:
+            runs.append(train_one(TASKS[t], spec, world, batch, lr, seed, data[seed], args.sweep_steps,
+                                  args.eval_every, rank))
+        if rank == 0:
+            row = runs[-len(args.methods) - 1:]
+            print(f"  [{world} ranks {i + 1}/{len(settings)}] {t} batch {batch} lr {lr:g} seed {seed}: "
+                  + " ".join(f"{r.method} {r.accuracy:.1f}" for r in row), file=sys.stderr, flush=True)
+    return runs
+
+
+def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
+    print(f"sweep: {len(args.methods) + 1} methods × {len(SEEDS)} seeds × batches {BATCHES} × 2 lrs × ranks {RANKS} "
+          f"× tasks {args.tasks}, {args.sweep_steps} steps each", file=sys.stderr)
+    runs: list[Run] = []
+    for world in RANKS:
+        runs += _spawn(_sweep_rank, world, args)
+    return {"steps": args.sweep_steps, "eval_every": args.eval_every, "seeds": list(SEEDS), "batches": list(BATCHES),
+            "ranks": list(RANKS), "tasks": {t: {"title": TASKS[t].title, "lrs": list(TASKS[t].lrs)} for t in args.tasks},
+            "runs": [asdict(r) for r in runs], "summary": summarize(runs)}
+
+
+def _setting(r: Run) -> tuple:
+    return (r.task, r.ranks, r.batch, r.lr, r.seed)
+
+
+def _reached(r: Run, target: float) -> tuple[int, float] | None:
+    return next(((s, t) for s, t, a in r.curve if a >= target), None)
+
+
+def summarize(runs: list[Run]) -> list[dict[str, Any]]:
+    """Per task and method: the worst and median gap to dense over the settings, the setting of the
+    worst, the target and whether every setting meets it; how often and how fast (against dense's
+    own time to its final accuracy) a method reached dense's final accuracy; for a method with an
+    `ef=0` twin, whether error feedback did better wherever the twin lost more than a point."""
+    dense = {_setting(r): r for r in runs if r.method == "none"}
+    by: dict[tuple[str, str], list[Run]] = {}
+    for r in runs:
+        by.setdefault((r.task, r.method), []).append(r)
+    out = []
+    for (task, name), rs in by.items():
+        gaps = [(r.accuracy - dense[_setting(r)].accuracy, r) for r in rs]
+        worst = min(gaps, key=lambda g: g[0])
+        speed = []
+        for r in rs:
+            d = dense[_setting(r)]
+            mine, theirs = _reached(r, d.accuracy), _reached(d, d.accuracy)
+            if mine and theirs:
+                speed.append(mine[1] / theirs[1])
+        target = TARGETS.get(name)
+        row = {"task": task, "method": name, "settings": len(rs), "worst_gap": worst[0],
+               "worst_at": {"ranks": worst[1].ranks, "batch": worst[1].batch, "lr": worst[1].lr, "seed": worst[1].seed},
+               "median_gap": statistics.median(g for g, _ in gaps), "target": target,
+               "meets": None if target is None or name == "none" else worst[0] >= -target,
+               "reached": len(speed), "time_ratio_median": statistics.median(speed) if speed else None,
+               "ratio": statistics.median(r.bytes_raw / max(1.0, r.bytes_sent) for r in rs)}
+        twin = by.get((task, name + ",ef=0"))
+        if twin:
+            without = {_setting(r): r for r in twin}
+            losing = [r for r in rs if without[_setting(r)].accuracy - dense[_setting(r)].accuracy < -1.0]
+            row["ef_better"] = f"{sum(r.accuracy > without[_setting(r)].accuracy for r in losing)}/{len(losing)}"
+        out.append(row)
+    return out
+
+
+def sweep_table(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    n = len(result["seeds"]) * len(result["batches"]) * 2 * len(result["ranks"])
+    title = (f"Sweep: {n} settings per task (seeds {result['seeds']}, batches {result['batches']}, 2 learning rates, "
+             f"ranks {result['ranks']}), {result['steps']} steps each; gaps in accuracy points against dense")
+    rows = []
+    for s in result["summary"]:
+        if s["method"] == "none":
+            continue
+        w = s["worst_at"]
+        rows.append([s["task"], s["method"], f"{s['worst_gap']:+.2f}", f"{s['median_gap']:+.2f}",
+                     f"{w['ranks']} ranks, batch {w['batch']}, lr {w['lr']:g}, seed {w['seed']}",
+                     f"{s['ratio']:.1f}×", f"{s['reached']}/{s['settings']}",
+                     f"{s['time_ratio_median']:.2f}" if s["time_ratio_median"] else "—",
+                     s.get("ef_better", "—"),
+                     "—" if s["target"] is None else f"≥ −{s['target']:g}",
+                     "—" if s["meets"] is None else ("yes" if s["meets"] else "NO")])
+    return title, ["task", "method", "worst gap", "median gap", "worst at", "bytes ratio", "reached dense acc",
+                   "time to dense acc (× dense)", "EF better where ef=0 loses > 1", "target", "meets"], rows
+
+
+# ---- the anchor: torch's DDP hooks -----------------------------------------------------------------
+
+
+@dataclass
+class AnchorRow:
+    method: str
+    seed: int
+    accuracy: float
+    bytes_sent: float  # per rank per step, mean over the run
+    step_ms: float  # median
+
+
+def _ddp(hook: str, task: Task, world: int, batch: int, lr: float, seed: int, data: Digits, steps: int,
+         rank: int) -> AnchorRow:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = task.model(seed)
+    torch.manual_seed(seed + 1 + rank)
+    ddp = DDP(model)
+    n = sum(p.numel() for p in model.parameters())
+    state = None
+    if hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    else:
+        state = psgd.PowerSGDState(None, matrix_approximation_rank=2, start_powerSGD_iter=2,
+                                   use_error_feedback=True, warm_start=True, random_seed=seed)
+        ddp.register_comm_hook(state, psgd.powerSGD_hook)
+    opt = torch.optim.SGD(ddp.parameters(), lr=lr, momentum=0.9)
+    stream = batch_stream(data, batch, seed)
+    local = batch // world
+    times = []
+    for _ in range(steps):
+        x, y = next(stream)
+        x, y = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+        start = time.perf_counter()
+        opt.zero_grad()
+        F.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        times.append(time.perf_counter() - start)
+    if state is None:
+        sent = 2.0 * n
+    else:  # torch counts elements before and after compression over the steps it compressed
+        _, before, after = state.compression_stats()
+        compressed_steps = steps - 2
+        sent = (2 * 4.0 * n + compressed_steps * 4.0 * after / max(1, before) * n) / steps
+    with torch.no_grad():
+        acc = 100.0 * float((model(data.x_test).argmax(1) == data.y_test).float().mean())
+    return AnchorRow(f"DDP {'fp16_compress_hook' if hook == 'fp16' else 'powerSGD_hook rank 2'}", seed, acc, sent,
+                     1e3 * statistics.median(times))
+
+
+def _ours(spec: str, task: Task, world: int, batch: int, lr: float, seed: int, data: Digits, steps: int,
+          rank: int) -> AnchorRow:
+    m = method(spec, None if spec == "none" else spec, lr)
+    model = task.model(seed)
+    torch.manual_seed(seed + 1 + rank)
+    import autopar
+
+    pm = autopar.parallelize(model, (1, world), (data.x_train[:batch],), loss_fn=F.cross_entropy,
+                             optimizer=lambda ps: torch.optim.SGD(ps, lr=m.lr, momentum=m.momentum),
+                             plan=f"{world},1,1", compression=m.compression)
+    stream = batch_stream(data, batch, seed)
+    times, sent = [], 0
+    for _ in range(steps):
+        x, y = next(stream)
+        start = time.perf_counter()
+        pm.step(x, y)
+        times.append(time.perf_counter() - start)
+        sent += pm.comm_stats()["dp"]["bytes_sent"]
+    return AnchorRow(f"autopar {spec}", seed, accuracy(pm, task, data), sent / steps, 1e3 * statistics.median(times))
+
+
+def _anchor_rank(rank: int, world: int, args: argparse.Namespace) -> list[AnchorRow]:
+    task = TASKS["mlp"]
+    rows = []
+    for seed in SEEDS:
+        data = load_data(seed)
+        for ours, theirs in (("powersgd:2", "powersgd"), ("fp16", "fp16")):
+            dist.barrier()
+            rows.append(_ours(ours, task, world, args.batch, args.lr, seed, data, args.sweep_steps, rank))
+            dist.barrier()
+            rows.append(_ddp(theirs, task, world, args.batch, args.lr, seed, data, args.sweep_steps, rank))
+        if rank == 0:
+            print("  seed", seed, " ".join(f"{r.method}: {r.accuracy:.2f}" for r in rows[-4:]), file=sys.stderr, flush=True)
+    return rows
+
+
+def run_anchor(args: argparse.Namespace) -> dict[str, Any]:
+    print(f"anchor: torch's DDP hooks beside autopar, {args.nproc} ranks, {args.sweep_steps} steps", file=sys.stderr)
+    rows = _spawn(_anchor_rank, args.nproc, args)
+    return {"ranks": args.nproc, "batch": args.batch, "lr": args.lr, "steps": args.sweep_steps,
+            "rows": [asdict(r) for r in rows]}
+
+
+def anchor_table(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]]]:
+    title = (f"Beside torch's DDP hooks: digits MLP, {result['ranks']} ranks, batch {result['batch']}, lr "
+             f"{result['lr']:g}, {result['steps']} steps, seeds {list(SEEDS)} (mean, min–max)")
+    by: dict[str, list[dict]] = {}
+    for r in result["rows"]:
+        by.setdefault(r["method"], []).append(r)
+    rows = []
+    for name, rs in by.items():
+        acc = [r["accuracy"] for r in rs]
+        rows.append([name, f"{statistics.fmean(acc):.2f} ({min(acc):.2f}–{max(acc):.2f})",
+                     f"{statistics.fmean(r['bytes_sent'] for r in rs) / 1e3:,.1f} kB",
+                     f"{statistics.median(r['step_ms'] for r in rs):.2f}"])
+    return title, ["averaging", "test acc %", "sent/step/rank", "median ms/step"], rows
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--sweep", action="store_true", help="the robustness sweep (same as --part sweep)")
+    ap.add_argument("--sweep-steps", type=int, default=200, help="steps per run of the sweep and the anchor")
+    ap.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=["mlp", "cnn"])
+    ap.add_argument("--methods", nargs="+", default=list(TARGETS), help="methods of the sweep (dense always runs)")
+
