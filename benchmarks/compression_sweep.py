@@ -36,10 +36,12 @@ from torch import nn
 
 from compression import Digits, _spawn, batch_stream, load_data, method, mlp
 
-# method → accuracy points it may lose against dense in every setting (None: reported only)
+# method → accuracy points it may lose against dense in every setting (None: reported only, for
+# error feedback's comparison); fp16, random-k and signSGD have no target and run in the
+# convergence part only, which keeps the sweep within 30 minutes
 TARGETS: dict[str, float | None] = {
-    "fp16": None, "powersgd:2": 1.0, "topk:0.01": 1.0, "topk:0.01,ef=0": None, "dgc:0.999": 1.0,
-    "onebit": 1.0, "onebit,ef=0": None, "terngrad": 2.0, "qsgd:16": 2.0, "randk:0.01": None, "signsgd": None,
+    "powersgd:2": 1.0, "topk:0.01": 1.0, "topk:0.01,ef=0": None, "dgc:0.999": 1.0, "onebit": 1.0,
+    "onebit,ef=0": None, "terngrad": 2.0, "qsgd:16": 2.0,
 }
 SEEDS = (0, 1, 2)
 BATCHES = (64, 256)
@@ -322,7 +324,7 @@ def anchor_table(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sweep", action="store_true", help="the robustness sweep (same as --part sweep)")
-    ap.add_argument("--sweep-steps", type=int, default=200, help="steps per run of the sweep and the anchor")
+    ap.add_argument("--sweep-steps", type=int, default=160, help="steps per run of the sweep and the anchor")
     ap.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=["mlp", "cnn"])
     ap.add_argument("--methods", nargs="+", default=list(TARGETS), help="methods of the sweep (dense always runs)")
 
