@@ -4,7 +4,7 @@
 The sweep: every method × 3 seeds × 2 global batches (64, 256) × 2 learning rates × 2 rank counts
 (2, 4), on two tasks over scikit-learn's digits: the MLP 64-256-256-10 of the convergence part
 (lr 0.05 and 0.1) and a small CNN (two 3×3 convolutions of 16 and 32 channels, a 2×2 max-pool, a
-linear layer; lr 0.05 and 0.1), each run a fixed number of steps (`--sweep-steps`, default 200)
+linear layer; lr 0.05 and 0.1), each run a fixed number of steps (`--sweep-steps`, default 160)
 of SGD with momentum 0.9 (DGC: its own momentum correction; signSGD: lr/100, its update is a ±1
 vote), pure data parallel through `autopar.parallelize`. Each method's final test accuracy is
 compared with dense training's on the same setting (task, seed, batch, lr, ranks); time to dense

@@ -144,35 +144,52 @@ PER_TENSOR = ("dgc", "powersgd", "onebit", "terngrad", "qsgd")  # the others com
 BUCKET_ELEMENTS = 25 * 2**20 // 4  # the synchroniser's 25 MiB buckets of fp32 gradients
 
 
-def messages(spec: Spec, kind: str, shape: tuple[int, ...]) -> int:
-    """Collectives the runtime issues for one unit (a gradient, or a bucket for flat methods)."""
-    sizes_first = 1 if spec.method == "dgc" and dgc_sparsifies(shape) else 0  # variable-length parts: sizes first
+def messages(spec: Spec, kind: str) -> int:
+    """Collectives the runtime issues per bucket for one kind: every tensor's parts travel together."""
     if kind == "all_reduce":
-        return sizes_first + (2 if spec.method == "powersgd" and len(shape) > 1 else 1)
-    return sizes_first + (1 if spec.method == "signsgd" else 2)
+        return 2 if spec.method == "powersgd" else 1
+    return (1 if spec.method == "dgc" else 0) + (1 if spec.method == "signsgd" else 2)  # DGC: sizes first
+
+
+def buckets(shapes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
+    """Gradients grouped in order into buckets of at most BUCKET_ELEMENTS (a larger one alone)."""
+    out: list[list[tuple[int, ...]]] = [[]]
+    filled = 0
+    for shape in shapes:
+        if out[-1] and filled + math.prod(shape) > BUCKET_ELEMENTS:
+            out.append([])
+            filled = 0
+        out[-1].append(shape)
+        filled += math.prod(shape)
+    return out
 
 
 def sync_time(spec: Spec, shapes: list[tuple[int, ...]], ranks: int, link: Link, device: DeviceSpec) -> float:
-    """Seconds to average gradients of these shapes over `ranks` through the compressor: its
-    collectives (per gradient for the methods in PER_TENSOR, per 25 MiB bucket for the others)
-    and its own work."""
+    """Seconds to average gradients of these shapes over `ranks` through the compressor, bucket by
+    bucket: the bytes of its collectives (each gradient's for the methods in PER_TENSOR, the
+    bucket's end to end for the others), their latency once per bucket and kind, and the
+    compressor's own work."""
     if spec.method == "threshold":
         return dense_time(shapes, ranks, link)
-    if spec.method not in PER_TENSOR:
-        total = sum(math.prod(s) for s in shapes)
-        shapes = [(min(BUCKET_ELEMENTS, total - i),) for i in range(0, total, BUCKET_ELEMENTS)]
     time = 0.0
-    for shape in shapes:
-        n = math.prod(shape)
-        kind, nbytes = wire(spec, shape, ranks)
-        alpha = messages(spec, kind, shape) * (ranks - 1) * link.latency
-        if kind == "all_reduce":
-            time += all_reduce_time(nbytes, ranks, _bandwidth(link)) + 2 * alpha
-        else:
-            time += all_gather_time(ranks * nbytes, ranks, _bandwidth(link)) + alpha + ranks * 4 * n / device.memory_bandwidth
-        time += _PASSES[spec.method] * 4 * n / device.memory_bandwidth
-        if spec.method == "powersgd" and len(shape) > 1:
-            time += 4 * n * int(spec.arg or 2) / (device.flops_for("float32") * device.efficiency)
+    for bucket in buckets(shapes):
+        units = bucket if spec.method in PER_TENSOR else [(sum(math.prod(s) for s in bucket),)]
+        volume: dict[str, int] = {}
+        for shape in units:
+            n = math.prod(shape)
+            kind, nbytes = wire(spec, shape, ranks)
+            volume[kind] = volume.get(kind, 0) + nbytes
+            if kind == "all_gather":
+                time += ranks * 4 * n / device.memory_bandwidth  # decoding every rank's part
+            time += _PASSES[spec.method] * 4 * n / device.memory_bandwidth
+            if spec.method == "powersgd" and len(shape) > 1:
+                time += 4 * n * int(spec.arg or 2) / (device.flops_for("float32") * device.efficiency)
+        for kind, nbytes in volume.items():
+            alpha = messages(spec, kind) * (ranks - 1) * link.latency
+            if kind == "all_reduce":
+                time += all_reduce_time(nbytes, ranks, _bandwidth(link)) + 2 * alpha
+            else:
+                time += all_gather_time(ranks * nbytes, ranks, _bandwidth(link)) + alpha
     return time
 
 

@@ -106,6 +106,13 @@ def _compressor(spec: Spec, nccl: bool) -> Any:
 # ---- the communicator -----------------------------------------------------------------------------
 
 
+def _once(x: torch.Tensor) -> Any:
+    """A dense tensor as one all-reduce round: (sum over ranks, own)."""
+    wire = x.clone()
+    yield wire
+    return wire, x
+
+
 class Compressed:
     """Averages gradients over `group` through a compressor: `average(grads, keys)` returns the
     averages (signSGD: the vote) and counts what this rank handed to collectives."""
@@ -136,69 +143,102 @@ class Compressed:
         return isinstance(self.compressor, (DGCSelect, PowerSGD, OneBit, TernGrad, QSGD))
 
     def average(self, grads: list[torch.Tensor], keys: list[str]) -> list[torch.Tensor]:
+        """One bucket. Per-tensor methods compress each gradient on its own but send the bucket's
+        parts together, as torch's PowerSGD hook batches its Ps and Qs: one all-reduce per round,
+        or one all-gather per kind of part, whatever the number of tensors (gloo pays about a
+        millisecond per collective here)."""
         if not self.per_tensor:
             flat = torch.cat([g.reshape(-1) for g in grads])
-            avg = self._one(flat, "|".join(keys[:1]) + f"+{len(keys)}").split([g.numel() for g in grads])
-            return [a.view_as(g) for a, g in zip(avg, grads)]
-        return [self._one(g, k) for g, k in zip(grads, keys)]
-
-    def _one(self, grad: torch.Tensor, key: str) -> torch.Tensor:
-        x = self.memory.compensate(key, grad)
+            grads, keys, shapes = [flat], ["|".join(keys[:1]) + f"+{len(keys)}"], [g.shape for g in grads]
+        xs = [self.memory.compensate(k, g) for g, k in zip(grads, keys)]
         c = self.compressor
-        if isinstance(c, DGCSelect) and not dgc_sparsifies(tuple(x.shape)):  # a bias: its momentum, dense
-            total, own = x.clone(), x
-            self._collective("all_reduce", total)
-            dist.all_reduce(total, group=self.group)
-        elif c.allreduce:
-            total, own = self._all_reduce_rounds(c.rounds(x, self.n, key, self.step))
+        dense = [isinstance(c, DGCSelect) and not dgc_sparsifies(tuple(x.shape)) for x in xs]  # DGC's biases
+        totals: list[torch.Tensor | None] = [None] * len(xs)
+        owns: list[torch.Tensor | None] = [None] * len(xs)
+        if c.allreduce:
+            for i, (total, own) in enumerate(self._all_reduce_rounds(
+                    [c.rounds(x, self.n, k, self.step) for x, k in zip(xs, keys)])):
+                totals[i], owns[i] = total, own
         else:
-            parts = c.compress(x, self.step, self.generator)
-            own = c.decompress(parts, x)
-            gathered = self._all_gather(parts, dense_bytes=2 * x.numel() * x.element_size()
-                                        if getattr(c, "sparse", False) else None)
-            if gathered is None:  # gathering would move more than a dense all-reduce: the same selection, dense
-                total = own.clone()
-                self._collective("all_reduce", total)
-                dist.all_reduce(total, group=self.group)
-            else:
-                total = (c.decompress_sum(gathered, x) if hasattr(c, "decompress_sum")
-                         else torch.stack([c.decompress(p, x) for p in gathered]).sum(0))
-        self.memory.update(key, x, own)
-        if getattr(c, "vote", False):
-            return torch.sign(total)
-        return total / self.n
+            plain = [i for i, d in enumerate(dense) if d]
+            for i, total in zip(plain, self._all_reduce_rounds([_once(xs[i]) for i in plain])):
+                totals[i], owns[i] = total[0], xs[i]
+            coded = [i for i, d in enumerate(dense) if not d]
+            for i, total, own in zip(coded, *self._gathered([xs[i] for i in coded])):
+                totals[i], owns[i] = total, own
+        for k, x, own in zip(keys, xs, owns):
+            self.memory.update(k, x, own)
+        out = [torch.sign(t) if getattr(c, "vote", False) else t / self.n for t in totals]
+        if not self.per_tensor:
+            return [a.view(shape) for a, shape in zip(out[0].split([math.prod(s) for s in shapes]), shapes)]
+        return out
 
-    def _all_reduce_rounds(self, rounds: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        wire = next(rounds)
-        while True:
-            self._collective("all_reduce", wire)
-            dist.all_reduce(wire, group=self.group)
-            try:
-                wire = rounds.send(None)
-            except StopIteration as done:
-                return done.value
+    def _gathered(self, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(sum over ranks, own decoded) of each tensor, for the methods whose parts are gathered."""
+        if not xs:
+            return [], []
+        c = self.compressor
+        parts = [c.compress(x, self.step, self.generator) for x in xs]
+        owns = [c.decompress(p, x) for p, x in zip(parts, xs)]
+        dense_bytes = sum(2 * x.numel() * x.element_size() for x in xs) if getattr(c, "sparse", False) else None
+        gathered = self._all_gather(parts, dense_bytes)
+        if gathered is None:  # gathering would move more than a dense all-reduce: the same selection, dense
+            total = self._all_reduce_rounds([_once(torch.cat([o.reshape(-1) for o in owns]))])[0][0]
+            return [t.view_as(x) for t, x in zip(total.split([x.numel() for x in xs]), xs)], owns
+        totals = []
+        for i, x in enumerate(xs):
+            every = [g[i] for g in gathered]
+            totals.append((c.decompress_sum(every, x) if hasattr(c, "decompress_sum")
+                           else torch.stack([c.decompress(p, x) for p in every]).sum(0)).view_as(x))
+        return totals, owns
 
-    def _all_gather(self, parts: list[torch.Tensor], dense_bytes: int | None) -> list[list[torch.Tensor]] | None:
-        """Every rank's parts. Where their sizes may differ by rank, the sizes travel first (one
-        small gather) and the parts are padded to the longest. None when a sparse method's gathered
-        volume would reach `dense_bytes`, what a ring all-reduce moves (every rank sees the same
-        sizes, so all decide alike)."""
-        sizes = [torch.tensor([p.numel() for p in parts], dtype=torch.int64)] * self.n
+    def _all_reduce_rounds(self, rounds: list[Any]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Drive every tensor's rounds together: each round's wires travel as one all-reduce (summed
+        in place); a generator's return value is its (sum, own) pair."""
+        results: list[Any] = [None] * len(rounds)
+        wires = {i: next(r) for i, r in enumerate(rounds)}
+        while wires:
+            flat = torch.cat([w.reshape(-1) for w in wires.values()])
+            self._collective("all_reduce", flat)
+            dist.all_reduce(flat, group=self.group)
+            for w, part in zip(wires.values(), flat.split([w.numel() for w in wires.values()])):
+                w.copy_(part.view_as(w))
+            following = {}
+            for i in wires:
+                try:
+                    following[i] = rounds[i].send(None)
+                except StopIteration as done:
+                    results[i] = done.value
+            wires = following
+        return results
+
+    def _all_gather(self, parts: list[list[torch.Tensor]], dense_bytes: int | None) -> list[list[list[torch.Tensor]]] | None:
+        """Every rank's parts of every tensor, [rank][tensor][part]: each kind of part of all the
+        tensors travels as one all-gather. Where their sizes may differ by rank, the sizes travel
+        first (one small gather) and each rank's parts are padded to the longest. None when a
+        sparse method's gathered volume would reach `dense_bytes`, what a ring all-reduce moves
+        (every rank sees the same sizes, so all decide alike)."""
+        sizes = torch.tensor([[p.numel() for p in ps] for ps in parts], dtype=torch.int64)  # tensors × kinds
+        every = [sizes] * self.n
         if getattr(self.compressor, "variable", False):
-            mine, sizes = sizes[0], [torch.empty_like(sizes[0]) for _ in range(self.n)]
-            self._collective("all_gather", mine)
-            dist.all_gather(sizes, mine, group=self.group)
-        longest = torch.stack(sizes).max(0).values
-        if dense_bytes is not None and self.n * sum(int(k) * p.element_size() for k, p in zip(longest, parts)) >= dense_bytes:
+            every = [torch.empty_like(sizes) for _ in range(self.n)]
+            self._collective("all_gather", sizes)
+            dist.all_gather(every, sizes, group=self.group)
+        totals = torch.stack([s.sum(0) for s in every])  # ranks × kinds
+        longest = totals.max(0).values
+        if dense_bytes is not None and self.n * sum(int(k) * p.element_size() for k, p in zip(longest, parts[0])) >= dense_bytes:
             return None
-        out: list[list[torch.Tensor]] = [[] for _ in range(self.n)]
-        for i, part in enumerate(parts):
-            padded = torch.nn.functional.pad(part.reshape(-1), (0, int(longest[i]) - part.numel()))
+        out: list[list[list[torch.Tensor]]] = [[[] for _ in parts] for _ in range(self.n)]
+        for kind in range(len(parts[0])):
+            mine = torch.cat([ps[kind].reshape(-1) for ps in parts])
+            padded = torch.nn.functional.pad(mine, (0, int(longest[kind]) - mine.numel()))
             bufs = [torch.empty_like(padded) for _ in range(self.n)]
             self._collective("all_gather", padded)
             dist.all_gather(bufs, padded, group=self.group)
             for r in range(self.n):
-                out[r].append(bufs[r][: int(sizes[r][i])])
+                pieces = bufs[r][: int(totals[r, kind])].split(every[r][:, kind].tolist())
+                for t, piece in enumerate(pieces):
+                    out[r][t].append(piece)
         return out
 
     def _collective(self, kind: str, t: torch.Tensor) -> None:
