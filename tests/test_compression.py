@@ -69,6 +69,41 @@ def test_one_bit_error_feedback_keeps_what_the_signs_lose():
         assert sent[col >= 0, j].unique().tolist() == pytest.approx([col[col >= 0].mean().item()])
 
 
+def _seide(x: torch.Tensor) -> torch.Tensor:
+    """1-bit quantisation as Seide et al. 2014 write it, column by column of the (rows × columns)
+    gradient: each element becomes the mean of its column's non-negative entries or of its negative ones."""
+    m = x.reshape(x.shape[0], -1)
+    out = torch.empty_like(m)
+    for j in range(m.shape[1]):
+        col = m[:, j]
+        up, down = col[col >= 0], col[col < 0]
+        out[:, j] = torch.where(col >= 0, up.mean() if up.numel() else 0.0, down.mean() if down.numel() else 0.0)
+    return out.view_as(x)
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_one_bit_sgd_matches_a_reference_written_from_the_paper(momentum):
+    """Ours (OneBit with its memory) against the formulation step by step: e ← x − Q(x) with
+    x = g + e (Seide et al. 2014), or x = u + e with u ← βu + g (the momentum compressed, as 1-bit
+    Adam does), over a 4-D gradient (a convolution's: rows are output channels)."""
+    torch.manual_seed(0)
+    compressor = OneBit()
+    memory = DGCMemory(momentum=momentum, masking=False) if momentum else ErrorFeedback()
+    u, e = torch.zeros(8, 3, 3, 3), torch.zeros(8, 3, 3, 3)
+    for step in range(6):
+        g = torch.randn(8, 3, 3, 3)
+        g[2] = 0  # a dead output channel: its zeros count as non-negative in both
+        x = memory.compensate("w", g)
+        sent = compressor.decompress(compressor.compress(x, step), x)
+        memory.update("w", x, sent)
+        u = momentum * u + g
+        ref_x = (u if momentum else g) + e
+        ref_sent = _seide(ref_x)
+        e = ref_x - ref_sent
+        torch.testing.assert_close(x, ref_x)
+        torch.testing.assert_close(sent, ref_sent)
+
+
 @pytest.mark.parametrize("compressor", [TernGrad(clip=None), TernGrad(), QSGD(4)], ids=["terngrad", "terngrad-clipped", "qsgd"])
 def test_stochastic_quantizers_are_unbiased(compressor):
     """Unbiased for the gradient they encode (TernGrad's default first clips it to 2.5 σ, as the paper does)."""
