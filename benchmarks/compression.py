@@ -3,13 +3,16 @@
 Every run trains a small MLP on scikit-learn's digits (1797 8×8 images, 10 classes; a fixed
 stratified split of 1347 train / 450 test images, inputs standardised on the train split) with
 `autopar.parallelize(..., plan="N,1,1")` (pure data parallel over gloo ranks, one thread each),
-plain SGD (lr 0.1, momentum 0.9), global batch 64. Three parts (`--part`):
+plain SGD (lr 0.1, momentum 0.9), global batch 64. Three parts (`--part`; the robustness sweep
+and the comparison with torch's DDP hooks are `--sweep` and `--part anchor`, in
+`compression_sweep.py`):
 
 - convergence (no timing): 4 ranks, 10 epochs, one run per compression method, all in one spawn
   of the ranks. Final test accuracy, its difference to dense training in points, and the bytes
   each rank handed to the data-axis collectives per step (`comm_stats()["dp"]`), against the raw
-  fp32 gradient: the ratio is raw / sent. DGC carries the momentum itself (momentum correction),
-  so it runs with an optimizer without momentum and `dgc:0.999,momentum=0.9,warmup=E`: sparsity
+  fp32 gradient: the ratio is raw / sent. DGC and 1-bit SGD carry the momentum themselves (DGC's
+  momentum correction, 1-bit's compressed momentum), so they run with an optimizer without
+  momentum; DGC as `dgc:0.999,momentum=0.9,warmup=E`: sparsity
   warms up 75 % → 93.75 % → 98.4 % → 99.6 % over the first `--dgc-warmup-epochs` (default 1,
   E = a quarter epoch per stage: the paper warms up over 4 of its 90 or more epochs; over 4 of
   these 10 the warm-up would be most of the run), then 99.9 %; its ratio is read at the last step (steady state) and averaged over the whole run
@@ -42,7 +45,8 @@ Each run is one seed: accuracy differences of a fraction of a point are noise (o
 user would start; `--lr` reruns every method, dense included, at another. Run it alone: other
 work on the cores skews the times.
 
-    python benchmarks/compression.py [--part convergence|link|latency|all] [--rate 100mbit] [--json | --markdown]
+    python benchmarks/compression.py [--part convergence|link|latency|anchor|all] [--sweep] [--rate 100mbit]
+                                     [--json | --markdown]
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 
 The sweep: every method × 3 seeds × 2 global batches (64, 256) × 2 learning rates × 2 rank counts
 (2, 4), on two tasks over scikit-learn's digits: the MLP 64-256-256-10 of the convergence part
-(lr 0.05 and 0.1) and a small CNN (two 3×3 convolutions of 8 and 16 channels, a 2×2 max-pool, a
+(lr 0.05 and 0.1) and a small CNN (two 3×3 convolutions of 16 and 32 channels, a 2×2 max-pool, a
 linear layer; lr 0.05 and 0.1), each run a fixed number of steps (`--sweep-steps`, default 160)
 of SGD with momentum 0.9 (DGC: its own momentum correction; signSGD: lr/100, its update is a ±1
 vote), pure data parallel through `autopar.parallelize`. Each method's final test accuracy is
@@ -49,12 +49,12 @@ RANKS = (2, 4)
 
 
 def cnn(seed: int | None) -> nn.Module:
-    """8×8 digits → conv 8 → conv 16 → max-pool → linear 10 (3.8k parameters)."""
+    """8×8 digits → conv 16 → conv 32 → max-pool → linear 10 (9.9k parameters)."""
     if seed is not None:
         torch.manual_seed(seed)
-    return nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 8, 3, padding=1), nn.ReLU(),
-                         nn.Conv2d(8, 16, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
-                         nn.Linear(16 * 4 * 4, 10))
+    return nn.Sequential(nn.Unflatten(1, (1, 8, 8)), nn.Conv2d(1, 16, 3, padding=1), nn.ReLU(),
+                         nn.Conv2d(16, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(),
+                         nn.Linear(32 * 4 * 4, 10))
 
 
 @dataclass(frozen=True)
@@ -68,7 +68,7 @@ class Task:
 
 
 TASKS = {"mlp": Task("mlp", "digits MLP 64-256-256-10", (0.05, 0.1)),
-         "cnn": Task("cnn", "digits CNN conv8-conv16-pool-linear", (0.05, 0.1))}
+         "cnn": Task("cnn", "digits CNN conv16-conv32-pool-linear", (0.05, 0.1))}
 
 
 @torch.no_grad()
