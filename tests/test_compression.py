@@ -359,6 +359,7 @@ def _one_bit_at_a_large_step(rank, world):
     import torch.nn.functional as F
     from compression import batch_stream, load_data, mlp, method
 
+    torch.set_num_threads(1)  # four ranks on this machine's cores: more threads only contend
     data = load_data(0)
     out = {}
     for spec in (None, "onebit,momentum=0", "onebit"):
