@@ -102,6 +102,9 @@ def parse(text: str) -> Spec:
         raise AutoparError(f"compression {text!r}: the rank must be a positive integer, e.g. powersgd:2")
     if name == "threshold" and not (a and a > 0):
         raise AutoparError(f"compression {text!r}: give the threshold τ, e.g. threshold:0.01")
+    if options.get("warmup", 0) < 0 or not 0 <= options.get("momentum", 0) < 1:
+        raise AutoparError(f"compression {text!r}: warmup is a number of steps ≥ 0 and momentum in [0, 1), "
+                           "e.g. dgc:0.999,warmup=25,momentum=0.9")
     return Spec(name, value, options, text)
 
 

@@ -153,6 +153,8 @@ def test_dgc_momentum_correction_accumulates_velocity_and_masks_what_was_sent():
     ("qsgd:300", "levels must be 1 to 127"),
     ("powersgd:1.5", "rank must be a positive integer"),
     ("topk:0.01,ef=no", "values must be numbers"),
+    ("dgc:0.999,warmup=-5", "warmup is a number of steps ≥ 0"),
+    ("onebit,momentum=1.5", "momentum in [0, 1)"),
 ])
 def test_bad_compression_specs_are_one_clear_message(spec, message):
     with pytest.raises(AutoparError, match=message.replace("(", r"\(").replace("[", r"\[").replace(")", r"\)")):
