@@ -10,6 +10,7 @@ dense all-reduce, and reports the bytes it handed to collectives.
 
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +31,8 @@ from runtime.compressors import (
     Threshold,
     TopK,
 )
+
+log = logging.getLogger(__name__)
 
 # ---- memory ---------------------------------------------------------------------------------------
 
@@ -134,6 +137,9 @@ class Compressed:
         self.step = 0
         self.bytes_sent = 0
         self.collectives: list[tuple[str, int]] = []
+        if self.spec.method == "signsgd" and dist.get_rank() == 0:
+            log.warning("signsgd averages to a ±1 vote per coordinate: the learning rate is the step itself, about "
+                        "1/100 of SGD's (the compression benchmark runs lr/100)")
 
     @property
     def per_tensor(self) -> bool:
