@@ -161,6 +161,12 @@ def test_bad_compression_specs_are_one_clear_message(spec, message):
         parse(spec)
 
 
+def test_dgc_prices_biases_dense_and_matrices_sparse():
+    spec = parse("dgc:0.99")
+    assert wire(spec, (40,), 4) == ("all_reduce", 4 * 40)  # a bias: its momentum, all-reduced
+    assert wire(spec, (64, 40), 4) == ("all_gather", 8 * math.ceil(0.01 * 64 * 40) + 16)  # values, indices, sizes
+
+
 def test_specs_parse():
     spec = parse("dgc:0.999,warmup=100,momentum=0.9")
     assert (spec.method, spec.arg, spec.options) == ("dgc", 0.999, {"warmup": 100.0, "momentum": 0.9})
