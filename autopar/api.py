@@ -65,10 +65,9 @@ def parallelize(
     measured fastest is kept; `plan.search["tuned"]` holds every candidate's predicted and measured
     step time. The model's weights are left as they were.
     """
+    from autopar.precision import parse_precision
     from runtime import default_backend, local_device
     from runtime.parallel import ParallelModel, UnsupportedPlan, positional, zero3
-
-    from autopar.precision import parse_precision
 
     precision = parse_precision(mixed_precision)
     from cost_models.compression import parse
@@ -212,11 +211,11 @@ def _tuned(plans: list[Plan], model: nn.Module, args: tuple, target: torch.Tenso
     slowest rank's median); the measured fastest, with every measurement recorded."""
     import copy
 
+    from autopar.tune import choose
     from runtime import local_device
     from runtime.bench import time_steps
     from runtime.parallel import ParallelModel
     from runtime.pipeline import PipelineModel
-    from autopar.tune import choose
 
     device = local_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
     measured = []

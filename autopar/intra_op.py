@@ -18,7 +18,6 @@
 from __future__ import annotations
 
 import dataclasses
-
 import hashlib
 import logging
 import math
@@ -33,7 +32,6 @@ from torch import fx
 from autopar import letters as L
 from autopar.graph import OpGraph, OpNode
 from autopar.ilp import InfeasibleError, Problem, solve
-from autopar.precision import PRECISIONS
 from autopar.placement import (
     P,
     R,
@@ -43,6 +41,7 @@ from autopar.placement import (
     shard,
     shard_dim,
 )
+from autopar.precision import PRECISIONS
 from cost_models import (
     ClusterSpec,
     Link,

@@ -14,8 +14,9 @@ from __future__ import annotations
 import math
 import operator
 import string
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import torch
 from torch import fx

@@ -10,7 +10,6 @@ so it is priced, simulated and run exactly like a searched plan.
 from __future__ import annotations
 
 import dataclasses
-
 from dataclasses import dataclass
 
 from autopar import letters as L

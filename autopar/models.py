@@ -5,9 +5,10 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn

@@ -32,9 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
-
 from compression import Digits, _spawn, batch_stream, load_data, method, mlp
+from torch import nn
 
 # method → accuracy points it may lose against dense in every setting (None: reported only, for
 # error feedback's comparison); fp16, random-k and signSGD have no target and run in the

@@ -1,7 +1,9 @@
 """What a user writes: build, parallelize, train, fall off the end (no destroy_process_group).
 Under `benchmarks/repeat_jobs.py --runs 100 --nproc 2 -- benchmarks/exit_tp_script.py 1,2,1`."""
 import sys
+
 import torch
+
 import autopar
 
 plan = sys.argv[1] if len(sys.argv) > 1 else "1,2,1"

@@ -18,8 +18,8 @@ import torch.distributed as dist
 from torch import nn
 
 from autopar.capture import first_tensor
-from runtime.buffers import AveragedBuffers, persistent
 from runtime.breakdown import phase
+from runtime.buffers import AveragedBuffers, persistent
 from runtime.comm_count import CollectiveBytes
 from runtime.export import export_as_planned
 from runtime.failures import guarded

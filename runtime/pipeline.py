@@ -30,13 +30,13 @@ from autopar.capture import first_tensor
 from runtime.breakdown import phase
 from runtime.buffers import AveragedBuffers
 from runtime.comm_count import CollectiveBytes
+from runtime.cross_mesh import batch_dims
 from runtime.export import export_as_planned
 from runtime.failures import guarded
-from runtime.cross_mesh import batch_dims
 from runtime.fan_out import FanOutSchedule, peers, receive, send
-from runtime.grad_sync import GradSync, local as local_part
+from runtime.grad_sync import GradSync
+from runtime.grad_sync import local as local_part
 from runtime.loop import clip, evaluating, squared_grad_norm
-from runtime.precision import mixed_precision
 from runtime.parallel import (
     UnsupportedPlan,
     _split,
@@ -49,6 +49,7 @@ from runtime.parallel import (
     shard_data_axis,
     zero3,
 )
+from runtime.precision import mixed_precision
 from runtime.sharded_graph import ShardedGraph, cut
 
 

@@ -365,7 +365,7 @@ def _one_bit_at_a_large_step(rank, world):
 
     sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
     import torch.nn.functional as F
-    from compression import batch_stream, load_data, mlp, method
+    from compression import batch_stream, load_data, method, mlp
 
     torch.set_num_threads(1)  # four ranks on this machine's cores: more threads only contend
     data = load_data(0)
