@@ -1,16 +1,18 @@
 """Gradient compression across settings, and beside torch's own DDP hooks (`compression.py --sweep`,
 `--part anchor`).
 
-The sweep: every method × 3 seeds × 2 global batches (64, 256) × 2 learning rates × 2 rank counts
-(2, 4), on two tasks over scikit-learn's digits: the MLP 64-256-256-10 of the convergence part
+The sweep: every method with a target (`TARGETS`: PowerSGD, top-k, DGC, 1-bit SGD, TernGrad, QSGD,
+and the `ef=0` twins of top-k and 1-bit for error feedback's comparison) and dense training × 3
+seeds × 2 global batches (64, 256) × 2 learning rates × 2 rank counts (2, 4), on two tasks over scikit-learn's digits: the MLP 64-256-256-10 of the convergence part
 (lr 0.05 and 0.1) and a small CNN (two 3×3 convolutions of 16 and 32 channels, a 2×2 max-pool, a
 linear layer; lr 0.05 and 0.1), each run a fixed number of steps (`--sweep-steps`, default 160)
-of SGD with momentum 0.9 (DGC: its own momentum correction; signSGD: lr/100, its update is a ±1
-vote), pure data parallel through `autopar.parallelize`. Each method's final test accuracy is
+of SGD with momentum 0.9 (DGC and 1-bit SGD: their own momentum), pure data parallel through
+`autopar.parallelize`. Each method's final test accuracy is
 compared with dense training's on the same setting (task, seed, batch, lr, ranks); time to dense
 accuracy is the training time (evaluation every `--eval-every` steps excluded) until a run first
-reaches dense's final accuracy. Threshold quantisation is left out: its τ is in the gradient's
-units, so no value holds across tasks.
+reaches dense's final accuracy. fp16, random-k and signSGD (no target) run in the convergence
+part only; threshold quantisation is left out: its τ is in the gradient's units, so no value
+holds across tasks.
 
 The anchor: torch ships PowerSGD and fp16 compression as DDP communication hooks. DDP with
 `powerSGD_hook` (rank 2, error feedback, warm start; `start_powerSGD_iter=2`, the least torch
