@@ -19,16 +19,16 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from autopar.errors import AutoparError
-from autopar.jsonio import read_json, write_json
-from autopar.limits import MAX_MEMORY_BYTES, MAX_SECONDS, check_counts
-from autopar.units import human, human_bytes, human_time, printable, span
+from autopar.contract.errors import AutoparError
+from autopar.contract.jsonio import read_json, write_json
+from autopar.contract.limits import MAX_MEMORY_BYTES, MAX_SECONDS, check_counts
+from autopar.contract.units import human, human_bytes, human_time, printable, span
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def cmd_clusters(args: argparse.Namespace, out: Console) -> Any:
-    from cost_models import PRESETS, ClusterSpec, calibration_file
+    from autopar.cost_models import PRESETS, ClusterSpec, calibration_file
 
     clusters = [PRESETS[name]() for name in PRESETS] + [ClusterSpec.load(path) for path in args.files]
     if args.json:
@@ -84,10 +84,10 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> Any:
 
 
 def _search(args: argparse.Namespace):
+    from autopar.cost_models import get_cluster
     from autopar.models import load_workload
-    from autopar.planner import Search, parse_mesh
-    from autopar.precision import parse_precision
-    from cost_models import get_cluster
+    from autopar.planner.precision import parse_precision
+    from autopar.planner.search import Search, parse_mesh
 
     for flag, value, most in (("--time-limit", args.time_limit, MAX_SECONDS),
                               ("--memory-limit", args.memory_limit, MAX_MEMORY_BYTES / 2**30)):
@@ -133,8 +133,8 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
     import time
 
     _check_out("--out", args.out)
-    from autopar.manual import Layout, manual_plan, manual_search
-    from autopar.planner import plan_auto, plan_compressed
+    from autopar.planner.manual import Layout, manual_plan, manual_search
+    from autopar.planner.search import plan_auto, plan_compressed
 
     start = time.perf_counter()
     bar, step = _progress(f"planning {args.model}")
@@ -169,7 +169,7 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
 
 
 def cmd_show(args: argparse.Namespace, out: Console) -> Any:
-    from autopar.plan import Plan
+    from autopar.contract.plan import Plan
 
     _check_out("--png", args.png)
     plan = Plan.load(args.plan)
@@ -184,9 +184,9 @@ def cmd_show(args: argparse.Namespace, out: Console) -> Any:
 
 
 def _picture(plan, path: str) -> None:
+    from autopar.cost_models import get_cluster
     from autopar.draw import save
-    from autopar.planner import RESERVE
-    from cost_models import get_cluster
+    from autopar.planner.search import RESERVE
 
     try:
         limit = get_cluster(plan.cluster).device.memory_bytes * (1 - RESERVE)
@@ -201,14 +201,14 @@ def _picture(plan, path: str) -> None:
 
 
 def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
-    from autopar.manual import (
+    from autopar.planner.manual import (
         deepspeed_moe_plan,
         has_experts,
         layout_grid,
         manual_plan,
         manual_search,
     )
-    from autopar.planner import plan_auto, warn_time_limited
+    from autopar.planner.search import plan_auto, warn_time_limited
 
     bar, step = _progress(f"comparing layouts for {args.model}")
     with bar:
@@ -254,8 +254,8 @@ def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
 
 
 def cmd_calibrate(args: argparse.Namespace, out: Console) -> Any:
-    from cost_models import calibration_file, collective_time
-    from runtime.calibrate import calibrate, cluster_spec
+    from autopar.calibrate import calibrate, cluster_spec
+    from autopar.cost_models import calibration_file, collective_time
 
     _check_out("--out", args.out, make=True)
     if args.from_bench:
@@ -302,8 +302,8 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> Any:
 
 def _fit(args: argparse.Namespace, out: Console) -> Any:
     """`calibrate --from BENCH.json`: the cluster's parameters fitted to a bench's measurements."""
-    from cost_models import calibration_file, get_cluster
-    from runtime.fit import fit
+    from autopar.cost_models import calibration_file, get_cluster
+    from autopar.fit import fit
 
     try:
         bench = read_json(args.from_bench, "bench file")
@@ -336,8 +336,8 @@ def _fit(args: argparse.Namespace, out: Console) -> Any:
 
 
 def cmd_bench(args: argparse.Namespace, out: Console) -> Any:
-    from cost_models import get_cluster
-    from runtime.bench import bench
+    from autopar.bench import bench
+    from autopar.cost_models import get_cluster
 
     check_counts(args.nproc, args.steps, args.warmup)
     _check_out("--breakdown", args.breakdown, folder_ok=True, make=True)
@@ -372,8 +372,8 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> Any:
 
 
 def cmd_train(args: argparse.Namespace, out: Console) -> Any:
-    from runtime.memory import CATEGORIES
-    from runtime.train import TrainJob, launch
+    from autopar.runtime.memory import CATEGORIES
+    from autopar.train import TrainJob, launch
 
     job = TrainJob(args.model, args.nproc, args.steps, args.plan, args.batch, args.cluster, args.compression,
                    args.delay, args.checkpoint_dir, args.checkpoint_every, args.resume, args.timeout,

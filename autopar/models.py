@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from autopar.errors import ModelSpecError
-from autopar.limits import MAX_BATCH
+from autopar.contract.errors import ModelSpecError
+from autopar.contract.limits import MAX_BATCH
 from autopar.zoo import ZOO
 
 

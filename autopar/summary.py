@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from autopar.capture import capture
 from autopar.models import Workload
+from autopar.planner.capture import capture
 
 
 def inspect_workload(workload: Workload) -> dict[str, Any]:

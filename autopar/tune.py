@@ -10,9 +10,9 @@ import dataclasses
 import logging
 from typing import Any
 
-from autopar.errors import AutoparError
-from autopar.plan import Plan
-from autopar.planner import Search, plan_auto
+from autopar.contract.errors import AutoparError
+from autopar.contract.plan import Plan
+from autopar.planner.search import Search, plan_auto
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +28,8 @@ def layout_key(plan: Plan) -> tuple:
 def candidates(search: Search, k: int) -> list[Plan]:
     """The `k` fastest predicted plans of distinct layouts (fitting ones first): the search's, its
     best with each number of stages and each microbatch count, and every hand-written layout."""
-    from autopar.inter_op import microbatch_counts
-    from autopar.manual import layout_grid, manual_plan, manual_search
+    from autopar.planner.inter_op import microbatch_counts
+    from autopar.planner.manual import layout_grid, manual_plan, manual_search
 
     if k < 1:
         raise AutoparError(f"--tune {k}: give the number of plans to measure, at least 1")
@@ -72,7 +72,7 @@ def tune_locally(search: Search, model: str, k: int, batch: int | None, steps: i
                  progress: Any = None) -> Plan:
     """`autopar plan --tune K`: the candidates run on this machine's ranks (one per device of the
     mesh), the zoo model's synthetic batches, one warm-up and `steps` timed steps each."""
-    from runtime.bench import measure
+    from autopar.bench import measure
 
     hosts, per_host = search.mesh
     if hosts != 1:

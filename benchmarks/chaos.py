@@ -40,8 +40,8 @@ from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from runtime import checkpoint, failures
-from runtime.train import SHUTDOWN_GRACE_S
+from autopar.runtime import checkpoint, failures
+from autopar.train import SHUTDOWN_GRACE_S
 
 
 def _command(args, directory: Path | None, resume: bool) -> list[str]:

@@ -75,7 +75,7 @@ from torch import nn
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from runtime.backend import join_local, local_store
+from autopar.runtime.backend import join_local, local_store
 
 # ---- data, model, training loop -------------------------------------------------------------------
 
@@ -152,7 +152,7 @@ class Method:
 def method(label: str, spec: str | None, lr: float) -> Method:
     """Dense (spec None) or a compressor, with the optimizer it needs: none of its own momentum where
     the compressor carries it (DGC, 1-bit SGD); signSGD at lr/100, its update is a ±1 vote."""
-    from cost_models.compression import carries_momentum, parse
+    from autopar.cost_models.compression import carries_momentum, parse
 
     if spec is None:
         return Method(label, lr=lr)

@@ -19,13 +19,13 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from runtime.backend import join_local, local_store
+from autopar.runtime.backend import join_local, local_store
 
 
 def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans: list[str], out: str) -> None:
     import autopar
-    from autopar.plan import Plan
-    from runtime.memory import measured_step
+    from autopar.contract.plan import Plan
+    from autopar.runtime.memory import measured_step
 
     torch.set_num_threads(1)
     join_local("gloo", port, rank, world)
@@ -56,8 +56,8 @@ def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans
 
 
 def main() -> None:
-    from cost_models import get_cluster
-    from runtime.bench import candidate_plans
+    from autopar.bench import candidate_plans
+    from autopar.cost_models import get_cluster
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="gpt-small")

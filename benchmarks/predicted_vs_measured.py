@@ -26,8 +26,8 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from autopar.bench import spearman
 from benchmarks._cli import run_cli
-from runtime.bench import spearman
 
 TERMS = ("forward_s", "backward_s", "dp_sync_s", "pipeline_s", "optimizer_s", "other_s")
 

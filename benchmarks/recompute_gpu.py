@@ -15,9 +15,9 @@ import json
 import torch
 
 import autopar
-from autopar.manual import Layout, manual_plan, manual_search
-from autopar.planner import Search
-from cost_models import get_cluster
+from autopar.cost_models import get_cluster
+from autopar.planner.manual import Layout, manual_plan, manual_search
+from autopar.planner.search import Search
 
 
 def run(model: str, batch: int, recompute: bool, steps: int) -> dict:

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from runtime.backend import join_local, local_store
+from autopar.runtime.backend import join_local, local_store
 
 
 def _optimizer(params):

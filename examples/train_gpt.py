@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import autopar
-from runtime import checkpoint
+from autopar.runtime import checkpoint
 
 
 def main() -> None:

@@ -206,7 +206,7 @@ def _zoo(kind, **cfg):
     lambda: _hf_gpt2(5),  # blocks hold their own layer_idx
 ], ids=["gpt", "moe", "hf-gpt2"])
 def test_repeated_blocks_are_copied_into_the_graph_a_full_export_gives(make):
-    from autopar.replicate import find_repeat
+    from autopar.planner.replicate import find_repeat
 
     model, inputs = make()
     assert find_repeat(model) is not None
@@ -214,7 +214,7 @@ def test_repeated_blocks_are_copied_into_the_graph_a_full_export_gives(make):
 
 
 def test_blocks_that_differ_are_all_exported():
-    from autopar.replicate import find_repeat
+    from autopar.planner.replicate import find_repeat
 
     model, inputs = _zoo("gpt", layers=6)
     model.h[4].attn.scale_by = 0.5  # an attribute the forward could read: blocks no longer repeat

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
-from runtime import checkpoint
+from autopar.runtime import checkpoint
 from tests.distributed import run_ranks, shared_ranks
 from tests.test_parallelize import _layout, _workload
 

@@ -11,8 +11,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autopar import load_workload
 from autopar.cli import main
+from autopar.runtime.memory import CATEGORIES
 from autopar.zoo import ZOO
-from runtime.memory import CATEGORIES
 
 
 def run_json(capsys, *argv):
@@ -136,15 +136,15 @@ def test_manual_layout_and_compare(capsys):
         assert m["dp"] * m["tp"] * m["pp"] == 4
         assert {"num_microbatches", "step_time_s", "tflops_per_device", "peak_memory_bytes", "fits"} <= set(m)
     best_manual = min(m["step_time_s"] for m in result["manual"] if m["fits"])
-    from autopar.planner import DP_TOLERANCE  # the stage DP is exact to within its t_max grid
+    from autopar.planner.search import DP_TOLERANCE  # the stage DP is exact to within its t_max grid
 
     assert result["auto"]["step_time_s"] <= best_manual * (1 + DP_TOLERANCE)
 
 
 def test_compare_lists_the_deepspeed_moe_layout_for_moe_models(capsys):
-    from autopar.manual import deepspeed_moe_plan, has_experts
-    from autopar.planner import Search
-    from cost_models import get_cluster
+    from autopar.cost_models import get_cluster
+    from autopar.planner.manual import deepspeed_moe_plan, has_experts
+    from autopar.planner.search import Search
 
     result = run_json(capsys, "compare", "moe-tiny", "--cluster", "v100-p3", "--mesh", "1x4", "--batch", "16")
     ds = next(m for m in result["manual"] if m["name"] == "deepspeed-moe")
@@ -180,7 +180,7 @@ def test_compare_lists_the_deepspeed_moe_layout_for_moe_models(capsys):
     (lambda p: p["stages"][0]["needs"].__setitem__("linear", ["S(x)"]), "needs['linear'] must be a list of placements"),
 ])
 def test_malformed_plans_are_explained(capsys, tmp_path, mutate, message):
-    from autopar.plan import Plan, PlanError
+    from autopar.contract.plan import Plan, PlanError
 
     path = tmp_path / "plan.json"
     assert main(["plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x4", "--out", str(path)]) == 0
@@ -191,7 +191,7 @@ def test_malformed_plans_are_explained(capsys, tmp_path, mutate, message):
 
 
 def test_a_tensor_parallel_plan_round_trips_with_what_each_op_needs(tmp_path):
-    from autopar.plan import Plan
+    from autopar.contract.plan import Plan
 
     path = tmp_path / "plan.json"
     assert main(["plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x2", "--manual", "1,2,1", "--out", str(path)]) == 0
@@ -239,7 +239,7 @@ def test_train_on_two_ranks_follows_the_one_rank_losses(capsys):
 def test_plan_compression_auto_compresses_only_over_slow_links(capsys, tmp_path):
     """On NVLink/InfiniBand (a100-dgx) dense averaging hides under backward: no compressor. With the
     same hosts joined by 1 Gb/s, the data axis crosses hosts through a compressor."""
-    from cost_models import get_cluster
+    from autopar.cost_models import get_cluster
 
     slow = get_cluster("a100-dgx").to_dict()
     slow.update(name="a100-1gbe", description="A100 hosts joined by 1 Gb/s Ethernet")
@@ -264,8 +264,8 @@ def test_train_with_a_compressor_reports_compressed_bytes(capsys):
 
 
 def test_show_draws_the_schedule_devices_and_memory_of_a_4_stage_1f1b_plan(capsys, tmp_path):
+    from autopar.contract.plan import Plan
     from autopar.draw import COLOURS, draw
-    from autopar.plan import Plan
 
     path, png = tmp_path / "plan.json", tmp_path / "plan.png"
     assert main(["plan", "gpt-1.3b", "--cluster", "v100-p3", "--mesh", "1x4", "--batch", "32",
@@ -284,7 +284,7 @@ def test_show_draws_the_schedule_devices_and_memory_of_a_4_stage_1f1b_plan(capsy
 
 
 def test_calibrate_writes_a_cluster_the_planner_reads(capsys, tmp_path):
-    from cost_models import get_cluster
+    from autopar.cost_models import get_cluster
 
     path = tmp_path / "cluster.json"
     result = run_json(capsys, "calibrate", "--nproc", "2", "--out", str(path))

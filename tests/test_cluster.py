@@ -5,7 +5,7 @@ import json
 import pytest
 
 from autopar import ClusterSpecError
-from cost_models import PRESETS, ClusterSpec, Link, get_cluster
+from autopar.cost_models import PRESETS, ClusterSpec, Link, get_cluster
 
 
 @pytest.mark.parametrize("name", list(PRESETS))
@@ -97,8 +97,8 @@ def test_ranks_beyond_the_devices_share_them():
 
 
 def test_calibrated_link_fit_recovers_the_ring_formulas():
-    from cost_models import collective_time
-    from runtime.calibrate import fit_link
+    from autopar.calibrate import fit_link
+    from autopar.cost_models import collective_time
 
     link = Link(bandwidth=2e9, latency=100e-6)
     sizes = [2**k for k in range(10, 24, 2)]

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar import AutoparError
-from cost_models.compression import DGC_WARMUP_STEPS, carries_momentum, parse, wire
-from runtime.compression import DGCMemory, ErrorFeedback, _compressor
-from runtime.compressors import (
+from autopar.cost_models.compression import DGC_WARMUP_STEPS, carries_momentum, parse, wire
+from autopar.runtime.compression import DGCMemory, ErrorFeedback, _compressor
+from autopar.runtime.compressors import (
     QSGD,
     DGCSelect,
     OneBit,
@@ -180,7 +180,7 @@ def _wire(rank, world):
     plain all-reduce."""
     import torch.distributed as dist
 
-    from runtime.compression import Compressed
+    from autopar.runtime.compression import Compressed
 
     out = {}
     torch.manual_seed(rank)
@@ -198,7 +198,7 @@ def _wire(rank, world):
     full = Compressed("powersgd:40").average([w], ["w"])[0]  # rank 40 = min(64, 40): full rank
     out["powersgd-full-rank-error"] = float((full - summed / world).abs().max())
     # delayed averaging, D = 2: rank r's gradient at step t is (r + 1)(t + 1)
-    from runtime.delayed import DelayedSync
+    from autopar.runtime.delayed import DelayedSync
 
     p = torch.nn.Parameter(torch.zeros(3))
     sync = DelayedSync([p], None, delay=2)
@@ -311,7 +311,7 @@ def _beside_torch_powersgd(rank, world):
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from runtime.compression import Compressed
+    from autopar.runtime.compression import Compressed
 
     torch.manual_seed(0)
     model = torch.nn.Linear(40, 64, bias=False)

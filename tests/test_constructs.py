@@ -48,8 +48,8 @@ def test_higher_order_ops_train_like_one_process(tmp_path, kind, layout):
 def test_the_bodies_of_higher_order_ops_are_priced(kind):
     """Each block costs what the same block without the construct costs (cond: its dearer branch),
     so the blocks stay layers of their own and a pipeline can split them."""
-    from autopar.planner import Search
-    from cost_models import get_cluster
+    from autopar.cost_models import get_cluster
+    from autopar.planner.search import Search
 
     cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=2)
     layers = {k: Search.start(workload(k), cluster, (1, 2)).layers for k in ("plain", kind)}

@@ -2,7 +2,7 @@
 
 import pytest
 
-from cost_models import (
+from autopar.cost_models import (
     Collective,
     DeviceSpec,
     Link,
@@ -66,7 +66,7 @@ def test_roofline():
 def test_fixed_costs_per_op():
     import dataclasses
 
-    from cost_models import fixed_time, optimizer_time
+    from autopar.cost_models import fixed_time, optimizer_time
 
     cpu = DeviceSpec(name="core", peak_flops={"float32": 1e11}, memory_bytes=1, memory_bandwidth=1e10, efficiency=1.0,
                      op_overhead_s=5e-6, sharded_op_overhead_s=40e-6, matmul_half_flops=1e6)

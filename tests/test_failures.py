@@ -65,7 +65,7 @@ def _hung(rank, store, out, plan, world):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=store, TORCHELASTIC_USE_AGENT_STORE="True")
     import autopar
-    from runtime.failures import PeerLost
+    from autopar.runtime.failures import PeerLost
 
     w = autopar.load_workload("mlp-tiny", batch=8, device="cpu")
     pm = autopar.parallelize(w.model, None, w.example_inputs, loss_fn=w.loss_fn, plan=plan, timeout=3,
@@ -93,7 +93,7 @@ def _hung(rank, store, out, plan, world):
 # on 4 ranks the pipeline's data-parallel pairs are groups of their own (not the job's): they time out too
 @pytest.mark.parametrize("plan, world", [("2,1,1", 2), ("2,1,2,2", 4)], ids=["dp", "dp-pipeline"])
 def test_a_hanging_rank_makes_the_others_fail_after_the_timeout(tmp_path, plan, world):
-    from runtime.backend import local_store
+    from autopar.runtime.backend import local_store
 
     out = tmp_path / "rank0.json"
     with local_store() as port:

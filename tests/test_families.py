@@ -63,9 +63,9 @@ def _plan(w, world, layout):
     """The layout's plan; ZeRO-3: every parameter sharded over the data axis."""
     if layout != "zero3":
         return LAYOUTS[layout]
-    from autopar.manual import Layout, manual_plan, manual_search
-    from autopar.planner import Search
-    from cost_models import get_cluster
+    from autopar.cost_models import get_cluster
+    from autopar.planner.manual import Layout, manual_plan, manual_search
+    from autopar.planner.search import Search
 
     cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)
     plan = manual_plan(manual_search(Search.start(w, cluster, (1, world))), Layout.parse(LAYOUTS[layout]))
@@ -112,9 +112,9 @@ def test_replicas_built_from_other_seeds_start_from_rank_0(tmp_path, layout):
 def test_a_tensor_axis_splits_the_experts_of_a_mixture():
     """Mixtral under TP: gate/up projections split by columns, the down projection by experts
     (expert parallelism through transformers' grouped matmul; partial rows, one all-reduce)."""
-    from autopar.manual import Layout, manual_plan, manual_search
-    from autopar.planner import Search
-    from cost_models import get_cluster
+    from autopar.cost_models import get_cluster
+    from autopar.planner.manual import Layout, manual_plan, manual_search
+    from autopar.planner.search import Search
 
     torch.manual_seed(0)
     w = workload("mixtral")

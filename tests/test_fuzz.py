@@ -12,11 +12,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import autopar
-from autopar.capture import capture
-from autopar.errors import AutoparError
-from autopar.plan import Plan
-from cost_models import get_cluster
-from cost_models.cluster import ClusterSpec
+from autopar.contract.errors import AutoparError
+from autopar.contract.plan import Plan
+from autopar.cost_models import get_cluster
+from autopar.cost_models.cluster import ClusterSpec
+from autopar.planner.capture import capture
 
 SETTINGS = settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
 
@@ -69,7 +69,7 @@ def _mutate(data, path, value, how):
 @pytest.fixture(scope="module")
 def valid():
     """A plan as the planner writes it (mlp-tiny, two ranks: a tensor axis, so needs are in it)."""
-    from autopar.planner import Search, plan_auto
+    from autopar.planner.search import Search, plan_auto
 
     w = autopar.load_workload("mlp-tiny", batch=8)
     return json.loads(plan_auto(Search.start(w, get_cluster("cpu-local"), (1, 2))).to_json())

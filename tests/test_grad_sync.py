@@ -3,7 +3,7 @@
 import torch
 from torch import nn
 
-from runtime.grad_sync import GradSync
+from autopar.runtime.grad_sync import GradSync
 from tests.distributed import run_ranks
 
 

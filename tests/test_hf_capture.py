@@ -5,7 +5,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from autopar import capture  # noqa: E402
+from autopar.planner import capture
 
 
 def _gpt2():

@@ -87,7 +87,7 @@ def test_checkpoints_resist_damage_planted_code_and_keep_user_files(tmp_path):
 
     import torch
 
-    from runtime import checkpoint
+    from autopar.runtime import checkpoint
 
     ck = tmp_path / "ck"
     (ck / "notes.partial").mkdir(parents=True)
@@ -145,8 +145,8 @@ def broken(tmp_path_factory) -> Path:
     import json
     import re
 
-    from autopar.planner import Search, plan_auto
-    from cost_models import get_cluster
+    from autopar.cost_models import get_cluster
+    from autopar.planner.search import Search, plan_auto
 
     tmp_path = tmp_path_factory.mktemp("broken")
     w = autopar.load_workload("mlp-tiny")  # the suite's batch, as `autopar train mlp-tiny` runs it

@@ -7,8 +7,8 @@ import sys
 import numpy as np
 import pytest
 
-from autopar.ilp import InfeasibleError, Problem, _relaxation, heuristic, lower_bound, solve
-from autopar.plan import Plan
+from autopar.contract.plan import Plan
+from autopar.planner.ilp import InfeasibleError, Problem, _relaxation, heuristic, lower_bound, solve
 
 
 def random_problem(rng, memory_tight: bool) -> Problem:

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from autopar.inter_op import brute_force, microbatch_counts, stage_dp, submesh_shapes
+from autopar.planner.inter_op import brute_force, microbatch_counts, stage_dp, submesh_shapes
 
 
 def test_submesh_shapes_follow_alpa():

@@ -7,11 +7,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar import capture
-from autopar.ilp import InfeasibleError
-from autopar.intra_op import best_sharding, logical_meshes, shard_stage
+from autopar.cost_models import get_cluster
+from autopar.planner import capture
+from autopar.planner.ilp import InfeasibleError
+from autopar.planner.intra_op import best_sharding, logical_meshes, shard_stage
 from autopar.zoo import gpt, moe
-from cost_models import get_cluster
 
 HOST = get_cluster("a100-dgx").with_mesh(1, 8)  # one host of 8 GPUs on NVLink
 
@@ -125,7 +125,7 @@ class Flipper(nn.Module):
 
 def test_unknown_op_runs_replicated_with_one_warning(caplog):
     graph = capture(Flipper(), torch.randn(64, 64))
-    with caplog.at_level(logging.WARNING, logger="autopar.intra_op"):
+    with caplog.at_level(logging.WARNING, logger="autopar.planner.intra_op"):
         r = shard_stage(graph, HOST, (1, 8), (1, 8))
         shard_stage(graph, HOST, (1, 8), (2, 4))
     warnings = [rec for rec in caplog.records if "flip" in rec.getMessage()]

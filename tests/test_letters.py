@@ -4,8 +4,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar import capture
-from autopar.letters import ANCHOR, FOLLOWER, UNKNOWN, signature
+from autopar.planner import capture
+from autopar.planner.rules import ANCHOR, FOLLOWER, UNKNOWN, signature
 
 
 def signatures(fn, *inputs):

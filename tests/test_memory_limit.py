@@ -21,9 +21,9 @@ BOTH = {2: 0.7, 4: 0.6}
 def _plan(world, case):
     """One stage of 4 microbatches, data parallelism only (the tensor axis off: the layout whose
     memory ZeRO and recomputation are there to save), under a fraction of what it takes without a limit."""
-    from autopar.intra_op import Rule
-    from autopar.planner import Search, plan_auto
-    from cost_models import get_cluster
+    from autopar.cost_models import get_cluster
+    from autopar.planner.intra_op import Rule
+    from autopar.planner.search import Search, plan_auto
 
     w = autopar.load_workload("gpt-small", batch=32, device="cpu")
     cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)

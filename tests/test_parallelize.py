@@ -78,9 +78,9 @@ def _layout(w, world, layout):
     """The hand-written layout's plan for `world` local ranks (sharing this machine's cores)."""
     import dataclasses
 
-    from autopar.manual import Layout, manual_plan, manual_search
-    from autopar.planner import Search
-    from cost_models import get_cluster
+    from autopar.cost_models import get_cluster
+    from autopar.planner.manual import Layout, manual_plan, manual_search
+    from autopar.planner.search import Search
 
     cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)
     return manual_plan(manual_search(Search.start(w, cluster, (1, world))), Layout.parse(layout))
@@ -161,8 +161,8 @@ def test_pipeline_training_equals_single_process(tmp_path, name, layout):
 def _two_stages(rank, world, name):
     """The searched plan with two pipeline stages: moe-tiny's one block of two layers (dense, MoE)
     has no even Megatron split; the plan cuts between its layers, inside the block module."""
-    from autopar.planner import Search, plan_auto
-    from cost_models import get_cluster
+    from autopar.cost_models import get_cluster
+    from autopar.planner.search import Search, plan_auto
 
     w, batches = _workload(name)
     plan = plan_auto(Search.start(w, get_cluster("cpu-local"), (1, world)), stages=2, num_microbatches=4)
@@ -182,8 +182,8 @@ def _staged(w, world, meshes, schedule, m):
     with logical mesh meshes[i] and the intra-op pass's placements for it."""
     import dataclasses
 
-    from autopar.planner import Search, assemble
-    from cost_models import get_cluster
+    from autopar.cost_models import get_cluster
+    from autopar.planner.search import Search, assemble
 
     search = Search.start(w, dataclasses.replace(get_cluster("cpu-local"), devices_per_host=4), (1, 4))
     n, k = len(search.layers), len(meshes)
@@ -262,9 +262,9 @@ def _bad(rank, world, case):
             autopar.parallelize(w.model, (1, 4), w.example_inputs, plan="4,1,1", **kwargs)
         elif case == "other-model":
             other = autopar.load_workload("gpt-tiny", batch=BATCH, device="cpu")
-            from autopar.manual import Layout, manual_plan, manual_search
-            from autopar.planner import Search
-            from cost_models import get_cluster
+            from autopar.cost_models import get_cluster
+            from autopar.planner.manual import Layout, manual_plan, manual_search
+            from autopar.planner.search import Search
 
             plan = manual_plan(manual_search(Search.start(other, get_cluster("cpu-local"), (1, world))),
                                Layout.parse("2,1,1"))
@@ -307,8 +307,8 @@ def _collectives(rank, world, name):
 
 @pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny"])
 def test_a_data_parallel_step_issues_what_the_plan_predicts(tmp_path, name):
-    from autopar.intra_op import shard_stage
-    from cost_models import get_cluster
+    from autopar.cost_models import get_cluster
+    from autopar.planner.intra_op import shard_stage
 
     w, _ = _workload(name)
     predicted = shard_stage(autopar.capture(w.model, w.example_inputs), get_cluster("cpu-local").with_mesh(1, 2),
@@ -354,9 +354,9 @@ def _tp_collectives(rank, world, name):
 def test_a_tensor_parallel_step_issues_what_the_plan_predicts(tmp_path, name):
     from collections import Counter
 
-    from autopar.intra_op import shard_stage
-    from autopar.manual import MEGATRON
-    from cost_models import get_cluster
+    from autopar.cost_models import get_cluster
+    from autopar.planner.intra_op import shard_stage
+    from autopar.planner.manual import MEGATRON
 
     w, _ = _workload(name)
     predicted = shard_stage(autopar.capture(w.model, w.example_inputs), get_cluster("cpu-local").with_mesh(1, 2),

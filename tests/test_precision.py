@@ -10,8 +10,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
-from autopar.errors import AutoparError
-from autopar.precision import PRECISIONS
+from autopar.contract.errors import AutoparError
+from autopar.planner.precision import PRECISIONS
 from tests.distributed import shared_ranks
 from tests.families import workload as family
 from tests.test_parallelize import _staged
@@ -46,9 +46,9 @@ class _Matmuls(TorchDispatchMode):
 def _plan(w, world, layout):
     """The layout planned for bf16 (the fp32 and fp16 runs take the same plan with its precision
     replaced: the same placements, so only the precision differs)."""
-    from autopar.manual import Layout, manual_plan, manual_search
-    from autopar.planner import Search
-    from cost_models import get_cluster
+    from autopar.cost_models import get_cluster
+    from autopar.planner.manual import Layout, manual_plan, manual_search
+    from autopar.planner.search import Search
 
     cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)
     if layout == "2+1+1":

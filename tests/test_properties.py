@@ -7,12 +7,12 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from autopar.errors import AutoparError
+from autopar.contract.errors import AutoparError
+from autopar.contract.plan import Plan
+from autopar.cost_models import get_cluster
 from autopar.models import Workload
-from autopar.plan import Plan
-from autopar.planner import Search, plan_auto
+from autopar.planner.search import Search, plan_auto
 from autopar.zoo import gpt, mlp
-from cost_models import get_cluster
 
 MESHES = st.sampled_from([(1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (4, 8)])
 

@@ -32,8 +32,8 @@ def _plan(w, world, layout, recompute):
     """The layout's plan with every stage recomputing or none; "searched": the planner's two-stage
     plan of 8 microbatches under a memory limit (80 % of its peak without one) that makes a
     stage recompute."""
-    from autopar.planner import Search, plan_auto
-    from cost_models import get_cluster
+    from autopar.cost_models import get_cluster
+    from autopar.planner.search import Search, plan_auto
 
     cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)
     if layout == "searched":

@@ -2,7 +2,7 @@
 
 import torch
 
-from runtime import default_backend, local_device
+from autopar.runtime import default_backend, local_device
 
 
 def test_backend_follows_the_hardware():

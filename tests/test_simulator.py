@@ -2,7 +2,7 @@
 
 import pytest
 
-from cost_models.simulator import Hosts, StageTimes, schedule_order, simulate
+from autopar.cost_models.simulator import Hosts, StageTimes, schedule_order, simulate
 
 
 def uniform(n, f=1.0, b=2.0, send=0.0, sync=0.0, act=1.0):

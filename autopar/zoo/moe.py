@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.errors import ModelSpecError
+from autopar.contract.errors import ModelSpecError
 from autopar.zoo import gpt
 
 

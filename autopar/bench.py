@@ -1,0 +1,195 @@
+"""`autopar bench`: run the searched plan and hand-written 3D layouts for real, next to what the
+cost model predicted for them, and say how well the prediction ranks them (Spearman).
+
+All layouts run in one start of the ranks (each gets a fresh model with the same weights), a few
+warm-up steps then timed ones; a step's time is the slowest rank's, and a layout's the median
+over its timed steps, then one more step counts its tensors (`runtime.memory`): the peak of
+the rank that holds most, beside the plan's predicted peak. Layouts differ in (dp, tp, pp) and
+microbatches; each (dp, tp, pp) runs once more recomputing its activations, once more in bf16
+mixed precision (planned for it), and with a data axis once more with ZeRO-3, at its most
+microbatches (`runtime.recompute`, `runtime.precision`, `runtime.parallel.shard_data_axis`).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from autopar.runtime.backend import join_local, local_store
+
+
+def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, precision: str | None = None,
+                    choices: dict | None = None, pin: bool = False) -> list[Any]:
+    """The searched plan first, then every valid hand-written layout × microbatch count (in
+    `precision`), and per (dp, tp, pp) its most microbatches recomputing, in bf16, and with ZeRO-3.
+    `choices` / `pin` (`StageCosts`): record the shardings chosen, or price them again on this
+    cluster (the hand-written layouts only: the search would choose again)."""
+    import dataclasses
+
+    from autopar.models import load_workload
+    from autopar.planner.manual import Layout, check, manual_plan, manual_search
+    from autopar.planner.search import Search, plan_auto
+
+    w = load_workload(model, batch=batch, device="cpu", dtype=torch.float32)
+    search = Search.start(w, cluster, (1, nproc), precision=precision, choices=choices, pin=pin)
+    plans = [] if pin else [dataclasses.replace(plan_auto(search), name="auto")]
+    view = manual_search(search)
+    half = manual_search(Search.start(w, cluster, (1, nproc), graph=search.graph, precision="bf16",
+                                      choices=choices, pin=pin)) if precision is None else None
+    sharded = manual_search(search, zero3=True)
+    for tp in (t for t in range(1, nproc + 1) if nproc % t == 0):
+        for pp in (p for p in range(1, nproc // tp + 1) if (nproc // tp) % p == 0):
+            valid = [Layout(nproc // (tp * pp), tp, pp, m, False) for m in (1, 2, 4, 8)]
+            valid = [layout for layout in valid if check(view, layout) is None]
+            plans += [manual_plan(view, layout) for layout in valid]
+            if valid:  # recomputing, where it saves most: the most microbatches in flight
+                plans.append(manual_plan(view, dataclasses.replace(valid[-1], recompute=True)))
+            if valid and half is not None:
+                plan = manual_plan(half, valid[-1])
+                plans.append(dataclasses.replace(plan, name=f"{plan.name} bf16"))
+            if valid and valid[-1].dp > 1:  # ZeRO-3 (FSDP2, a unit per layer)
+                plan = manual_plan(sharded, valid[-1])
+                plans.append(dataclasses.replace(plan, name=f"{plan.name} zero3"))
+    return plans
+
+
+def time_steps(pm: Any, batches: Callable[[], tuple], warmup: int, steps: int) -> float:
+    """The median over `steps` timed steps (after `warmup`) of the slowest rank's step time: every
+    rank of the job calls it. `batches()` gives the next (inputs, target)."""
+    measured = []
+    for i in range(warmup + steps):
+        inputs, target = batches()
+        dist.barrier()
+        start = time.perf_counter()
+        pm.step(inputs, target)
+        slowest = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            measured.append(float(slowest))
+    return statistics.median(measured)
+
+
+def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans: list[str], warmup: int,
+          steps: int, out: str, breakdown: bool) -> None:
+    import autopar
+    from autopar.contract.plan import Plan
+    from autopar.runtime.breakdown import measuring, summarise
+    from autopar.runtime.memory import measured_step
+
+    torch.set_num_threads(1)
+    join_local("gloo", port, rank, world)
+    times: list[tuple] = []
+    for text in plans:
+        torch.manual_seed(0)
+        w = autopar.load_workload(model, batch=batch, device="cpu", dtype=torch.float32)
+        plan = Plan.from_json(text)
+        pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=plan,
+                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), mixed_precision=plan.precision or "fp32")
+        gen = torch.Generator().manual_seed(1)
+        median = time_steps(pm, lambda: w.make_batch(w.batch, gen), warmup, steps)
+        parts = None
+        if breakdown:  # one more step, its ops and phases timed (apart: the timing costs time)
+            inputs, target = w.make_batch(w.batch, gen)
+            dist.barrier()
+            with measuring() as mode:
+                start = time.perf_counter()
+                pm.step(inputs, target)
+                wall = time.perf_counter() - start
+            parts = [None] * world
+            dist.all_gather_object(parts, summarise(mode, wall))
+        _, tensors = measured_step(pm, *w.make_batch(w.batch, gen))
+        peak = torch.tensor([tensors["total"]], dtype=torch.float64)
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+        times.append((median, float(peak), parts))
+    if rank == 0:
+        torch.save(times, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def measure(model: str, nproc: int, batch: int | None, plans: list[Any], warmup: int = 2, steps: int = 5,
+            breakdown: bool = False) -> list[tuple[float, float, list | None]]:
+    """Each plan run on `nproc` local ranks started once: (median step time, the largest rank's
+    peak tensor bytes, the per-rank breakdown or None)."""
+    with tempfile.TemporaryDirectory() as tmp, local_store() as port:
+        out = os.path.join(tmp, "times.pt")
+        mp.spawn(_rank, args=(nproc, port, model, batch, [p.to_json() for p in plans], warmup, steps, out, breakdown),
+                 nprocs=nproc, join=True)
+        return torch.load(out, weights_only=False)
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Rank correlation (average ranks for ties)."""
+    def ranks(x: list[float]) -> np.ndarray:
+        x = np.asarray(x)
+        order = x.argsort()
+        r = np.empty(len(x))
+        r[order] = np.arange(len(x))
+        for v in np.unique(x):
+            r[x == v] = r[x == v].mean()
+        return r
+
+    ra, rb = ranks(a), ranks(b)
+    return float(np.corrcoef(ra, rb)[0, 1]) if len(a) > 1 else 1.0
+
+
+def predicted_breakdown(plan: Any) -> list[dict[str, float]]:
+    """Per stage, the plan's prediction in the terms `runtime.breakdown` measures, from the
+    simulator's replay (durations as replayed: ranks sharing cores run slower): forward and
+    backward of all microbatches, the exposed data-axis synchronisation, the optimizer, and the
+    time the pipeline leaves the stage idle or sending."""
+    from autopar.planner.search import replay
+
+    sim = replay(plan)
+    out = []
+    for k, stage in enumerate(plan.stages):
+        mine = [e for e in sim.events if e.stage == k]
+
+        def spent(kind: str) -> float:
+            return sum(e.end - e.start for e in mine if e.kind == kind)
+
+        sync, optimizer = stage.cost.get("grad_sync_s", 0.0), stage.cost.get("optimizer_s", 0.0)
+        last = max(e.end for e in mine if e.kind == "B")
+        end = max(e.end for e in mine if e.kind in ("B", "sync"))
+        tail = spent("sync")
+        out.append({"step_s": sim.step_time_s, "forward_s": spent("F"), "backward_s": spent("B"),
+                    "dp_sync_s": tail * sync / (sync + optimizer) if sync + optimizer else 0.0,
+                    "optimizer_s": tail * optimizer / (sync + optimizer) if sync + optimizer else 0.0,
+                    "pipeline_s": max(0.0, last - spent("F") - spent("B")), "other_s": sim.step_time_s - end})
+    return out
+
+
+def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup: int = 2, steps: int = 5,
+          progress: Callable[[str], None] | None = None, precision: str | None = None,
+          breakdown: bool = False) -> dict[str, Any]:
+    from autopar.planner.precision import parse_precision
+
+    precision = parse_precision(precision)
+    if progress:
+        progress("planning the searched and hand-written layouts")
+    plans = candidate_plans(model, nproc, cluster, batch, precision)
+    if progress:
+        progress(f"running {len(plans)} layouts on {nproc} ranks")
+    measured = measure(model, nproc, batch, plans, warmup, steps, breakdown)
+    rows = [{"name": p.name, "num_microbatches": p.num_microbatches, "precision": p.precision or "fp32",
+             "recompute": any(s.recompute for s in p.stages),
+             "predicted_step_time_s": p.estimate.step_time_s, "measured_step_time_s": t,
+             "predicted_peak_bytes": p.estimate.peak_memory_bytes, "measured_peak_bytes": peak}
+            for p, (t, peak, _) in zip(plans, measured)]
+    if breakdown:  # per rank measured; per stage predicted (rank r runs stage `stage_of[r]`)
+        for row, p, (_, _, parts) in zip(rows, plans, measured):
+            row["breakdown"] = {"measured": parts, "predicted": predicted_breakdown(p),
+                                "stage_of": [k for k, s in enumerate(p.stages) for _ in range(s.devices)]}
+    fastest = min(r["measured_step_time_s"] for r in rows)
+    return {"model": model, "nproc": nproc, "batch": batch, "precision": precision, "cluster": cluster.name, "layouts": rows,
+            "spearman": spearman([r["predicted_step_time_s"] for r in rows], [r["measured_step_time_s"] for r in rows]),
+            "auto_name": rows[0]["name"], "auto_vs_fastest": rows[0]["measured_step_time_s"] / fastest}

@@ -1,0 +1,281 @@
+"""`autopar calibrate`: measure this machine's ranks and write the ClusterSpec the cost model uses.
+
+A device here is what one rank runs on (a CPU core with one thread under gloo, a GPU under NCCL).
+Measured: matmul throughput per dtype (the best of a few sizes: what large matmuls reach, so the
+spec's efficiency is 1) and how far small matmuls fall short of it (`matmul_half_flops`), a
+convolution's throughput per dtype (reported), memory bandwidth (a large copy), the fixed cost of
+an op (a chain of tiny ones, forward and backward), AdamW per tensor and per element, how much of
+an all-reduce hides behind computation (`Link.overlap`), and for every group size 2 … N the time
+of all-reduce and all-gather across message sizes; α (latency) and β (seconds per byte) are
+fitted to the ring formulas of `cost_models.comm` over all of them, with ranks beyond the host's
+cores sharing them (`ClusterSpec.cores_per_host`). Then the runtime itself, in place: a small GPT
+trained by `parallelize` on every rank gives the cost of an op on DTensors and the tensor axis's
+collective latency where they are paid (`runtime_overheads`).
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from autopar.runtime.backend import join_local, local_store
+
+SIZES = [2**k for k in range(10, 24, 2)]  # bytes per collective: 1 KiB … 4 MiB
+
+
+def _timed(fn: Callable[[], Any], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _chain_overhead(x: torch.Tensor, n: int = 200) -> float:
+    """Seconds per op of a chain of `n` tiny element-wise ops, forward and backward each: the host's
+    fixed cost of issuing an op (dispatch, autograd), which no FLOP or byte count holds."""
+    def run() -> None:
+        y = x
+        for _ in range(n):
+            y = y * 1.0
+        y.sum().backward()
+
+    return _timed(run, repeats=5) / (2 * n + 2)
+
+
+def _matmul_curve(device: torch.device, sync: Callable[[], Any], peak: float, overhead: float) -> float:
+    """FLOPs at which an fp32 matmul reaches half of `peak`: small matmuls take `(f + f½) / peak`
+    plus the op's fixed cost (fitted over sizes 32 … 256: the median of `t · peak − f`)."""
+    excess = []
+    for n in (32, 48, 64, 96, 128, 192, 256):
+        a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
+        t = _timed(lambda a=a, b=b: (a @ b, sync()), repeats=20)
+        excess.append((t - overhead) * peak - 2 * n**3)
+    return max(0.0, float(np.median(excess)))
+
+
+def measure_device(device: torch.device) -> dict[str, Any]:
+    """FLOP/s of matmuls per dtype and of a convolution, how small matmuls fall short of it, the
+    fixed cost per op, and memory bandwidth, on one rank's device."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    flops: dict[str, float] = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        best = 0.0
+        for n in (256, 512, 1024):
+            a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
+            t = _timed(lambda a=a, b=b: (a @ b, sync()), repeats=7)
+            best = max(best, 2 * n**3 / t)
+        flops[str(dtype).removeprefix("torch.")] = best
+    conv: dict[str, float] = {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x, w = (torch.randn(*shape, device=device).to(dtype) for shape in ((8, 64, 32, 32), (64, 64, 3, 3)))
+        try:
+            t = _timed(lambda x=x, w=w: (torch.nn.functional.conv2d(x, w, padding=1), sync()), repeats=3)
+        except RuntimeError:  # no kernel for this dtype on this device
+            continue
+        conv[str(dtype).removeprefix("torch.")] = 2 * 8 * 64 * 32 * 32 * 64 * 9 / t
+    big = torch.empty(16 * 2**20, device=device)  # 64 MiB
+    t = _timed(lambda: (big.clone(), sync()), repeats=7)
+    bandwidth = 2 * big.numel() * 4 / t
+    overhead = _chain_overhead(torch.zeros(16, device=device, requires_grad=True))
+    return {"matmul_flops": flops, "conv2d_flops": conv, "memory_bandwidth": bandwidth, "op_overhead_s": overhead,
+            "matmul_half_flops": _matmul_curve(device, sync, flops["float32"], overhead),
+            **_optimizer(device, sync, bandwidth)}
+
+
+def _optimizer(device: torch.device, sync: Callable[[], Any], bandwidth: float) -> dict[str, float]:
+    """torch's AdamW as it runs here (single-tensor on CPU, foreach on GPUs): its time per tensor
+    (32 tiny tensors) and bytes moved per element (one tensor of 4 Mi elements)."""
+    def step_time(shapes: list[int]) -> float:
+        params = [torch.zeros(n, device=device, requires_grad=True) for n in shapes]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        return _timed(lambda: (opt.step(), sync()), repeats=5)
+
+    per_tensor = step_time([16] * 32) / 32
+    per_element = max(0.0, step_time([2**22]) - per_tensor) / 2**22
+    return {"optimizer_tensor_s": per_tensor, "optimizer_bytes": per_element * bandwidth}
+
+
+def _overlap(device: torch.device, nbytes: int = 2**22) -> dict[str, float]:
+    """How much of an all-reduce of every rank hides behind computation running at the same time:
+    1 when the two take no longer than the longer alone (GPUs: the copy engines and NCCL's own
+    kernels), 0 when they add up (gloo's reduction on the cores the computation needs)."""
+    flat = torch.zeros(nbytes // 4, device=device)
+    a = torch.randn(256, 256, device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+
+    def compute() -> None:
+        for _ in range(40):
+            a @ a
+        sync()
+
+    def both() -> None:
+        work = dist.all_reduce(flat, async_op=True)
+        compute()
+        work.wait()
+
+    alone_c = _timed(compute, repeats=3)
+    alone_a = _timed(lambda: dist.all_reduce(flat), repeats=3)
+    together = _timed(both, repeats=3)
+    hidden = (alone_c + alone_a - together) / min(alone_c, alone_a)
+    return {"compute_s": alone_c, "all_reduce_s": alone_a, "together_s": together,
+            "overlap": float(min(1.0, max(0.0, hidden)))}
+
+
+def runtime_overheads(device: torch.device, world: int, model: str = "gpt-tiny", steps: int = 3) -> dict[str, float]:
+    """The runtime's own cost per op, measured where it is paid: a small GPT trained by
+    `parallelize` on every rank, data-parallel (the model's modules, eager) and tensor-parallel
+    over all of them (the sharded-graph interpreter on DTensors). `runtime.breakdown` separates
+    the ops' time and the collectives' from the rest; the rest (less what the breakdown's own
+    timing added to the step), per op the planner counts (each graph node forward, and again in
+    backward), is the overhead; the tensor axis's collectives' time in place (waiting for the
+    slowest rank included) gives their latency there."""
+    import autopar
+    from autopar.bench import time_steps
+    from autopar.planner.capture import capture
+    from autopar.runtime.breakdown import measuring, summarise
+
+    out = {}
+    for axis, layout in (("dp", f"{world},1,1,1"), ("tp", f"1,{world},1,1")):
+        torch.manual_seed(0)
+        w = autopar.load_workload(model, batch=4 * world, device=device.type, dtype=torch.float32)
+        nodes = sum(1 for n in capture(w.model, w.example_inputs) if n.op != "input")
+        pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=layout,
+                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+        gen = torch.Generator().manual_seed(1)
+        plain = time_steps(pm, lambda: w.make_batch(w.batch, gen), warmup=2, steps=steps)
+        parts = []
+        for _ in range(steps):
+            inputs, target = w.make_batch(w.batch, gen)
+            dist.barrier()
+            with measuring() as mode:
+                start = time.perf_counter()
+                pm.step(inputs, target)
+                parts.append(summarise(mode, time.perf_counter() - start))
+        m = {k: statistics.median(p[k] for p in parts) for k in parts[0]}
+        # what the timing itself added to the step (spread over the ops it timed) is taken out of
+        # the overhead of forward and backward's
+        timed = m["ops"] + m["optimizer_ops"] + m["collectives"]
+        added = max(0.0, m["step_s"] - plain) * m["ops"] / timed if timed else 0.0
+        per_op = max(0.0, m["overhead_s"] - added) / (2 * nodes)
+        out[axis] = {**m, "untimed_step_s": plain, "per_op_s": per_op, "nodes": nodes}
+    return out
+
+
+def _ring(kind: str, n: int) -> tuple[float, float]:
+    """(a, b) of the ring formula t = a·α + b·B·β: all-reduce 2(n−1), 2(n−1)/n; all-gather (B
+    gathered) n−1, (n−1)/n (`cost_models.comm`)."""
+    return (2 * (n - 1), 2 * (n - 1) / n) if kind == "all_reduce" else (n - 1, (n - 1) / n)
+
+
+def fit_link(links: dict[int, dict[str, Any]], cores: int) -> tuple[float, float]:
+    """α and β of the ring formulas over every measured group size, collective and message size,
+    with the ranks of a group sharing `cores` (a group larger than the cores takes n / cores as
+    long: `cost_models.comm.shared`): least squares on relative error, so that the small
+    messages of the tensor axis weigh as much as the large ones of gradient buckets."""
+    rows, times = [], []
+    for n, fits in links.items():
+        share = max(1.0, n / cores)
+        for kind, fit in fits.items():
+            a, b = _ring(kind, n)
+            for nbytes, t in zip(fit["sizes"], fit["times"]):
+                rows.append([a * share / t, b * nbytes * share / t])
+                times.append(1.0)
+    (alpha, beta), *_ = np.linalg.lstsq(np.array(rows), np.array(times), rcond=None)
+    return max(float(alpha), 1e-7), max(float(beta), 1e-13)
+
+
+def _rank(rank: int, world: int, port: int, out: str, backend: str) -> None:
+    torch.set_num_threads(1)
+    join_local(backend, port, rank, world)
+    device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
+    result: dict[str, Any] = {"device": measure_device(device) if rank == 0 else None, "links": {}}
+    dist.barrier()
+    result["overlap"] = _overlap(device)
+    result["runtime"] = runtime_overheads(device, world)
+    for n in range(2, world + 1):
+        group = dist.new_group(list(range(n)))
+        if rank >= n:
+            continue
+        fits = {}
+        for kind in ("all_reduce", "all_gather"):
+            times = []
+            for nbytes in SIZES:
+                x = torch.zeros(nbytes // 4, device=device)
+                if kind == "all_reduce":
+                    t = _timed(lambda x=x, g=group: dist.all_reduce(x, group=g), repeats=9)
+                else:
+                    parts = [torch.empty_like(x) for _ in range(n)]
+                    t = _timed(lambda x=x, parts=parts, g=group: dist.all_gather(parts, x, group=g), repeats=9)
+                times.append(t)
+            fits[kind] = {"sizes": [s * n for s in SIZES] if kind == "all_gather" else SIZES, "times": times}
+        result["links"][n] = fits
+    if rank == 0:
+        torch.save(result, out)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def calibrate(nproc: int, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Measurements of `nproc` local ranks (at least 2 for the links)."""
+    from autopar.runtime import default_backend
+
+    backend = default_backend()
+    with tempfile.TemporaryDirectory() as tmp, local_store() as port:
+        out = os.path.join(tmp, "calibration.pt")
+        if progress:
+            progress(f"{nproc} ranks: matmul, convolution, memory, collectives of 2…{nproc} ranks")
+        mp.spawn(_rank, args=(nproc, port, out, backend), nprocs=nproc, join=True)
+        return torch.load(out, weights_only=False)
+
+
+def host_cores(nproc: int) -> int:
+    """Ranks of this host that can compute at once: its cores (one thread per rank), or with GPUs
+    every rank."""
+    return nproc if torch.cuda.is_available() else min(nproc, len(os.sched_getaffinity(0)))
+
+
+def cluster_spec(measured: dict[str, Any], nproc: int, name: str = "cpu-local") -> Any:
+    """The ClusterSpec of what was measured: one host of `nproc` devices."""
+    from autopar.cost_models import ClusterSpec, DeviceSpec, Link
+
+    dev = measured["device"]
+    cores = host_cores(nproc)
+    alpha, beta = fit_link(measured["links"], cores)
+    # in place, every rank busy: wall time is the cores' share (the simulator divides them again)
+    shared = max(1.0, nproc / cores)
+    dp, tp = measured["runtime"]["dp"], measured["runtime"]["tp"]
+    op_overhead = max(dp["per_op_s"] / shared, dev["op_overhead_s"])  # at least a bare op's (the chain)
+    sharded = max(0.0, tp["per_op_s"] / shared - op_overhead)
+    if tp["tp_collectives"]:  # the tensor axis's all-reduces in place: their latency, the bytes at β
+        a, b = _ring("all_reduce", nproc)
+        alpha = max(alpha, (tp["tp_comm_s"] / shared - b * tp["tp_bytes"] * beta) / (a * tp["tp_collectives"]))
+    link = Link(bandwidth=1 / beta, latency=alpha, overlap=measured["overlap"]["overlap"])
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, nproc)
+    gpu = torch.cuda.is_available()
+    if gpu:
+        memory = torch.cuda.get_device_properties(0).total_memory
+    return ClusterSpec(
+        name=name, num_hosts=1, devices_per_host=nproc, cores_per_host=cores,
+        device=DeviceSpec(name="cuda-gpu" if gpu else "cpu-core",
+                          peak_flops=dev["matmul_flops"], memory_bytes=int(memory),
+                          memory_bandwidth=dev["memory_bandwidth"], efficiency=1.0,
+                          op_overhead_s=op_overhead, sharded_op_overhead_s=sharded,
+                          matmul_half_flops=dev["matmul_half_flops"], asynchronous=gpu,
+                          optimizer_ops=dev["optimizer_tensor_s"] / op_overhead if op_overhead else 0.0,
+                          optimizer_bytes=dev["optimizer_bytes"]),
+        intra_host=link, inter_host=link,
+        description=f"this machine, {nproc} ranks on {cores} cores, calibrated {time.strftime('%Y-%m-%d')}")

@@ -1,0 +1,314 @@
+"""The Plan: the one contract between the planner and the runtime (`"schema": "autopar.plan/1"`).
+
+Keyed by stable strings only (parameter FQNs, exported node names, layer names), so a plan
+written by the planner, by the hand-written 3D generator or by a person runs the same way, and
+round-trips through JSON byte for byte. Timings of the search itself are not part of the plan:
+the same inputs give the same file.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import math
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autopar.contract.errors import AutoparError
+from autopar.contract.jsonio import loads, read_json, write_json
+from autopar.contract.limits import MAX_BATCH, MAX_DEVICES, MAX_MICROBATCHES
+from autopar.contract.units import human_time, printable, span
+
+SCHEMA = "autopar.plan/1"
+SCHEDULES = ("1f1b", "gpipe")
+_PLACEMENT = re.compile(r"R|P|S\(\d+\)")
+
+
+class PlanError(AutoparError):
+    """A plan file that is malformed, of another schema, or for another model or cluster."""
+
+
+@dataclass
+class StagePlan:
+    layers: tuple[int, int]  # [start, end) in `Plan.layers`
+    submesh: tuple[int, int]  # (hosts, devices per host)
+    logical_mesh: tuple[int, int]  # (dp, tp)
+    params: dict[str, list[str]] = field(default_factory=dict)  # FQN -> [placement on dp, on tp]
+    ops: dict[str, list[str]] = field(default_factory=dict)  # node -> [placement on dp, on tp]
+    # node -> the tensor-axis placement each input (fx `all_input_nodes` order) must have when the
+    # op runs (None: not a tensor the op splits); the runtime redistributes to it. Stages with tp > 1
+    needs: dict[str, list[str | None]] = field(default_factory=dict)
+    recompute: bool = False
+    cost: dict[str, float] = field(default_factory=dict)  # per microbatch and per step, itemised
+
+    @property
+    def devices(self) -> int:
+        return self.submesh[0] * self.submesh[1]
+
+
+@dataclass
+class Estimate:
+    step_time_s: float
+    tflops_per_device: float
+    peak_memory_bytes: float
+    bubble_fraction: float
+    fits: bool = True
+
+
+@dataclass
+class Plan:
+    model: str
+    graph_hash: str
+    batch: int
+    cluster: str
+    mesh: tuple[int, int]
+    layers: list[dict[str, Any]]  # {"name": layer hint, "nodes": [exported node names]}
+    stages: list[StagePlan]
+    num_microbatches: int
+    schedule: str = "1f1b"
+    precision: str | None = None  # mixed precision it was priced for ("bf16", "fp16"); None: the model's dtype
+    dp_gradient: dict[str, Any] = field(default_factory=lambda: {"zero_stage": 0, "compression": None, "delay": 0})
+    estimate: Estimate | None = None
+    search: dict[str, Any] = field(default_factory=dict)  # how it was found: "auto" / "manual", solves, hits
+    name: str = "auto"
+
+    # ---- JSON ------------------------------------------------------------------------------
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["stages"] = [{**s, "layers": list(s["layers"]), "submesh": list(s["submesh"]),
+                           "logical_mesh": list(s["logical_mesh"])} for s in data["stages"]]
+        data["mesh"] = list(self.mesh)
+        return {"schema": SCHEMA, **data}
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
+
+    def save(self, path: str | Path) -> None:
+        write_json(path, self.to_dict())
+
+    @staticmethod
+    def load(path: str | Path) -> Plan:
+        try:
+            data = read_json(path, "plan file")
+        except FileNotFoundError:
+            raise PlanError(f"plan file {path} does not exist") from None
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
+        except OSError as exc:
+            raise PlanError(f"cannot read plan file {path}: {exc.strerror or exc}") from None
+        return _parse(data, str(path))
+
+    @staticmethod
+    def from_json(text: str, source: str = "plan") -> Plan:
+        try:
+            data = loads(text, source)
+        except ValueError as exc:
+            raise PlanError(str(exc)) from None
+        return _parse(data, source)
+
+    # ---- checks against what it will run on ------------------------------------------------
+
+    def check_precision(self, precision: str | None) -> None:
+        """The run trains in the precision the plan was priced for (its memory and time assume it)."""
+        if precision != self.precision:
+            said = {None: "the model's own dtype (fp32)"}
+            raise PlanError(f"this plan was priced for {said.get(self.precision, self.precision)}, the run asks for "
+                            f"{said.get(precision, precision)}: run it with --mixed-precision "
+                            f"{self.precision or 'fp32'}, or re-plan with --mixed-precision {precision or 'fp32'}")
+
+    def check_placements(self, graph: Any, param_shapes: dict[str, tuple[int, ...]]) -> None:
+        """What a hand-edited plan of the right model can still get wrong: a placement beyond its
+        tensor's dimensions, a partial sum stored as a parameter, a parameter placed nowhere or one
+        the model lacks, an op that is not in the graph or sits in two stages."""
+        placed, owner = set(), {}
+        for i, s in enumerate(self.stages):
+            where = f"stages[{i}]"
+            for fqn, placement in s.params.items():
+                if fqn not in param_shapes:
+                    raise PlanError(f"{where}.params names {fqn!r}, which the model does not have")
+                if "P" in placement:
+                    raise PlanError(f"{where}.params[{fqn!r}] is {placement}: a stored parameter is never a partial "
+                                    "sum (P); use R or S(d)")
+                _within(placement, len(param_shapes[fqn]), f"{where}.params[{fqn!r}]")
+                placed.add(fqn)
+            for name, placement in s.ops.items():
+                if name in owner:
+                    raise PlanError(f"{where}.ops[{name!r}]: the op is in stages[{owner[name]}] too")
+                owner[name] = i
+                if name not in graph.graph.nodes:
+                    raise PlanError(f"{where}.ops names {name!r}, which the model's graph does not have")
+                outputs = graph.node(name).outputs
+                _within(placement, len(outputs[0].shape) if outputs else 0, f"{where}.ops[{name!r}]")
+            for name, placements in s.needs.items():
+                if name not in graph.graph.nodes:
+                    raise PlanError(f"{where}.needs names {name!r}, which the model's graph does not have")
+                inputs = graph.node(name).inputs
+                for k, placement in enumerate(placements):
+                    if placement is not None and k < len(inputs):
+                        _within([placement], len(inputs[k].shape), f"{where}.needs[{name!r}][{k}]")
+        used = {fqn for node in graph for fqn in node.params}
+        missing = sorted(used - placed)
+        if missing:
+            raise PlanError(f"the plan places no {', '.join(missing[:3])}{' …' if len(missing) > 3 else ''} "
+                            f"({len(missing)} of the model's {len(used)} parameters): re-plan, or add them to a stage")
+
+    def check_graph(self, graph_hash: str) -> None:
+        if graph_hash != self.graph_hash:
+            raise PlanError(
+                f"this plan was made for another model or batch (graph {self.graph_hash}, this one is {graph_hash}): "
+                f"re-plan with `autopar plan {self.model}`")
+
+    @property
+    def num_devices(self) -> int:
+        return sum(s.devices for s in self.stages)
+
+    def summary(self) -> str:
+        """A few readable lines: stages, meshes, microbatches, prediction."""
+        lines = [f"{printable(self.name)} plan for {printable(self.model)} (batch {self.batch}) on {printable(self.cluster)} "
+                 f"{self.mesh[0]}x{self.mesh[1]}: {len(self.stages)} stage(s), {self.num_microbatches} "
+                 f"microbatch(es), {self.schedule}" + (f", mixed precision {self.precision}" if self.precision else "")]
+        for i, s in enumerate(self.stages):
+            names = [printable(self.layers[k]["name"]) for k in range(*s.layers)]
+            lines.append(f"  stage {i}: layers {s.layers[0]}–{s.layers[1] - 1} ({span(names)}) on {s.submesh[0]}x{s.submesh[1]} "
+                         f"devices as dp {s.logical_mesh[0]} × tp {s.logical_mesh[1]}"
+                         + (", recomputing activations" if s.recompute else ""))
+        if self.estimate:
+            e = self.estimate
+            lines.append(f"  predicted: {human_time(e.step_time_s)} per step, {e.tflops_per_device:.1f} TFLOP/s per "
+                         f"device, peak {e.peak_memory_bytes / 2**30:.2f} GiB, bubble {e.bubble_fraction:.0%}"
+                         + ("" if e.fits else " — DOES NOT FIT in memory"))
+        return "\n".join(lines)
+
+
+def _parse(data: Any, source: str) -> Plan:
+    """Build a Plan from JSON data, naming the first thing that is wrong."""
+    if not isinstance(data, dict):
+        raise PlanError(f"{source}: expected a JSON object, got {type(data).__name__}")
+    if data.get("schema") != SCHEMA:
+        raise PlanError(f"{source}: schema {data.get('schema')!r} is not {SCHEMA!r}; re-plan with this version of autopar")
+
+    def need(obj: dict, key: str, kind: type | tuple, where: str = "") -> Any:
+        value = obj.get(key)
+        if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
+            raise PlanError(f"{source}: {where}{key} must be {_kind(kind)}, got {value!r}")
+        return value
+
+    def pair(obj: dict, key: str, where: str) -> tuple[int, int]:
+        value = need(obj, key, list, where)
+        if len(value) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value):
+            raise PlanError(f"{source}: {where}{key} must be two non-negative integers, got {value!r}")
+        return tuple(value)
+
+    layers = need(data, "layers", list)
+    for i, layer in enumerate(layers):
+        if not (isinstance(layer, dict) and isinstance(layer.get("name"), str) and isinstance(layer.get("nodes"), list)
+                and all(isinstance(n, str) for n in layer["nodes"])):
+            raise PlanError(f"{source}: layers[{i}] must be {{\"name\": str, \"nodes\": [str, ...]}}, got {layer!r}")
+    names = [n for layer in layers for n in layer["nodes"]]
+    if len(set(names)) != len(names):
+        twice = next(n for n, count in collections.Counter(names).items() if count > 1)
+        raise PlanError(f"{source}: node {twice!r} is in more than one layer (or twice in one)")
+    mesh = pair(data, "mesh", "")
+    if mesh[0] * mesh[1] > MAX_DEVICES:
+        raise PlanError(f"{source}: mesh {list(mesh)} has {mesh[0] * mesh[1]} devices, more than the {MAX_DEVICES} "
+                        "autopar plans and runs")
+    stages = []
+    for i, s in enumerate(need(data, "stages", list)):
+        where = f"stages[{i}]."
+        if not isinstance(s, dict):
+            raise PlanError(f"{source}: stages[{i}] must be an object")
+        stage = StagePlan(
+            layers=pair(s, "layers", where), submesh=pair(s, "submesh", where), logical_mesh=pair(s, "logical_mesh", where),
+            params=need(s, "params", dict, where), ops=need(s, "ops", dict, where),
+            recompute=need(s, "recompute", bool, where), cost=need(s, "cost", dict, where),
+            needs=need(s, "needs", dict, where) if "needs" in s else {})
+        for key, value in stage.cost.items():
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
+                raise PlanError(f"{source}: {where}cost.{key} must be a finite number, got {value!r}")
+        for kind, table in (("params", stage.params), ("ops", stage.ops)):
+            for key, placement in table.items():
+                if not (isinstance(placement, list) and len(placement) == 2
+                        and all(isinstance(p, str) and _PLACEMENT.fullmatch(p) for p in placement)):
+                    raise PlanError(f"{source}: {where}{kind}[{key!r}] must be two placements (R, P or S(d)), "
+                                    f"got {placement!r}")
+        for key, placements in stage.needs.items():
+            if not (isinstance(placements, list)
+                    and all(p is None or isinstance(p, str) and _PLACEMENT.fullmatch(p) for p in placements)):
+                raise PlanError(f"{source}: {where}needs[{key!r}] must be a list of placements or null, got {placements!r}")
+        if stage.logical_mesh[0] * stage.logical_mesh[1] != stage.devices or stage.devices == 0:
+            raise PlanError(f"{source}: {where}logical_mesh {list(stage.logical_mesh)} does not tile its submesh "
+                            f"{list(stage.submesh)}")
+        if stage.submesh[0] > mesh[0] or stage.submesh[1] > mesh[1]:
+            raise PlanError(f"{source}: {where}submesh {list(stage.submesh)} does not fit in the mesh {list(mesh)}")
+        stages.append(stage)
+    if not stages:
+        raise PlanError(f"{source}: a plan needs at least one stage")
+    expected = 0
+    for i, s in enumerate(stages):
+        if s.layers[0] != expected or s.layers[1] <= s.layers[0]:
+            raise PlanError(f"{source}: stages must cover the layers in order without gaps; stages[{i}] has "
+                            f"{list(s.layers)}, expected to start at {expected}")
+        expected = s.layers[1]
+    if expected != len(layers):
+        raise PlanError(f"{source}: the stages cover {expected} of {len(layers)} layers")
+    if sum(s.devices for s in stages) != mesh[0] * mesh[1]:
+        raise PlanError(f"{source}: the stages use {sum(s.devices for s in stages)} devices, the mesh "
+                        f"{mesh[0]}x{mesh[1]} has {mesh[0] * mesh[1]}")
+    gradient = need(data, "dp_gradient", dict)
+    if gradient.get("zero_stage", 0) not in (0, 1, 2, 3):
+        raise PlanError(f"{source}: dp_gradient.zero_stage must be 0, 1, 2 or 3, got {gradient.get('zero_stage')!r}")
+    if gradient.get("compression") is not None:
+        from autopar.cost_models.compression import parse
+
+        try:
+            parse(str(gradient["compression"]))
+        except AutoparError as exc:
+            raise PlanError(f"{source}: dp_gradient.compression: {exc}") from None
+    delay = gradient.get("delay", 0)
+    if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
+        raise PlanError(f"{source}: dp_gradient.delay must be a number of steps ≥ 0, got {delay!r}")
+    schedule = need(data, "schedule", str)
+    if schedule not in SCHEDULES:
+        raise PlanError(f"{source}: schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    precision = data.get("precision")
+    if precision not in (None, "bf16", "fp16"):
+        raise PlanError(f"{source}: precision must be \"bf16\", \"fp16\" or null (the model's dtype), got {precision!r}")
+    mb = need(data, "num_microbatches", int)
+    batch = need(data, "batch", int)
+    if not 1 <= batch <= MAX_BATCH or mb > MAX_MICROBATCHES:
+        raise PlanError(f"{source}: batch {batch} and num_microbatches {mb} must be at most {MAX_BATCH} and "
+                        f"{MAX_MICROBATCHES}")
+    if mb < 1 or batch % mb:
+        raise PlanError(f"{source}: num_microbatches {mb} must be at least 1 and divide the batch {batch}")
+    est = data.get("estimate")
+    estimate = None
+    if est is not None:
+        fields = {f.name: f for f in dataclasses.fields(Estimate)}
+        if not isinstance(est, dict) or set(est) != set(fields):
+            raise PlanError(f"{source}: estimate must have exactly {', '.join(fields)}")
+        for key in ("step_time_s", "tflops_per_device", "peak_memory_bytes", "bubble_fraction"):
+            if not isinstance(est[key], (int, float)) or isinstance(est[key], bool) or not math.isfinite(est[key]):
+                raise PlanError(f"{source}: estimate.{key} must be a finite number, got {est[key]!r}")
+        estimate = Estimate(**{**est, "fits": bool(est["fits"])})
+    return Plan(
+        model=need(data, "model", str), graph_hash=need(data, "graph_hash", str), batch=batch,
+        cluster=need(data, "cluster", str), mesh=mesh, layers=layers, stages=stages,
+        num_microbatches=mb, schedule=schedule, precision=precision, dp_gradient=gradient, estimate=estimate,
+        search=data.get("search") or {}, name=str(data.get("name", "auto")))
+
+
+def _within(placements: list[str], ndim: int, where: str) -> None:
+    for placement in placements:
+        m = re.fullmatch(r"S\((\d+)\)", placement)
+        if m and int(m.group(1)) >= ndim:
+            raise PlanError(f"{where} is {placements}: {placement} splits dimension {m.group(1)} of a tensor with "
+                            f"{ndim} dimension(s)")
+
+
+def _kind(kind: type | tuple) -> str:
+    names = {list: "a list", dict: "an object", str: "a string", int: "an integer", bool: "true or false"}
+    return " or ".join(names.get(k, k.__name__) for k in (kind if isinstance(kind, tuple) else (kind,)))

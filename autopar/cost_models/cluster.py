@@ -1,0 +1,184 @@
+"""Cluster descriptions: what the cost models know about the hardware.
+
+A `ClusterSpec` is hosts × devices per host, the device's peak FLOP/s per dtype, memory and
+memory bandwidth, and two links: inside a host (per device, one direction) and between hosts (per
+host NIC, one direction). Presets come from public data sheets (../shared/REFERENCES.md);
+`cpu-local` describes this machine, from a calibration file when one exists.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autopar.contract.errors import ClusterSpecError
+from autopar.contract.jsonio import read_json, write_json
+from autopar.contract.limits import MAX_DEVICES, MAX_DEVICES_PER_HOST, MAX_MEMORY_BYTES
+
+GB = 1e9
+GiB = 2**30
+
+
+@dataclass(frozen=True, kw_only=True)
+class Link:
+    bandwidth: float  # bytes/s in one direction
+    latency: float  # seconds per message (α)
+    # the part of a gradient all-reduce that hides behind the backward running beside it: 1 on
+    # GPUs (NCCL's kernels and copy engines), about 0 where gloo reduces on the cores backward needs
+    overlap: float = 1.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeviceSpec:
+    name: str
+    peak_flops: dict[str, float] = field(hash=False)  # dtype name ("float16", ...) -> FLOP/s
+    memory_bytes: int
+    memory_bandwidth: float  # bytes/s
+    efficiency: float = 0.5  # fraction of peak a large matmul reaches; calibration measures it
+    # a matmul of f FLOPs runs at f / (f + matmul_half_flops) of that: small ones fall short
+    matmul_half_flops: float = 0.0
+    # host time to issue one op (forward or backward: dispatch, autograd); it adds to the op's
+    # time, or on an `asynchronous` device (a GPU) bounds it from below (the kernel-launch floor)
+    op_overhead_s: float = 0.0
+    sharded_op_overhead_s: float = 0.0  # more per op on DTensors (sharding propagation)
+    asynchronous: bool = False
+    # Adam's step: bytes moved per parameter (fused: read 4 fp32 tensors, write 3) and ops per tensor
+    optimizer_bytes: float = 28.0
+    optimizer_ops: float = 0.0
+
+    def flops_for(self, dtype: str) -> float:
+        """Peak FLOP/s for `dtype`; a dtype the sheet does not list runs at the float32 rate."""
+        return self.peak_flops.get(dtype, self.peak_flops["float32"])
+
+
+@dataclass(frozen=True, kw_only=True)
+class ClusterSpec:
+    name: str
+    num_hosts: int
+    devices_per_host: int
+    device: DeviceSpec
+    intra_host: Link  # per device, e.g. NVLink
+    inter_host: Link  # per host NIC, shared by the host's devices
+    description: str = ""
+    # ranks of a host that compute at once (CPU cores with a thread each); None: every device.
+    # More ranks than that share them: each runs at cores / busy ranks (`cost_models.simulator`)
+    cores_per_host: int | None = None
+
+    @property
+    def num_devices(self) -> int:
+        return self.num_hosts * self.devices_per_host
+
+    def with_mesh(self, hosts: int, devices_per_host: int) -> ClusterSpec:
+        """The same hardware with `hosts` hosts of `devices_per_host` devices each."""
+        if hosts < 1 or devices_per_host < 1:
+            raise ClusterSpecError(f"mesh {hosts}x{devices_per_host}: both sizes must be at least 1")
+        if devices_per_host > self.devices_per_host:
+            raise ClusterSpecError(
+                f"mesh {hosts}x{devices_per_host}: a {self.name} host has {self.devices_per_host} devices; "
+                f"use at most {self.devices_per_host} devices per host (e.g. --mesh "
+                f"{hosts * devices_per_host // self.devices_per_host or 1}x{self.devices_per_host})"
+            )
+        return dataclasses.replace(self, num_hosts=hosts, devices_per_host=devices_per_host)
+
+    def with_ranks(self, ranks: int) -> ClusterSpec:
+        """One host running `ranks` ranks: more than its devices share them (their cores)."""
+        if ranks <= self.devices_per_host:
+            return self
+        return dataclasses.replace(self, devices_per_host=ranks, cores_per_host=self.cores_per_host or self.devices_per_host)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"schema": "autopar.cluster/1", **dataclasses.asdict(self)}
+
+    def save(self, path: str | Path) -> None:
+        write_json(path, self.to_dict())
+
+    @staticmethod
+    def load(path: str | Path) -> ClusterSpec:
+        try:
+            data = read_json(path, "cluster file")
+        except FileNotFoundError:
+            raise ClusterSpecError(f"cluster file {path} does not exist") from None
+        except ValueError as exc:
+            raise ClusterSpecError(str(exc)) from None
+        except OSError as exc:
+            raise ClusterSpecError(f"cannot read cluster file {path}: {exc.strerror or exc}") from None
+        return _parse_cluster(data, str(path))
+
+
+def _parse_cluster(data: Any, source: str) -> ClusterSpec:
+    """Build a ClusterSpec from JSON data, naming the first field that is missing or wrong."""
+    if not isinstance(data, dict):
+        raise ClusterSpecError(f"{source}: expected a JSON object, got {type(data).__name__}")
+    schema = data.get("schema", "autopar.cluster/1")
+    if schema != "autopar.cluster/1":
+        raise ClusterSpecError(f"{source}: unknown schema {schema!r}, expected 'autopar.cluster/1'")
+
+    def number(obj: dict, key: str, where: str, integer: bool = False, zero: bool = False, at_most: float = math.inf
+               ) -> Any:
+        value = obj.get(key) if isinstance(obj, dict) else None
+        ok = isinstance(value, int) if integer else isinstance(value, (int, float))
+        if isinstance(value, bool) or not ok or not math.isfinite(value) or value < 0 or value > at_most \
+                or (value == 0 and not zero):
+            kind = "a positive integer" if integer else f"a {'non-negative' if zero else 'positive'}, finite number"
+            raise ClusterSpecError(f"{source}: {where}{key} must be {kind}"
+                                   f"{f' of at most {at_most:g}' if at_most < math.inf else ''}, got {value!r}")
+        return value
+
+    def optional(obj: dict, key: str, where: str, default: float, at_most: float = math.inf) -> float:
+        return float(number(obj, key, where, zero=True, at_most=at_most)) if key in obj else default
+
+    def known(obj: dict, keys: set[str], where: str) -> None:
+        unknown = sorted(set(obj) - keys)
+        if unknown:
+            raise ClusterSpecError(f"{source}: unknown field {where}{unknown[0]!r}; the fields are {', '.join(sorted(keys))}")
+
+    def section(key: str) -> dict:
+        value = data.get(key)
+        if not isinstance(value, dict):
+            raise ClusterSpecError(f"{source}: missing object {key!r}")
+        return value
+
+    known(data, {f.name for f in dataclasses.fields(ClusterSpec)} | {"schema"}, "")
+    dev = section("device")
+    known(dev, {f.name for f in dataclasses.fields(DeviceSpec)}, "device.")
+    flops = dev.get("peak_flops")
+    if not isinstance(flops, dict) or "float32" not in flops:
+        raise ClusterSpecError(f"{source}: device.peak_flops must map dtype names to FLOP/s and include float32")
+    for dtype in flops:
+        number(flops, dtype, "device.peak_flops.")
+    device = DeviceSpec(
+        name=str(dev.get("name", "device")),
+        peak_flops={k: float(v) for k, v in flops.items()},
+        memory_bytes=number(dev, "memory_bytes", "device.", integer=True, at_most=MAX_MEMORY_BYTES),
+        memory_bandwidth=float(number(dev, "memory_bandwidth", "device.")),
+        efficiency=float(number(dev, "efficiency", "device.")) if "efficiency" in dev else 0.5,
+        matmul_half_flops=optional(dev, "matmul_half_flops", "device.", 0.0),
+        op_overhead_s=optional(dev, "op_overhead_s", "device.", 0.0, at_most=1.0),
+        sharded_op_overhead_s=optional(dev, "sharded_op_overhead_s", "device.", 0.0, at_most=1.0),
+        asynchronous=bool(dev.get("asynchronous", False)),
+        optimizer_bytes=optional(dev, "optimizer_bytes", "device.", 28.0, at_most=1e4),
+        optimizer_ops=optional(dev, "optimizer_ops", "device.", 0.0, at_most=1e4),
+    )
+    if device.efficiency > 1:
+        raise ClusterSpecError(f"{source}: device.efficiency must be in (0, 1], got {device.efficiency}")
+    for key in ("intra_host", "inter_host"):
+        known(section(key), {"bandwidth", "latency", "overlap"}, f"{key}.")
+    links = {
+        key: Link(bandwidth=float(number(section(key), "bandwidth", f"{key}.")),
+                  latency=float(number(section(key), "latency", f"{key}.")),
+                  overlap=optional(section(key), "overlap", f"{key}.", 1.0, at_most=1.0))
+        for key in ("intra_host", "inter_host")
+    }
+    cores = data.get("cores_per_host")
+    return ClusterSpec(
+        name=str(data.get("name", Path(source).stem)),
+        num_hosts=number(data, "num_hosts", "", integer=True, at_most=MAX_DEVICES),
+        devices_per_host=number(data, "devices_per_host", "", integer=True, at_most=MAX_DEVICES_PER_HOST),
+        device=device,
+        description=str(data.get("description", "")),
+        cores_per_host=None if cores is None else number(data, "cores_per_host", "", integer=True),
+        **links,
+    )

@@ -1,0 +1,89 @@
+"""α-β communication costs of collectives along one axis of a device mesh.
+
+For n devices on a link of latency α and β seconds per byte (ring algorithms):
+all-reduce `2(n-1)α + 2(n-1)/n·B·β`; all-gather, reduce-scatter and all-to-all
+`(n-1)α + (n-1)/n·B·β`, B being the full (gathered / unscattered) size; point-to-point `α + B·β`.
+
+Which link an axis uses follows from where its devices are: a logical mesh is laid row-major over
+the submesh's devices, host by host. An axis whose groups stay inside a host uses the intra-host
+link; one that crosses hosts pays inter-host latency, and every group with members on a host
+shares that host's NIC.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import Enum
+
+import numpy as np
+
+from autopar.cost_models.cluster import ClusterSpec, Link
+
+
+class Collective(str, Enum):
+    ALL_REDUCE = "all_reduce"
+    ALL_GATHER = "all_gather"
+    REDUCE_SCATTER = "reduce_scatter"
+    ALL_TO_ALL = "all_to_all"
+
+
+def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
+
+
+def all_gather_time(nbytes: float, n: int, link: Link) -> float:
+    """`nbytes` is the gathered size; each device starts with nbytes / n."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
+
+
+def reduce_scatter_time(nbytes: float, n: int, link: Link) -> float:
+    """`nbytes` is the size before scattering; each device ends with nbytes / n."""
+    return all_gather_time(nbytes, n, link)
+
+
+def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
+    """`nbytes` is what each device holds; it keeps 1/n and sends the rest."""
+    return all_gather_time(nbytes, n, link)
+
+
+def p2p_time(nbytes: float, link: Link) -> float:
+    return link.latency + nbytes / link.bandwidth
+
+
+_TIME = {
+    Collective.ALL_REDUCE: all_reduce_time,
+    Collective.ALL_GATHER: all_gather_time,
+    Collective.REDUCE_SCATTER: reduce_scatter_time,
+    Collective.ALL_TO_ALL: all_to_all_time,
+}
+
+
+def collective_time(kind: Collective | str, nbytes: float, n: int, link: Link) -> float:
+    return _TIME[Collective(kind)](nbytes, n, link)
+
+
+def axis_link(cluster: ClusterSpec, logical: tuple[int, ...], axis: int, submesh: tuple[int, int] | None = None) -> Link:
+    """The effective link of the groups along `axis` of `logical`, laid over `submesh` (hosts, devices).
+
+    Groups that cross hosts share each host's NIC: the busiest host divides it among its groups.
+    """
+    hosts, per_host = submesh or (cluster.num_hosts, cluster.devices_per_host)
+    if math.prod(logical) != hosts * per_host:
+        raise ValueError(f"logical mesh {logical} does not tile submesh {hosts}x{per_host}")
+    device_ids = np.arange(hosts * per_host).reshape(logical)
+    groups = np.moveaxis(device_ids, axis, -1).reshape(-1, logical[axis]) // per_host  # host of each member
+    crossing = [set(g.tolist()) for g in groups if len(set(g.tolist())) > 1]
+    if not crossing:
+        return cluster.intra_host
+    busiest = max(sum(host in g for g in crossing) for host in range(hosts))
+    nic_share = cluster.inter_host.bandwidth / busiest
+    return Link(bandwidth=min(cluster.intra_host.bandwidth, nic_share), latency=cluster.inter_host.latency,
+                overlap=cluster.inter_host.overlap)
+
+
+def p2p_link(cluster: ClusterSpec, same_host: bool) -> Link:
+    return cluster.intra_host if same_host else cluster.inter_host

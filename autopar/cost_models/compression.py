@@ -1,0 +1,204 @@
+"""What gradient compression costs on the data axis: the spec users write ("dgc:0.999"), the bytes
+each method hands to collectives for a gradient of a given shape (the runtime's counters are
+tested against these), and the time of a compressed synchronisation including the compressor's
+own work.
+
+The compressor's work is priced as passes over the fp32 gradient at memory bandwidth (plus
+PowerSGD's two thin matmuls); gather-based methods also decode every rank's part. Threshold
+quantisation sends as many values as exceed τ, which the data decides: it is priced as a dense
+all-reduce (its worst case short of the fallback).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from autopar.contract.errors import AutoparError
+from autopar.cost_models.cluster import DeviceSpec, Link
+from autopar.cost_models.comm import all_gather_time, all_reduce_time
+
+METHODS = ("fp16", "topk", "randk", "dgc", "powersgd", "onebit", "threshold", "terngrad", "qsgd", "signsgd")
+EXAMPLES = "fp16, topk:0.01, randk:0.01, dgc:0.999, powersgd:2, onebit, threshold:0.01, terngrad, qsgd:16, signsgd"
+# the methods `--compression auto` weighs: those published without loss of accuracy at these settings
+AUTO = (None, "fp16", "powersgd:4", "dgc:0.999")
+# passes over the gradient the compressor makes (encode, error feedback), before decoding
+_PASSES = {"fp16": 2, "randk": 2, "powersgd": 3, "topk": 4, "dgc": 4, "onebit": 4, "terngrad": 3, "qsgd": 3,
+           "signsgd": 2}
+
+
+# Deep Gradient Compression's warm-up (Lin et al. 2018, §3.4): the density falls exponentially over
+# DGC_STAGES stages before the final sparsity, as its reference code computes it (density_k =
+# final^((k+1)/(stages+1)): 74.9 %, 93.7 %, 98.4 %, 99.6 % for a final 99.9 %, the paper's figures).
+# The paper spends four epochs on it; the runtime counts steps, so a stage lasts `warmup` steps.
+DGC_STAGES = 4
+DGC_WARMUP_STEPS = 25
+# options each method reads, at their defaults (a plan records them written out: `canonical`)
+DEFAULTS: dict[str, dict[str, float]] = {
+    "dgc": {"momentum": 0.9, "warmup": DGC_WARMUP_STEPS},
+    "onebit": {"momentum": 0.9},
+    "terngrad": {"clip": 2.5},
+}
+
+
+@dataclass
+class Spec:
+    method: str
+    arg: float | None
+    options: dict[str, float]
+    text: str
+
+    def option(self, key: str) -> float:
+        return self.options.get(key, DEFAULTS.get(self.method, {}).get(key, 0.0))
+
+    def canonical(self) -> str:
+        """The spec with every default option written out, so a plan says what ran."""
+        options = {**DEFAULTS.get(self.method, {}), **self.options}
+        return ",".join([self.text.split(",")[0]] + [f"{k}={int(v) if v == int(v) else v!r}"
+                                                     for k, v in sorted(options.items())])
+
+
+def carries_momentum(spec: Spec) -> bool:
+    """DGC (momentum correction) and 1-bit SGD (its momentum compressed with error feedback, as
+    1-bit Adam does; not without error feedback) keep the momentum on each rank and send from it:
+    the optimizer must have none."""
+    return spec.method == "dgc" or (spec.method == "onebit" and spec.option("momentum") > 0
+                                    and spec.options.get("ef", 1) != 0)
+
+
+def dgc_density(sparsity: float, warmup: float, step: int) -> float:
+    """The fraction of a gradient DGC sends at `step`: the warm-up's stages, then 1 − sparsity."""
+    stage = min(step // warmup, DGC_STAGES) if warmup else DGC_STAGES
+    return (1 - sparsity) ** ((stage + 1) / (DGC_STAGES + 1))
+
+
+def dgc_sparsifies(shape: tuple[int, ...]) -> bool:
+    """DGC selects from weight matrices; biases and norms (fewer than two dimensions) travel dense
+    with plain momentum, as in the paper's reference code."""
+    return len(shape) > 1
+
+
+def parse(text: str) -> Spec:
+    """`name[:value][,key=value...]`, e.g. "dgc:0.999,warmup=100", "topk:0.01,ef=0"."""
+    head, *rest = text.split(",")
+    name, _, arg = head.partition(":")
+    if name not in METHODS:
+        raise AutoparError(f"unknown compression {text!r}: use one of {EXAMPLES}")
+    try:
+        value = float(arg) if arg else None
+        options = {k: float(v) for k, v in (o.split("=", 1) for o in rest)}
+    except ValueError:
+        raise AutoparError(f"compression {text!r}: values must be numbers, as in dgc:0.999,warmup=100") from None
+    if not all(math.isfinite(v) for v in [*options.values(), *([value] if value is not None else [])]):
+        raise AutoparError(f"compression {text!r}: values must be finite numbers, as in dgc:0.999,warmup=100")
+    a = value
+    if name in ("topk", "randk") and not (a and 0 < a <= 1):
+        raise AutoparError(f"compression {text!r}: give the fraction kept, e.g. {name}:0.01")
+    if name == "dgc" and not (a is not None and 0 <= a < 1):
+        raise AutoparError(f"compression {text!r}: give the final sparsity in [0, 1), e.g. dgc:0.999")
+    if name == "qsgd" and a is not None and not 1 <= a <= 127:
+        raise AutoparError(f"compression {text!r}: levels must be 1 to 127 (they travel in int8)")
+    if name == "powersgd" and a is not None and (a < 1 or a != int(a) or a > 4096):
+        raise AutoparError(f"compression {text!r}: the rank must be a positive integer, e.g. powersgd:2")
+    if name == "threshold" and not (a and a > 0):
+        raise AutoparError(f"compression {text!r}: give the threshold τ, e.g. threshold:0.01")
+    if options.get("warmup", 0) < 0 or not 0 <= options.get("momentum", 0) < 1:
+        raise AutoparError(f"compression {text!r}: warmup is a number of steps ≥ 0 and momentum in [0, 1), "
+                           "e.g. dgc:0.999,warmup=25,momentum=0.9")
+    return Spec(name, value, options, text)
+
+
+def wire(spec: Spec, shape: tuple[int, ...], ranks: int) -> tuple[str, int]:
+    """(collective, bytes this rank hands to it per step) for one fp32 gradient of `shape`, as
+    `runtime.compression` sends it: the sparse methods fall back to a dense all-reduce when
+    gathering would move more."""
+    n = math.prod(shape)
+    a = spec.arg
+    if spec.method == "fp16":
+        return "all_reduce", 2 * n
+    if spec.method == "randk":
+        return "all_reduce", 4 * math.ceil(a * n)
+    if spec.method == "powersgd":
+        if len(shape) < 2:
+            return "all_reduce", 4 * n
+        rows, cols = shape[0], n // shape[0]
+        return "all_reduce", 4 * min(int(a or 2), rows, cols) * (rows + cols)
+    if spec.method == "dgc" and not dgc_sparsifies(shape):
+        return "all_reduce", 4 * n
+    if spec.method in ("topk", "dgc"):
+        kept = math.ceil((a if spec.method == "topk" else 1 - a) * n)
+        header = 16 if spec.method == "dgc" else 0  # its sizes travel first: two int64
+        if ranks * 8 * kept >= 2 * 4 * n:
+            return "all_reduce", 4 * n + header
+        return "all_gather", 8 * kept + header
+    if spec.method == "onebit":
+        cols = n // shape[0] if len(shape) > 1 else 1
+        return "all_gather", math.ceil(n / 8) + 8 * cols
+    if spec.method == "terngrad":
+        return "all_gather", math.ceil(n / 4) + 4
+    if spec.method == "qsgd":
+        return "all_gather", n + 4 * math.ceil(n / 512)  # int8 levels, an fp32 norm per 512
+    if spec.method == "signsgd":
+        return "all_gather", math.ceil(n / 8)
+    raise ValueError(f"compression {spec.text!r} sends what the data decides: no formula gives its bytes")
+
+
+PER_TENSOR = ("dgc", "powersgd", "onebit", "terngrad", "qsgd")  # the others compress a bucket end to end
+BUCKET_ELEMENTS = 25 * 2**20 // 4  # the synchroniser's 25 MiB buckets of fp32 gradients
+
+
+def messages(spec: Spec, kind: str) -> int:
+    """Collectives the runtime issues per bucket for one kind: every tensor's parts travel together."""
+    if kind == "all_reduce":
+        return 2 if spec.method == "powersgd" else 1
+    return (1 if spec.method == "dgc" else 0) + (1 if spec.method == "signsgd" else 2)  # DGC: sizes first
+
+
+def buckets(shapes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
+    """Gradients grouped in order into buckets of at most BUCKET_ELEMENTS (a larger one alone)."""
+    out: list[list[tuple[int, ...]]] = [[]]
+    filled = 0
+    for shape in shapes:
+        if out[-1] and filled + math.prod(shape) > BUCKET_ELEMENTS:
+            out.append([])
+            filled = 0
+        out[-1].append(shape)
+        filled += math.prod(shape)
+    return out
+
+
+def sync_time(spec: Spec, shapes: list[tuple[int, ...]], ranks: int, link: Link, device: DeviceSpec) -> float:
+    """Seconds to average gradients of these shapes over `ranks` through the compressor, bucket by
+    bucket: the bytes of its collectives (each gradient's for the methods in PER_TENSOR, the
+    bucket's end to end for the others), their latency once per bucket and kind, and the
+    compressor's own work."""
+    if spec.method == "threshold":
+        return dense_time(shapes, ranks, link)
+    time = 0.0
+    for bucket in buckets(shapes):
+        units = bucket if spec.method in PER_TENSOR else [(sum(math.prod(s) for s in bucket),)]
+        volume: dict[str, int] = {}
+        for shape in units:
+            n = math.prod(shape)
+            kind, nbytes = wire(spec, shape, ranks)
+            volume[kind] = volume.get(kind, 0) + nbytes
+            if kind == "all_gather":
+                time += ranks * 4 * n / device.memory_bandwidth  # decoding every rank's part
+            time += _PASSES[spec.method] * 4 * n / device.memory_bandwidth
+            if spec.method == "powersgd" and len(shape) > 1:
+                time += 4 * n * int(spec.arg or 2) / (device.flops_for("float32") * device.efficiency)
+        for kind, nbytes in volume.items():
+            alpha = messages(spec, kind) * (ranks - 1) * link.latency
+            if kind == "all_reduce":
+                time += all_reduce_time(nbytes, ranks, _bandwidth(link)) + 2 * alpha
+            else:
+                time += all_gather_time(ranks * nbytes, ranks, _bandwidth(link)) + alpha
+    return time
+
+
+def dense_time(shapes: list[tuple[int, ...]], ranks: int, link: Link) -> float:
+    return all_reduce_time(4 * sum(math.prod(s) for s in shapes), ranks, _bandwidth(link))
+
+
+def _bandwidth(link: Link) -> Link:
+    return Link(bandwidth=link.bandwidth, latency=0.0)

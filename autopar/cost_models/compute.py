@@ -1,0 +1,33 @@
+"""Compute time of an op: a roofline (bound by its FLOPs or by the bytes it moves), and a fixed
+part that does not shrink with the op's size: the host's cost of issuing it, and what a small
+matmul falls short of the peak."""
+
+from __future__ import annotations
+
+from autopar.cost_models.cluster import DeviceSpec
+
+
+def fixed_time(device: DeviceSpec, dtype: str = "float32", ops: int = 0, matmuls: int = 0,
+               sharded: bool = False) -> float:
+    """`ops` dispatches of host time (more on DTensors: `sharded`), and `matmuls` matmuls' shortfall:
+    a matmul of f FLOPs reaches `f / (f + f½)` of the peak, i.e. takes `f½ / peak` longer."""
+    host = ops * (device.op_overhead_s + (device.sharded_op_overhead_s if sharded else 0.0))
+    return host + matmuls * device.matmul_half_flops / (device.flops_for(dtype) * device.efficiency)
+
+
+def compute_time(flops: float, bytes_moved: float, device: DeviceSpec, dtype: str = "float32", ops: int = 0,
+                 matmuls: int = 0, sharded: bool = False) -> float:
+    """`max(flops / (peak × efficiency), bytes / memory bandwidth)` plus `fixed_time`, or on an
+    asynchronous device (a GPU, whose host issues kernels ahead) at least `fixed_time`."""
+    roofline = max(flops / (device.flops_for(dtype) * device.efficiency), bytes_moved / device.memory_bandwidth)
+    fixed = fixed_time(device, dtype, ops, matmuls, sharded)
+    return max(roofline, fixed) if device.asynchronous else roofline + fixed
+
+
+def optimizer_time(elements: float, tensors: float, device: DeviceSpec, dtensors: float = 0.0) -> float:
+    """An Adam step over `elements` fp32 parameters in `tensors` tensors (`dtensors` of them
+    DTensors, each op on them at DTensor's cost): the bytes it moves (`device.optimizer_bytes`
+    per element: fused, it reads parameter, gradient and both moments and writes three) and
+    `device.optimizer_ops` dispatches per tensor (torch's single-tensor loop on CPU; 0 when fused)."""
+    return (elements * device.optimizer_bytes / device.memory_bandwidth
+            + device.optimizer_ops * (tensors * device.op_overhead_s + dtensors * device.sharded_op_overhead_s))

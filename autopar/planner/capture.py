@@ -1,0 +1,367 @@
+"""Capture a model into an `OpGraph` with `torch.export` (non-strict).
+
+`torch.export` gives a torch.fx graph of aten ops with shapes (`node.meta["val"]`) and module
+paths (`node.meta["nn_module_stack"]`), and works where `torch.fx.symbolic_trace` does not
+(Hugging Face models). The model is wrapped so that whatever it returns (a tensor, a tuple, a
+`ModelOutput` with `logits`) the graph has one tensor output. Real, fake and `meta` tensors all
+work: planning never needs real weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import io
+import logging
+import operator
+import os
+import sys
+import traceback
+from typing import Any
+
+import networkx as nx
+import torch
+from torch import fx, nn
+from torch.utils._pytree import tree_leaves
+
+from autopar.contract.errors import CaptureError
+from autopar.planner.flops import FlopCounter
+from autopar.planner.graph import OpGraph, OpNode, TensorInfo
+from autopar.planner.saved import saved_outputs
+
+_WRAPPER_PREFIX = "inner."
+
+
+class _TensorOutput(nn.Module):
+    """Calls the model and returns one tensor, so any model exports the same way.
+
+    The wrapper takes the model's own signature, so graph inputs keep the model's argument names.
+    """
+
+    def __init__(self, inner: nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+        sig = inspect.signature(inner.forward)
+        extra = {"use_cache": False} if "use_cache" in sig.parameters else {}
+
+        def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
+            return first_tensor(inner(*args, **kwargs, **extra))
+
+        forward.__signature__ = sig.replace(parameters=[p for n, p in sig.parameters.items() if n not in extra])
+        self.forward = forward
+
+
+def first_tensor(out: Any) -> torch.Tensor:
+    """The tensor a model's output stands for: itself, `.logits`, or the first tensor inside."""
+    if isinstance(out, torch.Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    for leaf in tree_leaves(out):
+        if isinstance(leaf, torch.Tensor):
+            return leaf
+    raise CaptureError(f"the model returned {type(out).__name__} with no tensor in it; return the logits or loss")
+
+
+def capture(
+    model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None, *, replicate: bool = True
+) -> OpGraph:
+    """Export `model` on `example_inputs` and annotate every op with its costs.
+
+    With `replicate`, a model whose blocks repeat (GPT-3's 96 identical layers) is exported with
+    three periods of blocks and the rest is copied from the last one (`autopar.replicate`): the
+    same graph, node names included, at a fraction of the tracing time.
+    """
+    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
+    kwargs = example_kwargs or {}
+    if replicate:
+        from autopar.planner.replicate import capture_replicated
+
+        graph = capture_replicated(model, lambda m: _export(m, args, kwargs), _build)
+        if graph is not None:
+            return graph
+    exported = _export(model, args, kwargs)
+    sig = exported.graph_signature
+    return _build(exported.graph, model, sig.inputs_to_parameters, sig.inputs_to_buffers, set(sig.user_inputs))
+
+
+def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+    # a failed export prints its partial graph to stderr and logs warnings about it: the error
+    # below says what failed and where; what a successful export says is passed on
+    shapes = logging.getLogger("torch.fx.experimental.symbolic_shapes")
+    level = shapes.level
+    shapes.setLevel(logging.ERROR)
+    said = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(said):
+            exported = torch.export.export(_TensorOutput(model), args, kwargs, strict=False)
+    except CaptureError:
+        raise
+    except Exception as exc:
+        raise CaptureError(_explain(exc, model)) from exc
+    finally:
+        shapes.setLevel(level)
+    sys.stderr.write(said.getvalue())
+    return exported
+
+
+def _explain(exc: Exception, model: nn.Module) -> str:
+    """One message: what failed, where in the user's code, and what usually fixes it."""
+    first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__).strip()
+    where = _user_frame(exc)
+    hint = ""
+    if "data-dependent" in str(exc) or "GuardOnDataDependent" in type(exc).__name__:
+        op = _culprit(exc)
+        first = (f"{op + ' needs the value of a tensor: ' if op else ''}control flow or a shape depends on "
+                 f"the value of a tensor ({first})")
+        hint = "make it independent of tensor values (torch.where, masks, or torch.cond)"
+    return (
+        f"cannot capture {type(model).__name__} with torch.export: {first}"
+        + (f"\n  at {where}" if where else "")
+        + (f"\n  hint: {hint}" if hint else "")
+    )
+
+
+def _culprit(exc: BaseException) -> str:
+    """The tensor operation the user's line called that needed a value (`Tensor.__bool__` for an
+    `if` on a tensor, `Tensor.item`, `Tensor.nonzero`, ...): torch's dispatch frames hold it as `func`."""
+    user = _is_user_file
+    frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
+    last = max((i for i, f in enumerate(frames) if user(f.f_code.co_filename)), default=None)
+    if last is None:
+        return ""
+    for frame in frames[last + 1:]:
+        func = frame.f_locals.get("func")
+        if callable(func) and getattr(func, "__name__", ""):
+            owner = getattr(func, "__objclass__", None) or getattr(func, "__self__", None)
+            prefix = "Tensor." if owner is torch.Tensor or "Tensor" in getattr(owner, "__name__", "") else ""
+            return f"{prefix}{func.__name__}"
+    return ""
+
+
+def _is_user_file(filename: str) -> bool:
+    return not filename.startswith((os.path.dirname(torch.__file__), os.path.dirname(__file__), "<")) \
+        and "site-packages" not in filename.split(os.sep)[-4:]
+
+
+def _user_frame(exc: BaseException) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_user_file(f.filename)]
+    if not frames:
+        return ""
+    f = frames[-1]
+    return f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
+
+
+def _build(
+    fx_graph: fx.Graph, model: nn.Module, to_param: dict[str, str], to_buffer: dict[str, str], user_inputs: set[str]
+) -> OpGraph:
+    """OpGraph of an exported aten graph; `to_param` / `to_buffer` map placeholders to the
+    wrapper's FQNs (``inner.h.0.attn.q.weight``)."""
+    canonical = _canonical_names(model)
+    param_of = {ph: canonical.get(fqn, _strip(fqn)) for ph, fqn in to_param.items()}
+    buffer_of = {ph: _strip(fqn) for ph, fqn in to_buffer.items()}
+    lists = {name for name, m in model.named_modules() if isinstance(m, nn.ModuleList)}
+    counter = FlopCounter()
+    graph = nx.DiGraph()
+    params: dict[str, TensorInfo] = {}
+    buffers: dict[str, TensorInfo] = {}
+    needs_grad: set[str] = set()
+    for node in fx_graph.nodes:
+        if node.op == "placeholder":
+            info = _infos(node.meta.get("val"))
+            if node.name in param_of:
+                params[param_of[node.name]] = info[0]
+                if model.get_parameter(param_of[node.name]).requires_grad:
+                    needs_grad.add(node.name)
+            elif node.name in buffer_of:
+                buffers[buffer_of[node.name]] = info[0]
+            elif node.name in user_inputs:
+                graph.add_node(node.name, op=OpNode(name=node.name, op="input", outputs=info))
+        elif node.op == "call_function":
+            op = _op_node(node, counter, needs_grad, lists)
+            graph.add_node(node.name, op=op)
+            for src in node.all_input_nodes:
+                if src.name in graph:
+                    graph.add_edge(src.name, node.name, bytes=_consumed_bytes(src, node))
+    saved = saved_outputs(fx_graph, needs_grad)
+    if saved is not None:
+        for name in graph.nodes:
+            op = graph.nodes[name]["op"]
+            op.saved_outputs, op.saved_hidden = saved.get(name, (frozenset(), 0))
+    _attribute(fx_graph, graph, param_of, params, "params")
+    _attribute(fx_graph, graph, buffer_of, buffers, "buffers")
+    _fill_layers(graph)
+    outputs = [a.name for a in tree_leaves(next(iter(fx_graph.find_nodes(op="output"))).args) if isinstance(a, fx.Node)]
+    warnings = [f"FLOPs of {op} not counted: {why}" for op, why in counter.failures.items()]
+    trainable = {param_of[ph] for ph in needs_grad if ph in param_of}
+    return OpGraph(graph, params=params, buffers=buffers, outputs=outputs, warnings=warnings, fx_graph=fx_graph,
+                   placeholders={**param_of, **buffer_of}, trainable=trainable)
+
+
+def _op_node(
+    node: fx.Node, counter: FlopCounter, needs_grad: set[str], lists: set[str]
+) -> OpNode:
+    target = node.target
+    is_view = target is operator.getitem or bool(getattr(target, "is_view", False))
+    val_of = {n.name: n.meta.get("val") for n in node.all_input_nodes}
+    grad_of = {id(val_of[n.name]) for n in node.all_input_nodes if n.name in needs_grad}
+    out_infos = _infos(node.meta.get("val"))
+    in_infos = tuple(i for n in node.all_input_nodes for i in _infos(val_of[n.name]))
+    if grad_of and any(t.dtype.startswith(("float", "bfloat", "complex")) for t in out_infos):
+        needs_grad.add(node.name)
+    flops = (0.0, 0.0)
+    if not is_view and isinstance(target, torch._ops.OpOverload):
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: val_of[n.name])
+        flops = counter.count(target, args, kwargs, grad_of)
+    elif isinstance(target, torch._ops.HigherOrderOperator):
+        flops = _body_flops(node, counter, bool(grad_of))
+    mod_path, layer = _module_path(node, lists)
+    return OpNode(
+        name=node.name,
+        op=_op_name(target),
+        inputs=in_infos,
+        outputs=out_infos,
+        flops_fwd=flops[0],
+        flops_bwd=flops[1],
+        bytes_read=0 if is_view else _bytes_read(target, in_infos, out_infos),
+        bytes_written=0 if is_view else sum(o.nbytes for o in out_infos),
+        module_path=mod_path,
+        layer=layer,
+        is_view=is_view,
+        requires_grad=node.name in needs_grad,
+    )
+
+
+def _body_flops(node: fx.Node, counter: FlopCounter, grad: bool) -> tuple[float, float]:
+    """FLOPs of a higher-order op's bodies (an autocast region, `cond`'s branches, a nested
+    compile region), op by op; of `cond`'s branches the dearer. With `grad`, every floating-point
+    input of a body needs gradients (the op's parameters mostly do)."""
+    root = node.graph.owning_module
+    bodies = [operator.attrgetter(a.target)(root) for a in tree_leaves((node.args, node.kwargs))
+              if isinstance(a, fx.Node) and a.op == "get_attr"]
+    per_body = []
+    for body in bodies:
+        if not isinstance(body, fx.GraphModule):
+            continue
+        total, needs = [0.0, 0.0], set()
+        for inner in body.graph.nodes:
+            val = inner.meta.get("val")
+            if inner.op == "placeholder" and grad and isinstance(val, torch.Tensor) and val.is_floating_point():
+                needs.add(inner.name)
+            if inner.op != "call_function":
+                continue
+            if any(i.name in needs for i in inner.all_input_nodes):
+                needs.add(inner.name)
+            grad_of = {id(i.meta.get("val")) for i in inner.all_input_nodes if i.name in needs}
+            if isinstance(inner.target, torch._ops.OpOverload) and not getattr(inner.target, "is_view", False):
+                args, kwargs = fx.node.map_arg((inner.args, inner.kwargs), lambda n: n.meta.get("val"))
+                f = counter.count(inner.target, args, kwargs, grad_of)
+            elif isinstance(inner.target, torch._ops.HigherOrderOperator):
+                f = _body_flops(inner, counter, bool(grad_of))
+            else:
+                continue
+            total = [total[0] + f[0], total[1] + f[1]]
+        per_body.append(tuple(total))
+    if not per_body:
+        return 0.0, 0.0
+    if node.target is torch.ops.higher_order.cond:
+        return max(per_body)
+    return tuple(map(sum, zip(*per_body)))
+
+
+_GATHERS = {"aten.embedding.default", "aten.index_select.default", "aten.gather.default", "aten.index.Tensor"}
+
+
+def _bytes_read(target: Any, inputs: tuple[TensorInfo, ...], outputs: tuple[TensorInfo, ...]) -> int:
+    """Gathers read the rows they return (and the indices), not the whole table."""
+    if _op_name(target) in _GATHERS:
+        return sum(i.nbytes for i in inputs[1:]) + sum(o.nbytes for o in outputs)
+    return sum(i.nbytes for i in inputs)
+
+
+def _infos(val: Any) -> tuple[TensorInfo, ...]:
+    return tuple(
+        TensorInfo(tuple(int(s) for s in t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size())
+        for t in tree_leaves(val)
+        if isinstance(t, torch.Tensor)
+    )
+
+
+def _consumed_bytes(src: fx.Node, dst: fx.Node) -> int:
+    """Bytes of `src`'s output that `dst` reads (one element when it picks from a tuple)."""
+    val = src.meta.get("val")
+    if dst.target is operator.getitem and isinstance(val, (tuple, list)):
+        val = val[dst.args[1]]
+    return sum(t.nbytes for t in _infos(val))
+
+
+def _op_name(target: Any) -> str:
+    if isinstance(target, torch._ops.OpOverload):
+        return str(target)
+    return getattr(target, "__name__", str(target))
+
+
+def _strip(path: str) -> str:
+    if path == _WRAPPER_PREFIX[:-1]:
+        return ""
+    return path.removeprefix(_WRAPPER_PREFIX)
+
+
+def _module_path(node: fx.Node, lists: set[str]) -> tuple[str, str]:
+    """Innermost module path and its layer hint.
+
+    The hint is the path up to the first ModuleList index ("h.3", "model.layers.3"); outside
+    the repeated blocks it is the child of the module that holds them ("wte", "transformer.ln_f",
+    "stem").
+    """
+    stack = node.meta.get("nn_module_stack") or {}
+    path = _strip(list(stack.values())[-1][0]) if stack else ""
+    parts = path.split(".") if path else []
+    for i, part in enumerate(parts):
+        if part.isdigit() and ".".join(parts[:i]) in lists:
+            return path, ".".join(parts[: i + 1])
+    all_holders = {lst.rpartition(".")[0] for lst in lists} | {""}
+    if any(h == path or h.startswith(path + ".") for h in all_holders if path):
+        return path, ""  # code of a module that holds the blocks: joins its neighbours (_fill_layers)
+    holders = [h for h in all_holders if not h or path.startswith(h + ".")]
+    depth = max(len(h.split(".")) if h else 0 for h in holders)
+    return path, ".".join(parts[: depth + 1])
+
+
+def _fill_layers(graph: nx.DiGraph) -> None:
+    """Ops outside any submodule (the root's own code) join the layer before them, or after."""
+    ops = [graph.nodes[n]["op"] for n in graph.nodes if graph.nodes[n]["op"].op != "input"]
+    previous = next((op.layer for op in ops if op.layer), "")
+    for op in ops:
+        if op.layer:
+            previous = op.layer
+        else:
+            op.layer = previous
+
+
+def _canonical_names(model: nn.Module) -> dict[str, str]:
+    """Every name a parameter is reachable by (tied weights have several) -> its named_parameters() name."""
+    first = {id(p): name for name, p in model.named_parameters()}
+    return {
+        _WRAPPER_PREFIX + name: first[id(p)]
+        for name, p in model.named_parameters(remove_duplicate=False)
+    }
+
+
+def _attribute(fx_graph: fx.Graph, graph: nx.DiGraph, name_of: dict, infos: dict, field: str) -> None:
+    """A parameter (or buffer) belongs to the ops that compute with it, looking through views."""
+    for ph in fx_graph.find_nodes(op="placeholder"):
+        if ph.name not in name_of:
+            continue
+        fqn = name_of[ph.name]
+        frontier = list(ph.users)
+        while frontier:
+            user = frontier.pop()
+            if user.name not in graph:
+                continue
+            op = graph.nodes[user.name]["op"]
+            if op.is_view:
+                frontier.extend(user.users)
+            else:
+                getattr(op, field)[fqn] = infos[fqn].nbytes

@@ -1,0 +1,243 @@
+"""Hand-written 3D layouts, the way Megatron-LM lays a model out, as Plans (and DeepSpeed-MoE's).
+
+(dp, tp, pp, microbatches): transformer blocks split evenly over pp stages (embedding on the
+first, output layer on the last), tensor parallelism inside a host with Megatron's column- and
+row-parallel linears, vocabulary-parallel embeddings and attention split by heads, data
+parallelism outermost, no ZeRO. The sharding is the intra-op ILP constrained to those choices,
+so it is priced, simulated and run exactly like a searched plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from autopar.contract.errors import AutoparError
+from autopar.contract.plan import Plan
+from autopar.planner import rules as L
+from autopar.planner.graph import OpNode
+from autopar.planner.inter_op import microbatch_counts
+from autopar.planner.intra_op import Rule
+from autopar.planner.layering import Layer
+from autopar.planner.search import Search, assemble
+from autopar.planner.stage_costs import StageCosts
+
+
+def megatron_letters(sig: L.Signature, node: OpNode, batch: set[str]) -> set[str | None]:
+    """Megatron-LM's tensor parallelism: which letter each kind of op may split."""
+    op = node.op.removeprefix("aten.").rsplit(".", 1)[0]
+    if op in ("linear", "addmm", "mm", "matmul", "bmm"):
+        return {"n", "k"}  # column- or row-parallel; the ILP alternates them to save all-reduces
+    if op == "embedding":
+        return {"v"}  # vocabulary-parallel
+    if "scaled_dot_product" in op:
+        return {"h"}  # attention heads
+    if op in ("conv2d", "convolution"):
+        return {"o", "c"}
+    if op == "einsum" or "grouped_mm" in op:
+        return (set(sig.shardable) - batch) or {None}  # expert and hidden dimensions of MoE layers
+    return {None}
+
+
+MEGATRON = Rule(letters=megatron_letters, zero=False)
+
+
+def deepspeed_moe_letters(sig: L.Signature, node: OpNode, batch: set[str]) -> set[str | None]:
+    """DeepSpeed-MoE: every device is a data-parallel rank, and expert weights are spread over them.
+
+    An expert weight's own dimension is the letter shared by all of an op's inputs and its output
+    that is not the batch (`e` in `egcm,emh->egch`): such ops split it (expert parallelism, tokens
+    arrive by all-to-all); every other op splits its batch."""
+    inputs = [set(x) for x in sig.inputs if x]
+    shared = set.intersection(*inputs, set("".join(sig.outputs))) if inputs else set()
+    experts = (shared - batch) & set(sig.shardable) if node.params else set()
+    return experts or (batch & set(sig.shardable)) or {None}
+
+
+DEEPSPEED_MOE = Rule(letters=deepspeed_moe_letters, zero=False, shard_states=True)
+DEEPSPEED_MOE_NAME = "deepspeed-moe"
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int
+    tp: int
+    pp: int
+    num_microbatches: int | None = None
+    recompute: bool = False
+
+    @property
+    def name(self) -> str:
+        mb = f",{self.num_microbatches}" if self.num_microbatches else ""
+        return f"megatron-{self.dp},{self.tp},{self.pp}{mb}" + ("+recompute" if self.recompute else "")
+
+    @staticmethod
+    def parse(text: str, recompute: bool = False) -> Layout:
+        try:
+            parts = [int(p) for p in text.split(",")]
+        except ValueError:
+            parts = []
+        if len(parts) not in (3, 4) or any(p < 1 for p in parts):
+            raise AutoparError(f"malformed layout {text!r}: write DP,TP,PP or DP,TP,PP,MICROBATCHES, e.g. 2,4,8,64")
+        return Layout(*parts[:3], parts[3] if len(parts) == 4 else None, recompute)
+
+
+def manual_search(search: Search, zero3: bool = False) -> Search:
+    """The same graph and cluster with Megatron's sharding rule (with `zero3`, every weight also
+    sharded over the data axis, as FSDP does); layers are the model's modules."""
+    atoms = search.graph.layer_list
+    layers = [Layer(a.name, (i, i + 1), a.nodes, a.flops_fwd + a.flops_bwd) for i, a in enumerate(atoms)]
+    rule = dataclasses.replace(MEGATRON, zero=True, zero_only=True) if zero3 else MEGATRON
+    c = search.costs
+    costs = StageCosts(search.graph, search.cluster, rule, c.time_limit_s, c.compression, world=c.world,
+                       choices=c.choices, pin=c.pin)
+    return Search(search.workload, search.cluster, search.mesh, search.graph, layers, costs,
+                  search.memory_limit, search.schedule)
+
+
+def blocks(search: Search) -> list[int]:
+    """Indices of the layers that begin a Megatron block: the layers of the most common structure
+    with FLOPs (GPT's blocks; GShard's dense-and-MoE pairs begin at the first kind). A model with
+    several stacks of blocks (`ModuleList`s: an encoder and a decoder) splits each stack every p
+    layers, p the period of its structure; a stack's first block may differ from the rest (T5's
+    holds the relative-position bias). A stack whose blocks all differ (a ResNet's) splits by them."""
+    hashes = search.costs.hashes
+    heavy = [i for i, layer in enumerate(search.layers) if layer.flops > 0]
+    stacks: dict[str, list[int]] = {}
+    for i in heavy:
+        prefix, _, index = search.layers[i].name.rpartition(".")
+        if prefix and index.isdigit():
+            stacks.setdefault(prefix, []).append(i)
+    if len(stacks) > 1:
+        return [i for stack in stacks.values() for i in stack[::_period([hashes[i] for i in stack])]]
+    kinds = list(dict.fromkeys(hashes[i] for i in heavy))  # first appearance breaks ties (MoE: the MoE block)
+    common = max(kinds, key=lambda h: sum(hashes[i] == h for i in heavy))
+    alike = [i for i in heavy if hashes[i] == common]
+    if len(alike) == 1 and stacks:  # blocks that all differ (a ResNet's widening ones): the stack's own
+        stack = next(iter(stacks.values()))
+        return stack[::_period([hashes[i] for i in stack])]
+    return alike
+
+
+def _period(kinds: list) -> int:
+    """The smallest p dividing len(kinds) with kinds[i] == kinds[i - p] for every i - p ≥ 1."""
+    n = len(kinds)
+    return next(p for p in range(1, n + 1) if n % p == 0 and all(kinds[i] == kinds[i - p] for i in range(p + 1, n)))
+
+
+def check(search: Search, layout: Layout) -> str | None:
+    """Why a layout is not valid for this model and mesh, or None."""
+    hosts, per_host = search.mesh
+    block = blocks(search)
+    if layout.dp * layout.tp * layout.pp != hosts * per_host:
+        return f"dp × tp × pp = {layout.dp * layout.tp * layout.pp}, the mesh has {hosts * per_host} devices"
+    if layout.tp > per_host or per_host % layout.tp:
+        return f"tensor parallelism {layout.tp} must divide the {per_host} devices of a host"
+    if (layout.dp * layout.tp) % per_host and per_host % (layout.dp * layout.tp):
+        return f"a stage's {layout.dp * layout.tp} devices must tile hosts of {per_host}"
+    if len(block) % layout.pp:
+        return f"{len(block)} blocks do not split evenly into {layout.pp} stages"
+    batch = search.workload.batch
+    if batch % layout.dp:
+        return f"data parallelism {layout.dp} does not divide the batch {batch}"
+    if layout.num_microbatches and (batch % layout.num_microbatches or (batch // layout.num_microbatches) % layout.dp):
+        return f"batch {batch} does not split into {layout.num_microbatches} microbatches of a multiple of {layout.dp}"
+    return None
+
+
+def manual_plan(search: Search, layout: Layout) -> Plan:
+    """The Plan of a hand-written layout (its best microbatch count when none is given)."""
+    why = check(search, layout)
+    if why:
+        raise AutoparError(f"layout {layout.name} is not valid for {search.workload.name} on "
+                           f"{search.mesh[0]}x{search.mesh[1]}: {why}")
+    hosts, per_host = search.mesh
+    size = layout.dp * layout.tp
+    shape = (1, size) if size <= per_host else (size // per_host, per_host)
+    block = blocks(search)
+    per_stage = len(block) // layout.pp
+    cuts = [0] + [block[per_stage * s] for s in range(1, layout.pp)] + [len(search.layers)]
+    counts = [layout.num_microbatches] if layout.num_microbatches else [
+        m for m in microbatch_counts(search.workload.batch) if (search.workload.batch // m) % layout.dp == 0]
+    best = None
+    for m in counts:
+        chosen = []
+        for s, (i, j) in enumerate(zip(cuts, cuts[1:])):
+            table = search.stage_table(i, j, shape, m, layout.pp - s, logical=[(layout.dp, layout.tp)],
+                                       recompute=(layout.recompute,))
+            option = table[layout.pp - s] or _unconstrained(search, i, j, shape, m, layout)
+            chosen.append(((i, j), shape, option))
+        if any(opt is None for _, _, opt in chosen):
+            continue
+        plan = assemble(search, chosen, m, name=layout.name)
+        # ascending counts: a tie (to rounding) keeps the fewer microbatches, which cost less than priced
+        if best is None or (plan.estimate.fits, -plan.estimate.step_time_s) > (
+                best.estimate.fits, -best.estimate.step_time_s * (1 - 1e-9)):
+            best = plan
+    if best is None and not counts:
+        raise AutoparError(f"layout {layout.name}: no microbatch count splits the batch {search.workload.batch}")
+    if best is None:
+        raise AutoparError(f"layout {layout.name}: some layer cannot run on the logical mesh ({layout.dp}, {layout.tp}) "
+                           f"(the data axis must divide every batch dimension); `autopar plan --stages 1` names the op")
+    return best
+
+
+def _unconstrained(search: Search, i: int, j: int, shape, m: int, layout: Layout):
+    """A layout that does not fit is still priced (reported as not fitting), never dropped silently."""
+    opts = search.costs.options(search.atoms(i, j), shape, m, [(layout.dp, layout.tp)], (layout.recompute,))
+    return min((o for o in opts if not o.lean), key=lambda o: o.time, default=None)
+
+
+def layout_grid(search: Search, recompute: tuple[bool, ...] = (False, True)) -> list[Layout]:
+    """Every valid (dp, tp, pp), with and without recomputation (microbatches searched per layout)."""
+    hosts, per_host = search.mesh
+    devices = hosts * per_host
+    out = []
+    for tp in (t for t in range(1, per_host + 1) if per_host % t == 0):
+        for pp in (p for p in range(1, devices // tp + 1) if (devices // tp) % p == 0):
+            for rc in recompute:
+                layout = Layout(devices // (tp * pp), tp, pp, None, rc)
+                if check(search, layout) is None:
+                    out.append(layout)
+    return out
+
+
+def has_experts(search: Search) -> bool:
+    """Whether some op computes with a weight that has an expert dimension (an MoE model)."""
+    g = search.graph
+    for node in g:
+        fx_node = g.fx_nodes.get(node.name)
+        if node.params and fx_node is not None and "einsum" in node.op:
+            sig = L.signature(fx_node)
+            inputs = [set(x) for x in sig.inputs if x]
+            if inputs and set.intersection(*inputs, set("".join(sig.outputs))):
+                return True
+    return False
+
+
+def deepspeed_moe_plan(search: Search) -> Plan:
+    """The layout Alpa compared its MoE results against: DeepSpeed's ZeRO-2 data parallelism over
+    every device with the experts spread over all of them (one stage, no tensor or pipeline
+    parallelism), priced by the same cost model as every other plan."""
+    hosts, per_host = search.mesh
+    devices = hosts * per_host
+    costs = StageCosts(search.graph, search.cluster, DEEPSPEED_MOE, search.costs.time_limit_s, world=search.costs.world)
+    view = Search(search.workload, search.cluster, search.mesh, search.graph, search.layers, costs,
+                  search.memory_limit, search.schedule)
+    n, batch = len(view.layers), search.workload.batch
+    best = None
+    for m in (m for m in microbatch_counts(batch) if (batch // m) % devices == 0):
+        option = view.stage_table(0, n, search.mesh, m, 1, logical=[(1, devices)], recompute=(False,))[1]
+        if option is None:
+            opts = costs.options(view.atoms(0, n), search.mesh, m, [(1, devices)], (False,))
+            option = min(opts, key=lambda o: o.time, default=None)  # priced, reported as not fitting
+        if option is None:
+            continue
+        plan = assemble(view, [((0, n), search.mesh, option)], m, name=DEEPSPEED_MOE_NAME)
+        # ascending counts: a tie (to rounding) keeps the fewer microbatches, which cost less than priced
+        if best is None or (plan.estimate.fits, -plan.estimate.step_time_s) > (
+                best.estimate.fits, -best.estimate.step_time_s * (1 - 1e-9)):
+            best = plan
+    if best is None:
+        raise AutoparError(f"{DEEPSPEED_MOE_NAME}: the batch {batch} does not split over {devices} devices")
+    return best

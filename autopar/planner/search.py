@@ -1,0 +1,393 @@
+"""`autopar plan`: capture, cluster into layers, cost stages, run the stage DP, simulate, emit a Plan."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from autopar.contract.errors import AutoparError
+from autopar.contract.limits import MAX_DEVICES, MAX_DEVICES_PER_HOST
+from autopar.contract.plan import Estimate, Plan, StagePlan
+from autopar.contract.units import human_bytes
+from autopar.cost_models import ClusterSpec
+from autopar.cost_models.compression import AUTO, parse
+from autopar.cost_models.memory import in_flight_microbatches
+from autopar.cost_models.simulator import Hosts, Simulation, StageTimes, simulate
+from autopar.models import Workload
+from autopar.planner.capture import capture
+from autopar.planner.graph import OpGraph
+from autopar.planner.ilp import InfeasibleError
+from autopar.planner.inter_op import INF, microbatch_counts, stage_dp, submesh_shapes
+from autopar.planner.intra_op import REPLICATED_GRADIENTS, Rule, best_sharding, gathered_bytes, logical_meshes
+from autopar.planner.layering import Layer, cluster_layers
+from autopar.planner.placement import shard_dim
+from autopar.planner.precision import with_precision
+from autopar.planner.stage_costs import StageCosts, StageOption, gathered_peak
+
+RESERVE = 0.1  # of device memory kept for the allocator, workspaces and fragmentation
+DP_TOLERANCE = 0.01  # the stage DP's total is within 1 % of its optimum (stage_dp's t_max grid)
+
+log = logging.getLogger(__name__)
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    """'HxD' -> (hosts, devices per host)."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isascii() and p.isdigit() and len(p) <= 6 and int(p) > 0 for p in parts):
+        raise AutoparError(f"malformed mesh {text!r}: write HOSTSxDEVICES, e.g. --mesh 1x8 or --mesh 8x8")
+    hosts, per_host = int(parts[0]), int(parts[1])
+    if hosts * per_host > MAX_DEVICES or per_host > MAX_DEVICES_PER_HOST:
+        raise AutoparError(f"mesh {text}: {hosts * per_host} devices ({per_host} per host); autopar plans at most "
+                           f"{MAX_DEVICES} devices, {MAX_DEVICES_PER_HOST} per host")
+    return hosts, per_host
+
+
+@dataclass
+class Search:
+    """What the planner works from: the graph, its layers and the stage cost model."""
+
+    workload: Workload
+    cluster: ClusterSpec
+    mesh: tuple[int, int]
+    graph: OpGraph
+    layers: list[Layer]
+    costs: StageCosts
+    memory_limit: float
+    schedule: str = "1f1b"
+
+    def __post_init__(self) -> None:
+        self.costs.layer_starts = [layer.atoms[0] for layer in self.layers]  # what a recomputing stage checkpoints
+
+    @staticmethod
+    def start(workload: Workload, cluster: ClusterSpec, mesh: tuple[int, int], *, memory_limit: float | None = None,
+              schedule: str = "1f1b", rule: Rule | None = None, time_limit_s: float = 30.0,
+              graph: OpGraph | None = None, compression: str | None = None, precision: str | None = None,
+              choices: dict | None = None, pin: bool = False) -> Search:
+        """`compression`: price the data axis's gradient averaging through this compressor (and keep
+        gradients replicated there, which compressors need: no ZeRO-3). `precision` ("bf16",
+        "fp16"): price mixed-precision training (`autopar.precision`); a graph retyped for it keeps it.
+        `choices` / `pin`: `StageCosts`'s record of the shardings chosen, or the shardings to price again."""
+        spec = parse(compression) if compression else None
+        if spec is not None:
+            rule = dataclasses.replace(rule, zero=False) if rule is not None else REPLICATED_GRADIENTS
+        cluster = cluster.with_mesh(*mesh)
+        graph = graph or capture(workload.model, workload.example_inputs)
+        if precision is not None and graph.precision not in (None, precision):
+            raise AutoparError(f"the graph was retyped for {graph.precision}: pass the captured one to price {precision}")
+        if precision is not None and graph.precision != precision:
+            graph = with_precision(graph, workload.model, precision)
+        limit = cluster.device.memory_bytes * (1 - RESERVE) if memory_limit is None else memory_limit
+        return Search(workload, cluster, mesh, graph, cluster_layers(graph),
+                      StageCosts(graph, cluster, rule, time_limit_s, spec, world=mesh[0] * mesh[1], choices=choices,
+                                 pin=pin), limit, schedule)
+
+    def compressed(self, compression: str | None) -> Search:
+        """The same search with the data axis priced through `compression` (None: dense)."""
+        return Search.start(self.workload, self.cluster, self.mesh, memory_limit=self.memory_limit,
+                            schedule=self.schedule, rule=self.costs.rule if self.costs.rule is not REPLICATED_GRADIENTS
+                            else None, time_limit_s=self.costs.time_limit_s, graph=self.graph, compression=compression)
+
+    def atoms(self, i: int, j: int) -> tuple[int, int]:
+        return self.layers[i].atoms[0], self.layers[j - 1].atoms[1]
+
+    def stage_table(self, i: int, j: int, shape: tuple[int, int], m: int, depth: int,
+                    logical: list[tuple[int, int]] | None = None, recompute: tuple[bool, ...] = (False, True),
+                    ) -> list[StageOption | None]:
+        """For s = 1 … depth stages from the end: the fastest way to run layers [i, j) on `shape`
+        that fits with the microbatches that stage keeps in flight (index 0 unused)."""
+        # the gradient reduction overlaps the last backward (as the simulator replays it)
+        opts = sorted(self.costs.options(self.atoms(i, j), shape, m, logical, recompute),
+                      key=lambda o: (o.time + (o.grad_sync_s + o.optimizer_s) / m, o.lean, o.recompute))
+        table: list[StageOption | None] = [None] * (depth + 1)
+        for s in range(1, depth + 1):
+            table[s] = next((o for o in opts if o.memory(self.in_flight(s, m, depth)) <= self.memory_limit), None)
+        return table
+
+    def in_flight(self, s: int, m: int, depth: int) -> int:
+        """Microbatches a stage with s stages from the end holds (the DP does not know the
+        pipeline's length: with fewer microbatches than the deepest one it may build, 1F1B runs
+        GPipe's order and every stage holds all of them)."""
+        return m if self.schedule == "1f1b" and m < depth else in_flight_microbatches(self.schedule, s, 0, m)
+
+
+    def times(self, shapes: list[tuple[int, int]], m: int, depth: int) -> tuple[np.ndarray, dict]:
+        """times[s, i, j, k] of `stage_table` for every range and shape at once (vectorised), and
+        which (logical mesh, lean, recompute) each entry uses."""
+        n = len(self.layers)
+        bounds = np.array([layer.atoms[0] for layer in self.layers] + [self.layers[-1].atoms[1]])
+        times = np.full((depth + 1, n + 1, n + 1, len(shapes)), INF)
+        picks: dict = {}
+        valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
+        for k, shape in enumerate(shapes):
+            variants = self.costs.variants(shape, m)
+            if not variants:
+                continue
+            tables = [self.costs.variant_table(bounds, shape, v, m) for v in variants]
+            time = np.stack([t["time"] for t in tables])
+            key = time + np.stack([t["sync"] + t["optimizer"] for t in tables]) / m  # once per step
+            for s in range(1, depth + 1):
+                in_flight = self.in_flight(s, m, depth)
+                if s > 1 and in_flight == self.in_flight(s - 1, m, depth):
+                    times[s, :, :, k], picks[(s, k)] = times[s - 1, :, :, k], picks[(s - 1, k)]
+                    continue
+                memory = np.stack([t["states"] + np.maximum(in_flight * t["acts"] + t["transient"], t["averaged"])
+                                   for t in tables])
+                masked = np.where(memory <= self.memory_limit, key, INF)
+                best = np.argmin(masked, axis=0)
+                chosen = np.take_along_axis(masked, best[None], axis=0)[0]
+                times[s, :, :, k] = np.where(np.isfinite(chosen) & valid, chosen, INF)
+                picks[(s, k)] = (variants, best)
+        return times, picks
+
+    def option(self, i: int, j: int, shape: tuple[int, int], m: int, variant) -> StageOption:
+        lm, lean, rc = variant
+        atoms = self.atoms(i, j)
+        return self.costs.option_for(atoms, shape, lm, lean, rc, self.costs.range_sums(atoms, shape, lm, lean), m)
+
+
+def plan_auto(search: Search, *, stages: int | None = None, num_microbatches: int | None = None,
+              progress: Callable[[str], None] | None = None) -> Plan:
+    """Search stages, submeshes, logical meshes and the microbatch count; the simulator decides.
+
+    One stage is the intra-op pass alone: one ILP over the whole graph per logical mesh."""
+    if stages == 1 and not num_microbatches:
+        return plan_single_stage(search)
+    hosts, per_host = search.mesh
+    shapes = submesh_shapes(hosts, per_host)
+    sizes = [h * d for h, d in shapes]
+    devices = hosts * per_host
+    n = len(search.layers)
+    depth = min(n, devices, stages or n)
+    best: Plan | None = None
+    # many microbatches first (small bubbles): the best eq. 2 total so far rules out most others
+    counts = [num_microbatches] if num_microbatches else microbatch_counts(search.workload.batch)[::-1]
+    bound = INF
+    for m in counts:
+        if progress:
+            progress(f"{m} microbatch{'es' if m > 1 else ''}")
+        times, picks = search.times(shapes, m, depth)
+        total, choice = stage_dp(times, sizes, devices, m, stages, tolerance=DP_TOLERANCE, bound=bound)
+        if not choice:
+            continue
+        bound = min(bound, total)
+        chosen = []
+        for idx, c in enumerate(choice):
+            variants, pick = picks[(len(choice) - idx, c.shape)]
+            variant = variants[pick[c.layers]]
+            chosen.append((c.layers, shapes[c.shape], search.option(*c.layers, shapes[c.shape], m, variant)))
+        plan = assemble(search, chosen, m, name="auto")
+        plan.search["eq2_total_s"] = float(total)
+        if best is None or plan.estimate.step_time_s < best.estimate.step_time_s:
+            best = plan
+    if best is None:
+        raise _nothing_fits(search)
+    best.search.update({"ilp_solves": search.costs.solves, "cache_hits": search.costs.hits,
+                        "microbatch_counts": len(counts)})
+    return best
+
+
+def plan_compressed(search: Search, compression: str | None, make: Callable[[Search], Plan],
+                    progress: Callable[[str], None] | None = None) -> Plan:
+    """`make(search)` with the data axis priced through `compression`; "auto" weighs none and each
+    of `cost_models.compression.AUTO` and keeps the fastest predicted plan (the choice is recorded
+    in `plan.search["compression"]`)."""
+    candidates = list(AUTO) if compression == "auto" else [compression]
+    plans = {}
+    for text in candidates:
+        if progress and len(candidates) > 1:
+            progress(f"compression {text or 'none'}")
+        plans[text] = make(search.compressed(text) if text else search)
+    best = min(plans.values(), key=lambda p: (not p.estimate.fits, p.estimate.step_time_s))
+    if len(plans) > 1:
+        best.search["compression"] = {text or "none": p.estimate.step_time_s for text, p in plans.items()}
+    warn_time_limited(best, search.costs.time_limit_s)
+    return best
+
+
+def warn_time_limited(plan: Plan, time_limit_s: float) -> None:
+    """One warning when a stage of the plan the user gets was sharded by a solve that stopped at its
+    time limit (candidates the search dropped say nothing): the plan is then only as good as the gap."""
+    limited = plan.search.get("time_limited")
+    if limited:
+        stages = ", ".join(f"stage {s['stage']} (layers {s['layers'][0]}–{s['layers'][1] - 1}, gap {s['gap']:.1%})"
+                           for s in limited)
+        log.warning("time limit hit: the sharding ILP stopped at its %g s limit in %s; the plan uses the best "
+                    "assignment found, and the optimum may cost up to the gap less: raise --time-limit",
+                    time_limit_s, stages)
+
+
+def plan_single_stage(search: Search) -> Plan:
+    """Every device in one stage, one microbatch: the whole graph's ILP on each logical mesh."""
+    costs, g = search.costs, search.graph
+    share = g.flops_fwd / (g.flops_fwd + g.flops_bwd) if g.flops_fwd + g.flops_bwd else 0.5
+
+    def transient(r, loss: float = 0.0) -> float:  # ZeRO-3 gathers a layer at a time (the ILP leaves it out)
+        return gathered_peak(_gathered_per_layer(search, r.params, r.logical_mesh[1]), g.precision, loss)
+
+    try:
+        best, results, _ = best_sharding(search.graph, search.cluster, search.mesh, search.memory_limit,
+                                         costs.time_limit_s, rule=costs.rule)
+        if best.memory["total"] + transient(best) > search.memory_limit:  # again, keeping room for any layer
+            room = transient(dataclasses.replace(best, params={f: ["S(0)", "R"] for f in g.params}, logical_mesh=(1, 1)))
+            best, results, _ = best_sharding(search.graph, search.cluster, search.mesh, search.memory_limit - room,
+                                             costs.time_limit_s, rule=costs.rule)
+    except InfeasibleError as exc:
+        raise InfeasibleError(f"{search.workload.name} (batch {search.workload.batch}) {exc}", exc.least_memory) from None
+
+    def backward(r) -> float:
+        return r.cost["compute_s"] * (1 - share) + (r.cost["comm_s"] + r.cost["reshard_s"]) / 2 + loss(r) / 2
+
+    def loss(r) -> float:
+        return float(costs.loss_time(costs.loss_bytes / r.logical_mesh[0]))
+
+    def compressed(r) -> float:  # what a compressor adds to (or saves from) the data axis, after backward
+        if costs.compression is None or r.logical_mesh[0] == 1:
+            return 0.0
+        return backward(r) + costs.compressed_per_byte(search.mesh, r.logical_mesh) * r.cost["trainable_bytes"]
+
+    if costs.compression is not None:
+        best = min(results, key=lambda r: (float(f"{r.time + compressed(r):.6g}"), -r.logical_mesh[0]))
+    c = best.cost
+    comm = c["comm_s"] + c["reshard_s"]
+    stage = StagePlan(
+        layers=(0, len(search.layers)), submesh=search.mesh, logical_mesh=best.logical_mesh, params=best.params,
+        ops=best.ops, needs=best.needs, cost={"forward_s": c["compute_s"] * share + comm / 2 + loss(best) / 2,
+                            "backward_s": backward(best), "send_s": 0.0,
+                            "grad_sync_s": float(costs.exposed_sync(c["grad_sync_s"], backward(best), search.mesh,
+                                                                    best.logical_mesh, c["trainable_bytes"])),
+                            "optimizer_s": float(costs.optimizer_s(c["optimizer_elements"], c["optimizer_tensors"],
+                                                                  c["optimizer_dtensors"])),
+                            "state_bytes": best.memory["model_states"],
+                            **_memory_costs(best.memory["activations"] + best.memory["weight_copies"] + costs.loss_bytes
+                                            / best.logical_mesh[0], transient(best, 2 * costs.loss_bytes
+                                                                             / best.logical_mesh[0]),
+                                            best.memory["gradients"],
+                                            c["trainable_bytes"] if best.logical_mesh[0] > 1 and not any(
+                                                p[0] == "S(0)" for p in best.params.values()) else 0.0)})
+    sim = simulate([stage_times(stage.cost)], 1, search.schedule, hosts(search.cluster, [stage.devices]))
+    limited = [] if best.solver["status"] == "optimal" else [
+        {"stage": 0, "layers": [0, len(search.layers)], "gap": best.solver["gap"]}]
+    return _plan(search, [stage], sim, 1, "auto", {"ilp_solves": len(logical_meshes(search.mesh)), "cache_hits": 0,
+                                                   "microbatch_counts": 1, **_time_limited(limited)})
+
+
+def _nothing_fits(search: Search) -> AutoparError:
+    """How much memory per device the leanest way to hold the whole model on every device needs
+    (one stage, ZeRO-3, recomputation, the smallest microbatch its shardings allow)."""
+    hosts, per_host = search.mesh
+    where = f"{hosts}x{per_host} {search.cluster.name}"
+    n, batch = len(search.layers), search.workload.batch
+    counts = sorted(microbatch_counts(batch), reverse=True)  # the smallest microbatch that shards
+    lean = next(([o.memory(1) for o in opts] for m in counts
+                 if (opts := search.costs.options(search.atoms(0, n), search.mesh, m))), [])
+    if lean:
+        return AutoparError(
+            f"{search.workload.name} (batch {batch}) fits on no layout of {where}: even spread over every device "
+            f"with ZeRO-3 and recomputation it needs {human_bytes(min(lean))} per device, "
+            f"{human_bytes(search.memory_limit)} is available; use more devices or a smaller batch")
+    return AutoparError(f"{search.workload.name} (batch {batch}) fits on no layout of {where}: "
+                        "no data-parallel size divides the batch; change --batch")
+
+
+def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int], StageOption]], m: int,
+             name: str) -> Plan:
+    """Turn (layers, submesh, option) per stage into a Plan and simulate it."""
+    stages, times, limited = [], [], []
+    for idx, ((i, j), shape, opt) in enumerate(chosen):
+        params: dict[str, list[str]] = {}
+        ops: dict[str, list[str]] = {}
+        needs: dict[str, list[str | None]] = {}
+        for k in range(*search.atoms(i, j)):
+            atom_params, atom_ops, atom_needs = search.costs.placements(k, shape, opt.logical_mesh, opt.lean)
+            params.update(atom_params)
+            ops.update(atom_ops)
+            needs.update(atom_needs)
+        stages.append(StagePlan(
+            layers=(i, j), submesh=shape, logical_mesh=opt.logical_mesh, params=dict(sorted(params.items())),
+            ops=ops, needs=needs, recompute=opt.recompute,
+            cost={"forward_s": opt.forward_s, "backward_s": opt.backward_s, "send_s": opt.send_s,
+                  "grad_sync_s": opt.grad_sync_s, "optimizer_s": opt.optimizer_s, "state_bytes": opt.state_bytes,
+                  **_memory_costs(opt.activation_bytes, opt.transient_bytes, opt.grad_bytes, opt.sync_bytes)}))
+        times.append(stage_times(stages[-1].cost))
+        gap = search.costs.gap(search.atoms(i, j), shape, opt.logical_mesh, opt.lean)
+        if gap is not None:
+            limited.append({"stage": idx, "layers": [i, j], "gap": gap})
+    sim = simulate(times, m, search.schedule, hosts(search.cluster, [s.devices for s in stages]))
+    return _plan(search, stages, sim, m, name, {"method": name, **_time_limited(limited)})
+
+
+def hosts(cluster: ClusterSpec, devices: list[int]) -> Hosts | None:
+    """The simulator's view of a host whose ranks share fewer cores (None: each has its own)."""
+    cores = cluster.cores_per_host
+    if cores is None or cores >= cluster.devices_per_host:
+        return None
+    return Hosts(tuple(devices), cluster.devices_per_host, cores)
+
+
+def replay(plan: Plan) -> Simulation:
+    """The simulation a plan's estimate came from, from the plan alone."""
+    shared = plan.search.get("hosts")
+    where = Hosts(tuple(s.devices for s in plan.stages), *shared) if shared else None
+    return simulate([stage_times(s.cost) for s in plan.stages], plan.num_microbatches, plan.schedule, where)
+
+
+def _gathered_per_layer(search: Search, params: dict[str, list[str]], tp: int) -> np.ndarray:
+    """ZeRO-3's gathered bytes per layer of a whole-graph sharding (`params`: the plan's
+    placements; a weight counts in the first layer that uses it)."""
+    seen: set[str] = set()
+    out = []
+    for layer in search.layers:
+        total = 0.0
+        for fqn in (f for name in layer.nodes for f in search.graph.node(name).params):
+            if fqn in params and fqn in search.graph.trainable and fqn not in seen:
+                seen.add(fqn)
+                if params[fqn][0] == "S(0)":
+                    total += gathered_bytes(search.graph, fqn, tp if shard_dim(params[fqn][1]) is not None else 1)
+        out.append(total)
+    return np.array(out)
+
+
+def _memory_costs(acts: float, transient: float, grads: float, averaged: float) -> dict[str, float]:
+    """A plan stage's memory terms beside its state bytes (what `stage_times` reads back)."""
+    return {"activation_bytes_per_microbatch": acts, "transient_bytes": transient, "grad_bytes": grads,
+            "sync_bytes": averaged}
+
+
+def stage_times(cost: dict[str, float]) -> StageTimes:
+    """The simulator's view of a plan stage, from the costs it carries (older plans lack some: 0)."""
+    c = {k: cost.get(k, 0.0) for k in ("forward_s", "backward_s", "send_s", "grad_sync_s", "optimizer_s",
+                                       "state_bytes", "transient_bytes", "grad_bytes", "sync_bytes")}
+    return StageTimes(**c, activation_bytes=cost.get("activation_bytes_per_microbatch", 0.0))
+
+
+def _time_limited(stages: list[dict]) -> dict:
+    """`plan.search["time_limited"]`: the stages whose sharding solve stopped at the time limit,
+    with the worst gap of their atoms; absent when every solve was optimal (plans stay unchanged)."""
+    return {"time_limited": stages} if stages else {}
+
+
+def _plan(search: Search, stages: list[StagePlan], sim, m: int, name: str, info: dict) -> Plan:
+    devices = sum(s.devices for s in stages)
+    model_flops = search.graph.flops_fwd + search.graph.flops_bwd
+    peak = float(max(sim.peak_memory_bytes))
+    for stage, stage_peak in zip(stages, sim.peak_memory_bytes):  # what a rank of the stage should measure
+        stage.cost["peak_bytes"] = float(stage_peak)
+    estimate = Estimate(
+        step_time_s=sim.step_time_s, tflops_per_device=model_flops / sim.step_time_s / devices / 1e12,
+        peak_memory_bytes=peak, bubble_fraction=sim.bubble_fraction, fits=peak <= search.memory_limit)
+    zero = any(p[0] == "S(0)" for s in stages for p in s.params.values())
+    return Plan(
+        model=search.workload.name, graph_hash=search.graph.fingerprint(), batch=search.workload.batch,
+        cluster=search.cluster.name, mesh=search.mesh,
+        layers=[{"name": layer.name, "nodes": list(layer.nodes)} for layer in search.layers],
+        stages=stages, num_microbatches=m, schedule=search.schedule, precision=search.graph.precision,
+        dp_gradient={"zero_stage": 3 if zero else 0,
+                     "compression": search.costs.compression.canonical() if search.costs.compression else None,
+                     "delay": 0},
+        estimate=estimate, name=name,
+        search={"method": name, **info, **({"hosts": [sim.hosts.devices_per_host, sim.hosts.cores_per_host]}
+                                            if sim.hosts else {})})

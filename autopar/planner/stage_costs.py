@@ -1,0 +1,436 @@
+"""Costs of pipeline stages: a layer range on a submesh, from intra-op solves of its atoms.
+
+Each atom (module-boundary layer: an embedding, a transformer block, the output layer) is solved
+by the intra-op ILP on every (submesh, logical mesh) once per structural hash — 24 identical
+blocks cost one solve — in two variants: fastest, and leanest (the least memory any sharding
+needs, then the fastest such). A stage's cost is the sum of its atoms': atoms meet at
+replicated or batch-split boundaries, which the intra-op pass enforces at every atom's output.
+
+The graph is captured at the global batch; a stage of M microbatches runs each microbatch in
+1/M of the batch-proportional time (compute, activation collectives) and holds 1/M of the
+activations per microbatch in flight, while gradient synchronisation and model states are per
+step. Recomputation keeps only each stage's input per microbatch and pays the forward again.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from autopar.cost_models import ClusterSpec, Link, axis_link, fixed_time, optimizer_time, p2p_time
+from autopar.cost_models.comm import all_reduce_time
+from autopar.cost_models.compression import Spec, dense_time, sync_time
+from autopar.planner.graph import OpGraph
+from autopar.planner.ilp import InfeasibleError
+from autopar.planner.intra_op import (
+    BUCKET_BYTES,
+    DTYPE_BYTES,
+    Rule,
+    StageSharding,
+    buckets,
+    layer_hash,
+    logical_meshes,
+    shard_stage,
+)
+from autopar.planner.layering import cut_bytes
+from autopar.planner.precision import PRECISIONS
+
+COLUMNS = 20  # of `StageCosts.range_sums`
+LOSS_PASSES, LOSS_OPS = 5, 6  # cross-entropy's passes over its input's size, and its ops (forward and backward)
+
+
+def gathered_peak(per_layer: np.ndarray, precision: str | None, loss: float = 0.0,
+                  acts: np.ndarray | None = None) -> float:
+    """The transient of a one-stage plan whose parameters FSDP2 gathers a layer at a time
+    (ZeRO-3): during layer l's backward, its gathered bytes (`intra_op.gathered_bytes`,
+    `per_layer`) and the parameters of layer l - 1, gathered ahead (backward prefetch: width of
+    the 2·width + 4 bytes), while the activations of the layers after l are freed already
+    (`acts`, per layer; None: none counted as freed). `loss`: the loss's backward (its two
+    logits-sized gradients), before any layer's; the last layer's backward still holds one."""
+    width = PRECISIONS[precision].itemsize if precision else 4
+    per_layer = np.asarray(per_layer, dtype=float)
+    at = per_layer + np.concatenate([[0.0], per_layer[:-1] * width / (2 * width + 4)])
+    if acts is not None:
+        at -= np.concatenate([np.cumsum(acts[::-1])[::-1][1:], [0.0]])
+    at[-1] += loss / 2
+    return max(float(at.max()), loss)
+
+
+@dataclass(frozen=True)
+class StageOption:
+    """One way to run a layer range on a submesh, per microbatch of a given count."""
+
+    logical_mesh: tuple[int, int]
+    lean: bool  # the least-memory sharding of each atom
+    recompute: bool
+    forward_s: float
+    backward_s: float
+    send_s: float
+    grad_sync_s: float
+    state_bytes: float
+    activation_bytes: float  # per microbatch in flight
+    transient_bytes: float  # during one backward: recomputed activations, the loss's gradients, ZeRO-3's gathered weights
+    grad_bytes: float = 0.0  # the gradients' part of state_bytes (absent until the step's first backward)
+    sync_bytes: float = 0.0  # flat copies of the gradients the data axis averages, at the end of backward
+    optimizer_s: float = 0.0  # once per step, after the gradients are averaged (and the loss's all-reduce)
+
+    def memory(self, in_flight: int) -> float:
+        """The peak with `in_flight` microbatches' activations held (an upper bound: the simulator
+        knows when gradients appear)."""
+        return self.state_bytes + max(in_flight * self.activation_bytes + self.transient_bytes, self.sync_bytes)
+
+    @property
+    def time(self) -> float:
+        return self.forward_s + self.backward_s + self.send_s
+
+
+@dataclass
+class StageCosts:
+    """Intra-op results per (atom hash, submesh, logical mesh, variant), solved on demand."""
+
+    graph: OpGraph
+    cluster: ClusterSpec
+    rule: Rule | None = None
+    time_limit_s: float = 30.0
+    compression: Spec | None = None  # prices the data axis's gradient averaging through it
+    solves: int = 0
+    hits: int = 0
+    _cache: dict = field(default_factory=dict)
+    # the atoms the planner's layers start at: a recomputing stage keeps each layer's input and
+    # recomputes one layer at a time (`runtime.recompute`); None: every atom is a layer
+    layer_starts: list[int] | None = None
+    world: int = 1  # ranks of the job: the loss is all-reduced over all of them every step
+    # the strategies each solve chose, by (rule, precision, atom structure, submesh, logical mesh,
+    # variant): filled as solves go, or with `pin` read instead of solving (the same shardings
+    # priced on another cluster: `cost_models.fit`)
+    choices: dict | None = None
+    pin: bool = False
+
+    def __post_init__(self) -> None:
+        self.atoms = self.graph.layer_list
+        # weights several atoms compute with (a GPT's tied embedding and output layer): each atom's
+        # result counts their states, a stage holding several of those atoms holds them once
+        users: dict[str, list[int]] = {}
+        for k, atom in enumerate(self.atoms):
+            for f in sorted({f for n in atom.nodes for f in self.graph.node(n).params}):
+                users.setdefault(f, []).append(k)
+        self.tied = {f: ks for f, ks in users.items() if len(ks) > 1}
+        self.hashes = [layer_hash(self.graph, a.nodes) for a in self.atoms]
+        self._subgraphs: dict[int, OpGraph] = {}
+        self._first: dict[str, int] = {}  # structural hash -> the atom its results were solved on
+        self._prefix: dict = {}  # (submesh, logical, lean) -> prefix sums of atom costs
+        self._splits: dict = {}  # (submesh, logical, lean) -> each atom's tp_batch
+        self.cut = cut_bytes(self.graph, self.atoms)  # bytes crossing the boundary after atom k
+        self._batch = next(n for n in self.graph if n.op == "input").outputs[0].shape[0]
+        self.flops = [(a.flops_fwd, a.flops_bwd) for a in self.atoms]
+        self._per_byte: dict = {}
+        # the loss runs on the model's output in the last stage, in fp32 (autocast's lists and the usual
+        # losses upcast): cross-entropy keeps its log-probabilities for backward (per microbatch in
+        # flight), and its backward makes two logits-sized gradients (a transient of one microbatch)
+        self.loss_bytes = float(sum(math.prod(o.shape) * max(4, DTYPE_BYTES.get(o.dtype, 4))
+                                    for name in self.graph.outputs for o in self.graph.graph.nodes[name]["op"].outputs))
+
+    def compressed_per_byte(self, submesh: tuple[int, int], lm: tuple[int, int]) -> float:
+        """Seconds a compressor adds (or, negative, saves) per trainable byte of a stage's data-axis
+        gradient averaging on this mesh: the model's parameter shapes set the ratio. The runtime
+        compresses after the last backward (its rounds depend on the data), so the callers also
+        start the synchronisation there rather than overlapping it with that backward."""
+        if self.compression is None or lm[0] == 1:
+            return 0.0
+        key = (submesh, lm)
+        if key not in self._per_byte:
+            shapes = [tuple(self.graph.params[f].shape) for f in sorted(self.graph.trainable)]
+            link = axis_link(self.cluster, lm, 0, submesh)
+            extra = (sync_time(self.compression, shapes, lm[0], link, self.cluster.device)
+                     - dense_time(shapes, lm[0], link))
+            self._per_byte[key] = extra / max(1, 4 * sum(math.prod(s) for s in shapes))
+        return self._per_byte[key]
+
+    def loss_time(self, loss):
+        """The loss on one microbatch's output (`loss`: its fp32 bytes on this rank, 0 off the last
+        stage), forward and backward: cross-entropy's passes over logits-sized tensors (log-softmax
+        read and written, the gradient's softmax read and written, the incoming logits read) and
+        its few ops. The captured graph ends at the model's output: this is the only place it is priced."""
+        return LOSS_PASSES * loss / self.cluster.device.memory_bandwidth \
+            + np.where(np.asarray(loss) > 0, fixed_time(self.cluster.device, ops=LOSS_OPS), 0.0)
+
+    def exposed_sync(self, sync, backward, submesh: tuple[int, int], lm: tuple[int, int], trainable):
+        """The part of a stage's gradient synchronisation its last backward (`backward`, one
+        microbatch's) does not hide: the data axis's link's `overlap` of it. A compressor runs
+        after backward (its rounds depend on the data): nothing hides, and it adds its own cost."""
+        if self.compression is not None and lm[0] > 1:
+            return sync + self.compressed_per_byte(submesh, lm) * trainable
+        return np.maximum(0.0, sync - axis_link(self.cluster, lm, 0, submesh).overlap * backward)
+
+    def atom(self, k: int, submesh: tuple[int, int], logical: tuple[int, int], lean: bool) -> StageSharding | None:
+        key = (self.hashes[k], submesh, logical, lean)
+        if key in self._cache:
+            self.hits += 1
+            return self._cache[key]
+        self._first.setdefault(self.hashes[k], k)
+        k = self._first[self.hashes[k]]
+        if k not in self._subgraphs:
+            self._subgraphs[k] = self.graph.subgraph(list(self.atoms[k].nodes))
+        sub = self._subgraphs[k]
+        result = None
+        choice = (self.rule, self.graph.precision, self.hashes[k], submesh, logical, lean)
+        if self.pin:
+            fixed = self.choices.get(choice)
+            result = fixed and shard_stage(sub, self.cluster, submesh, logical, float("inf"), self.time_limit_s,
+                                           self.rule, fixed=fixed)
+            self._cache[key] = result
+            return result
+        try:
+            self.solves += 1
+            result = shard_stage(sub, self.cluster, submesh, logical, float("inf"), self.time_limit_s, self.rule)
+            if lean:
+                try:
+                    self.solves += 1  # a probe: the least memory any sharding needs
+                    shard_stage(sub, self.cluster, submesh, logical, 0.0, self.time_limit_s, self.rule)
+                except InfeasibleError as exc:
+                    self.solves += 1
+                    result = shard_stage(sub, self.cluster, submesh, logical, exc.least_memory * (1 + 1e-9),
+                                         self.time_limit_s, self.rule)
+        except InfeasibleError:
+            result = None  # the data axis does not divide this atom's batch
+        if self.choices is not None and result is not None:
+            self.choices[choice] = result.strategies
+        self._cache[key] = result
+        return result
+
+    def gap(self, atoms: tuple[int, int], submesh: tuple[int, int], logical: tuple[int, int], lean: bool
+            ) -> float | None:
+        """The largest optimality gap among the solves of atoms [a, b) that stopped at the time limit
+        (None: all optimal), so a plan can say it. Reads the cache: solves nothing, counts no hit."""
+        results = [self._cache.get((self.hashes[k], submesh, logical, lean)) for k in range(*atoms)]
+        return max((r.solver["gap"] for r in results if r is not None and r.solver["status"] != "optimal"),
+                   default=None)
+
+    def placements(self, k: int, submesh: tuple[int, int], logical: tuple[int, int], lean: bool
+                   ) -> tuple[dict[str, list[str]], dict[str, list[str]], dict[str, list[str | None]]]:
+        """(params, ops, needs) of atom k, translated from the identical atom it was solved on."""
+        result = self.atom(k, submesh, logical, lean)
+        k0 = self._first[self.hashes[k]]
+        nodes = dict(zip(self.atoms[k0].nodes, self.atoms[k].nodes))
+        fqns = {f0: fk for n0, nk in nodes.items()
+                for f0, fk in zip(self.graph.node(n0).params, self.graph.node(nk).params)}
+        params = {fqns[f]: p for f, p in result.params.items() if f in fqns}
+        ops = {nodes[n]: p for n, p in result.ops.items() if n in nodes}
+        needs = {nodes[n]: p for n, p in result.needs.items() if n in nodes}
+        return params, ops, needs
+
+    def options(self, atoms: tuple[int, int], submesh: tuple[int, int], num_microbatches: int,
+                logical: list[tuple[int, int]] | None = None, recompute: tuple[bool, ...] = (False, True),
+                ) -> list[StageOption]:
+        """Every (logical mesh, variant, recompute) of atoms [a, b) on `submesh`, per microbatch."""
+        out = []
+        for lm in logical or logical_meshes(submesh):
+            if (self._batch // num_microbatches) % lm[0]:
+                continue  # the data axis must split each microbatch
+            for lean in (False, True):
+                sums = self.range_sums(atoms, submesh, lm, lean)
+                if sums is None or not self.splits_microbatch(submesh, lm, lean, num_microbatches, atoms):
+                    continue
+                for rc in recompute:
+                    out.append(self.option_for(atoms, submesh, lm, lean, rc, sums, num_microbatches))
+        return out
+
+    def variants(self, submesh: tuple[int, int], m: int, logical: list[tuple[int, int]] | None = None,
+                 recompute: tuple[bool, ...] = (False, True)) -> list[tuple[tuple[int, int], bool, bool]]:
+        """The (logical mesh, lean, recompute) combinations a stage on `submesh` may use."""
+        return [(lm, lean, rc) for lm in (logical or logical_meshes(submesh)) if (self._batch // m) % lm[0] == 0
+                for lean in (False, True) for rc in recompute]
+
+    def splits_microbatch(self, submesh: tuple[int, int], lm: tuple[int, int], lean: bool, m: int,
+                          atoms: tuple[int, int] | None = None) -> bool:
+        """Whether the shardings of atoms [a, b) (default: all) hold for a microbatch: atoms are solved
+        at the whole batch, and a batch dimension their tensor axis splits must still divide evenly
+        over dp × tp in each of the m microbatches, at least 2 per rank (DTensor infers a wrong
+        stride from a local dimension of size 1, and a view of it then fails)."""
+        if lm[1] == 1:
+            return True
+        a, b = atoms or (0, len(self.atoms))
+        return all(size % (m * pieces) == 0 and size // (m * pieces) > 1
+                   for splits in self._tp_splits(submesh, lm, lean)[a:b] for size, pieces in splits)
+
+    def _tp_splits(self, submesh: tuple[int, int], lm: tuple[int, int], lean: bool) -> list[frozenset]:
+        """Each atom's `StageSharding.tp_batch` on this mesh (solving them once), cached."""
+        key = (submesh, lm, lean)
+        if key not in self._splits:
+            self.range_sums((0, 0), submesh, lm, lean)
+            self._splits[key] = [getattr(self._cache.get((h, submesh, lm, lean)), "tp_batch", frozenset())
+                                 for h in self.hashes]
+        return self._splits[key]
+
+    def variant_table(self, bounds: np.ndarray, submesh: tuple[int, int], variant, m: int) -> dict[str, np.ndarray]:
+        """`option_for` for every layer range [bounds[i], bounds[j]) at once: arrays indexed [i, j]
+        (inf time where an atom has no sharding on this mesh)."""
+        lm, lean, rc = variant
+        self.range_sums((0, 0), submesh, lm, lean)  # fills the prefix sums
+        prefix = self._prefix[(submesh, lm, lean)][bounds]  # [layer boundary, quantity]
+        sums = prefix[None, :, :] - prefix[:, None, :]  # [i, j, quantity]
+        fwd, bwd, comm, sync, states, acts, trainable, weighted, latency, copies, gathered, grads, averaged, \
+            gather, scatter, fixed_f, fixed_b, elements, tensors, dtensors = np.moveaxis(sums, -1, 0)
+        states = states - self.tied_excess(bounds, submesh, lm, lean)
+        comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
+        with np.errstate(invalid="ignore", divide="ignore"):
+            n_buckets = np.where(trainable > 0, np.maximum(1, np.ceil(trainable / BUCKET_BYTES)), 0)
+            sync = sync + np.where(trainable > 0, weighted / np.where(trainable > 0, trainable, 1) * n_buckets, 0)
+        fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m + copies
+        fwd, bwd = fwd + fixed_f * (1 - 1 / m), bwd + fixed_b * (1 - 1 / m)  # every microbatch issues every op
+        fwd = fwd + gather / 2 * (1 - 1 / m)  # ZeRO-3 gathers again for every microbatch's forward: `option_for`
+        if bounds[0] == 0 and bounds[-1] == len(self.atoms):
+            bwd[0, -1] += (gather[0, -1] / 2 + scatter[0, -1]) * (1 - 1 / m)
+        loss = np.where(bounds == len(self.atoms), self.loss_bytes / (lm[0] * m), 0.0)[None, :]  # ranges ending the model
+        transient = 2 * loss + gathered * self.held_in_pipeline(lm[0])
+        if bounds[0] == 0 and bounds[-1] == len(self.atoms):  # the whole model in one stage
+            transient[0, -1] = self.one_stage_transient(prefix, bounds, 2 * loss[0, -1], m, rc)
+        if rc:  # keep each layer's input; one layer's activations (and the weight copies) at a time
+            bwd = bwd + fwd
+            inputs = np.concatenate([[0.0], np.cumsum([self.cut[a - 1] if a > 0 else 0.0 for a in bounds[:-1]])])
+            layer = np.diff(prefix[:, 5]) / m  # each layer's activations per microbatch
+            rows = np.where(np.arange(len(layer))[None, :] >= np.arange(len(bounds))[:, None], layer[None, :], 0.0)
+            largest = np.concatenate([np.zeros((len(bounds), 1)), np.maximum.accumulate(rows, axis=1)], axis=1)
+            transient = transient + largest + copies
+            acts = (inputs[None, :] - inputs[:, None]) / (lm[0] * m)
+        else:  # a later stage keeps what it received until that microbatch's backward
+            acts = acts + np.array([self.cut[a - 1] if a > 0 else 0.0 for a in bounds])[:, None] / (lm[0] * m)
+        # the loss keeps its log-probabilities; in a pipeline the schedule keeps the logits as well
+        acts = acts + loss * np.where(bounds > 0, 2.0, 1.0)[:, None]
+        fwd, bwd = fwd + self.loss_time(loss) / 2, bwd + self.loss_time(loss) / 2
+        sync = self.exposed_sync(sync, bwd, submesh, lm, trainable)
+        cut_after = np.array([self.cut[b - 1] if 0 < b < len(self.atoms) else 0.0 for b in bounds])
+        link = self._send_link(submesh)
+        send = np.where(cut_after > 0, link.latency + cut_after / (lm[0] * lm[1] * m) / link.bandwidth, 0.0)[None, :] \
+            * np.ones_like(acts)
+        time = fwd + bwd + send
+        time = np.where(np.isnan(time), np.inf, time)
+        if lm[1] > 1 and any(self._tp_splits(submesh, lm, lean)):  # a range with an atom whose batch split m breaks
+            broken = np.concatenate([[0], np.cumsum([not self.splits_microbatch(submesh, lm, lean, m, (k, k + 1))
+                                                     for k in range(len(self.atoms))])])[bounds]
+            time = np.where(broken[None, :] - broken[:, None] > 0, np.inf, time)
+        return {"time": time, "backward": bwd, "sync": sync, "states": states, "acts": acts, "transient": transient,
+                "grads": grads, "averaged": averaged, "optimizer": self.optimizer_s(elements, tensors, dtensors)}
+
+    def range_sums(self, atoms, submesh, lm, lean) -> np.ndarray | None:
+        """Per-atom [fwd, bwd, comm, sync without latency, states, acts, trainable bytes,
+        bucket latency × bytes, comm latency, 16-bit weight copies, ZeRO-3's gathered parameters and
+        gradients, gradient bytes, bytes the data axis averages from flat copies, ZeRO-3's all-gather
+        (bytes) and reduce-scatter times, the fixed per-op time of forward and of backward, the
+        optimizer's elements, tensors and DTensors] summed over [a, b),
+        from prefix sums."""
+        key = (submesh, lm, lean)
+        if key not in self._prefix:
+            rows = []
+            for k in range(len(self.atoms)):
+                p = self.atom(k, submesh, lm, lean)
+                if p is None:
+                    rows.append([np.nan] * COLUMNS)
+                    continue
+                f, b = self.flops[k]
+                share = f / (f + b) if f + b else 0.5
+                c = p.cost  # the atom's bucket latency is replaced by the stage's (its buckets hold all its weights)
+                bucketed = lm[0] > 1 and not any(pl[0] == "S(0)" for pl in p.params.values())  # GradSync's copies
+                latency = c["bucket_latency_s"] * buckets(c["trainable_bytes"])
+                rows.append([c["compute_s"] * share, c["compute_s"] * (1 - share), c["comm_s"] + c["reshard_s"],
+                             c["grad_sync_s"] - latency, p.memory["model_states"], p.memory["activations"],
+                             c["trainable_bytes"], c["bucket_latency_s"] * c["trainable_bytes"], c["comm_latency_s"],
+                             p.memory.get("weight_copies", 0.0), p.memory.get("gathered", 0.0),
+                             p.memory.get("gradients", 0.0), c["trainable_bytes"] if bucketed else 0.0,
+                             c.get("zero_gather_s", 0.0), c.get("zero_scatter_s", 0.0),
+                             c.get("fixed_s", 0.0) * share, c.get("fixed_s", 0.0) * (1 - share),
+                             c.get("optimizer_elements", 0.0), c.get("optimizer_tensors", 0.0),
+                             c.get("optimizer_dtensors", 0.0)])
+            self._prefix[key] = np.vstack([np.zeros(COLUMNS), np.cumsum(np.array(rows), axis=0)])
+        prefix = self._prefix[key]
+        sums = prefix[atoms[1]] - prefix[atoms[0]]
+        return None if np.isnan(sums).any() else sums
+
+    def option_for(self, atoms, submesh, lm, lean, rc, sums: np.ndarray, m: int) -> StageOption:
+        (fwd, bwd, comm, sync, states, acts, trainable, weighted_latency, latency, copies, gathered, grads, averaged,
+         gather, scatter, fixed_f, fixed_b, elements, tensors, dtensors) = (float(x) for x in sums)
+        states -= float(self.tied_excess(np.array(atoms), submesh, lm, lean)[0, 1])
+        comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
+        if trainable:  # one bucket latency per 25 MB of the stage's weights (byte-weighted over its atoms)
+            sync += weighted_latency / trainable * buckets(trainable)
+        # autocast copies the weights once per microbatch and keeps them until its backward
+        fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m + copies
+        fwd, bwd = fwd + fixed_f * (1 - 1 / m), bwd + fixed_b * (1 - 1 / m)  # every microbatch issues every op
+        # ZeRO-3 gathers the parameters again for every microbatch's forward; in one stage for its
+        # backward too, and reduce-scatters every microbatch's gradients (`runtime.parallel`). torch's
+        # pipeline schedules keep them gathered through the backwards and reduce once, after the last
+        fwd += gather / 2 * (1 - 1 / m)
+        if tuple(atoms) == (0, len(self.atoms)):
+            bwd += (gather / 2 + scatter) * (1 - 1 / m)
+        loss = self.loss_bytes / (lm[0] * m) if atoms[1] == len(self.atoms) else 0.0
+        transient = 2 * loss + gathered * self.held_in_pipeline(lm[0])
+        if tuple(atoms) == (0, len(self.atoms)):  # the whole model in one stage
+            bounds = np.array(sorted({0, *(self.layer_starts or range(len(self.atoms))), len(self.atoms)}))
+            transient = self.one_stage_transient(self._prefix[(submesh, lm, lean)][bounds], bounds, 2 * loss, m, rc)
+        if rc:  # keep each layer's input per microbatch; recompute one layer at a time before its backward
+            bwd += fwd
+            starts = [a for a in (self.layer_starts or range(len(self.atoms))) if atoms[0] < a < atoms[1]]
+            ends = [atoms[0], *starts, atoms[1]]
+            per_layer = [self.range_sums((a, b), submesh, lm, lean)[5] / m for a, b in zip(ends, ends[1:])]
+            transient += max(per_layer) + copies
+            acts = sum(self.cut[a - 1] for a in ends[:-1] if a > 0) / (lm[0] * m)
+        elif atoms[0] > 0:  # a later stage keeps what it received until that microbatch's backward
+            acts += self.cut[atoms[0] - 1] / (lm[0] * m)
+        acts += loss * (2 if atoms[0] > 0 else 1)  # log-probabilities; a pipeline's schedule keeps the logits
+        fwd, bwd = fwd + float(self.loss_time(loss)) / 2, bwd + float(self.loss_time(loss)) / 2
+        sync = float(self.exposed_sync(sync, bwd, submesh, lm, trainable))
+        last = atoms[1] - 1
+        send = 0.0
+        if last < len(self.atoms) - 1 and self.cut[last] > 0:  # each rank sends its slice (Megatron's scatter)
+            send = p2p_time(self.cut[last] / (lm[0] * lm[1] * m), self._send_link(submesh))
+        return StageOption(lm, lean, rc, fwd, bwd, send, sync, states, acts, transient, grads, averaged,
+                           float(self.optimizer_s(elements, tensors, dtensors)))
+
+    def optimizer_s(self, elements, tensors, dtensors):
+        """The optimizer's step on a stage's shard of the weights, and the all-reduce of the loss
+        over every rank that ends each step (a latency)."""
+        return optimizer_time(elements, tensors, self.cluster.device, dtensors) \
+            + all_reduce_time(8.0, self.world, self.cluster.intra_host)
+
+    def held_in_pipeline(self, dp: int) -> float:
+        """The part of ZeRO-3's gathered bytes a pipeline stage holds at once: torch's schedules
+        keep every unit's parameters and unsharded gradients from the first backward on and
+        reduce-scatter after the last, one unit at a time (its buffer is left out: the stage's
+        activations are freed by then); the sharded gradients the states count only appear then."""
+        width = PRECISIONS[self.graph.precision].itemsize if self.graph.precision else 4
+        return (2 * width - 4 / dp) / (2 * width + 4)
+
+    def one_stage_transient(self, prefix: np.ndarray, bounds: np.ndarray, loss: float, m: int, rc: bool) -> float:
+        """`gathered_peak` over the layers of a one-stage plan (ZeRO-3: `runtime.parallel.shard_data_axis`);
+        `prefix`: the prefix sums' rows at `bounds`. A recomputing stage frees little as its
+        backward goes (layer inputs), so nothing is counted as freed. In a pipeline torch's
+        schedules keep every layer gathered until the last backward: the stage's sum is right there."""
+        starts = {0, *(self.layer_starts or range(len(self.atoms)))}
+        ends = [i for i, b in enumerate(bounds) if b in starts or i == len(bounds) - 1]
+        if len(ends) < 2:
+            return loss
+        per_layer = np.diff(prefix[ends], axis=0)
+        return gathered_peak(per_layer[:, 10], self.graph.precision, loss, None if rc else per_layer[:, 5] / m)
+
+    def tied_excess(self, bounds: np.ndarray, submesh: tuple[int, int], lm: tuple[int, int], lean: bool) -> np.ndarray:
+        """[i, j]: the state bytes counted more than once in atoms [bounds[i], bounds[j]) (tied
+        weights: all their atoms' shares but the largest)."""
+        excess = np.zeros((len(bounds), len(bounds)))
+        for f, ks in self.tied.items():
+            share = {k: getattr(self._cache.get((self.hashes[k], submesh, lm, lean)), "param_states", {}).get(f, 0.0)
+                     for k in ks}  # solved by range_sums already (read without counting a hit)
+            for i, a in enumerate(bounds):
+                for j in range(i + 1, len(bounds)):
+                    inside = [share[k] for k in ks if a <= k < bounds[j]]
+                    if len(inside) > 1:
+                        excess[i, j] += sum(inside) - max(inside)
+        return excess
+
+    def _send_link(self, submesh: tuple[int, int]) -> Link:
+        """Stages meet inside a host when theirs is not full; otherwise the host NIC, shared."""
+        c = self.cluster
+        if submesh[0] == 1 and submesh[1] < c.devices_per_host:
+            return c.intra_host
+        return Link(bandwidth=c.inter_host.bandwidth / min(submesh[1], c.devices_per_host), latency=c.inter_host.latency)

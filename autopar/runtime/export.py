@@ -1,0 +1,52 @@
+"""The model exported at the shape one rank runs, with the node names of the plan.
+
+The plan names nodes as the export at the global batch did; the runtime exports at a microbatch.
+Usually the two graphs are the same code with other shapes, and so have the same names. At one
+sample per microbatch they are not: torch.export specialises dimensions of size 1 (a mask's
+`expand` to batch 1 disappears, say), and every later node of the same kind shifts its name. Then
+the global batch is exported too, and each node of the microbatch graph takes the name of the node
+at the same place in it: same module, same op, same occurrence within the module.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+import torch
+from torch import fx, nn
+
+from autopar.planner.capture import _export
+
+
+def export_as_planned(model: nn.Module, micro: tuple, whole: tuple) -> Any:
+    """`model` exported on `micro`, its nodes named as in the export on `whole` (the plan's)."""
+    ep = _export(model, micro, {})
+    if _batch(micro) == 1 != _batch(whole):
+        align_names(ep.graph, _export(model, whole, {}).graph)
+    return ep
+
+
+def _batch(inputs: tuple) -> int | None:
+    return next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
+
+
+def _key(node: fx.Node, seen: dict) -> tuple:
+    stack = node.meta.get("nn_module_stack") or {}
+    path = list(stack.values())[-1][0] if stack else ""
+    kind = (path, str(node.target))
+    seen[kind] += 1
+    return (*kind, seen[kind])
+
+
+def align_names(graph: fx.Graph, planned: fx.Graph) -> None:
+    """Rename `graph`'s ops to `planned`'s by (module, op, occurrence); ops without a counterpart get
+    names no plan uses, so they run as DTensor places them, in the stage of their inputs."""
+    seen: dict = defaultdict(int)
+    names = {_key(n, seen): n.name for n in planned.nodes if n.op == "call_function"}
+    seen = defaultdict(int)
+    ops = [n for n in graph.nodes if n.op == "call_function"]
+    wanted = [names.get(_key(n, seen)) or f"unplanned_{n.name}" for n in ops]
+    for n, name in zip(ops, wanted):
+        n.name = name  # the graph is run node by node (`ShardedGraph`), never turned back into code
+    assert len({n.name for n in graph.nodes}) == len(graph.nodes)

@@ -1,0 +1,214 @@
+"""Dying ranks: fail loudly, quickly, and say who died where.
+
+A rank that dies or hangs leaves the others waiting in a collective. Under torchrun's agent (what
+`autopar train` launches) the agent sees a dead process within `monitor_interval` and stops the
+others. Where no agent sees it (another host, a rank that hangs), every collective gives up after
+the timeout (`parallelize(timeout=...)`, `autopar train --timeout`, set on every group the plan
+made: `set_timeouts`), and the step raises `PeerLost` instead of the backend's transport error.
+Each rank records its progress (pid, step, phase, error) in a small file; `reaping` watches the
+ranks' processes, ends those left behind, and `blame` names the one that died or froze and its
+step (an outside observer, such as `benchmarks/chaos.py`, finds the ranks' processes there too).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import functools
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from autopar.contract.errors import AutoparError
+
+# what gloo and NCCL say when a peer is gone or silent
+_LOST = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+         "NCCL communicator was aborted", "Watchdog caught collective operation timeout")
+
+
+class PeerLost(AutoparError):
+    """A collective failed because another rank died or stopped responding."""
+
+
+@contextlib.contextmanager
+def collective_failures(what: str) -> Iterator[None]:
+    """Turn a transport error of a dead or silent peer into one clear `PeerLost`."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except (RuntimeError, CheckpointException) as exc:  # DCP gathers its ranks' errors into the latter
+        text = str(exc)
+        if not (isinstance(exc, (dist.DistNetworkError, dist.DistStoreError)) or any(s in text for s in _LOST)):
+            raise
+        rank = dist.get_rank() if dist.is_initialized() else "?"
+        detail = next((line for line in text.splitlines() if any(s in line for s in _LOST)), text.strip())
+        raise PeerLost(f"rank {rank} gave up in {what}: another rank died or stopped responding "
+                       f"({detail.split('] ', 1)[-1].strip()})") from exc
+
+
+def set_timeouts(timeout_s: float) -> None:
+    """Every process group this rank is in gives up after `timeout_s`: the groups DeviceMesh and the
+    pipeline make (data, tensor, stage pairs, tied weights) otherwise wait torch's 30-minute
+    default, whatever timeout the job was started with."""
+    try:
+        from torch.distributed.distributed_c10d import _set_pg_timeout, _world
+    except ImportError:  # a torch without it: the job's own timeout still holds for the default group
+        logging.getLogger(__name__).warning("this torch cannot set process-group timeouts: subgroups wait "
+                                            "torch's default")
+        return
+    for group in list(_world.pg_map):
+        with contextlib.suppress(ValueError):  # a group this rank is not in
+            _set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
+
+
+def guarded(step: Callable) -> Callable:
+    """A model's `step` that raises `PeerLost` when a peer dies under it."""
+    @functools.wraps(step)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with collective_failures("a training step"):
+            return step(*args, **kwargs)
+
+    return run
+
+
+def record(directory: str | Path, rank: int, step: int, phase: str, error: str | None = None,
+           user: bool = False) -> None:
+    """This rank is at `step` doing `phase`, or failed there with `error` (`user`: an error in what
+    the user gave, reported as it is) (replaced atomically: readers never see half a file)."""
+    path = Path(directory) / f"rank{rank}.json"
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps({"pid": os.getpid(), "step": step, "phase": phase, "time": time.time(),
+                               "error": error, "user": user}))
+    os.replace(tmp, path)
+
+
+def user_error(directory: str | Path, ranks: int) -> str | None:
+    """The first error in the user's input a rank recorded, if any."""
+    return next((p["error"] for r in range(ranks) if (p := progress(directory, r)) and p.get("user")), None)
+
+
+def progress(directory: str | Path, rank: int) -> dict[str, Any] | None:
+    """What `record` last wrote for `rank`, or None."""
+    try:
+        return json.loads((Path(directory) / f"rank{rank}.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def descends(pid: int, ancestor: int) -> bool:
+    """Whether process `pid` is `ancestor` or one of its descendants (not a stale file's reused pid)."""
+    while pid > 1:
+        if pid == ancestor:
+            return True
+        try:
+            pid = int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            return False
+    return False
+
+
+def _process_state(pid: int) -> str:
+    """"dead" (gone, or a zombie not yet reaped), "stopped" (SIGSTOP, a debugger) or "running"."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return "dead"
+    return {"Z": "dead", "X": "dead", "T": "stopped", "t": "stopped"}.get(state, "running")
+
+
+@dataclasses.dataclass
+class Watched:
+    """What `reaping` saw of one rank: its last progress, when its process was first seen gone,
+    whether it was seen stopped."""
+
+    where: dict[str, Any] | None = None
+    died_at: float | None = None
+    stopped: bool = False
+
+
+@contextlib.contextmanager
+def reaping(directory: str | Path, nproc: int, grace_s: float, seen: dict[int, Watched]) -> Iterator[None]:
+    """While the body runs, watch every rank's process (every 10 ms) and progress, into `seen`:
+    `blame` reads it, as by the time the launcher reports every rank is gone, and the order in
+    which they went tells the cause from the ranks the launcher stopped. Once a rank records a
+    failure, SIGKILL `grace_s` later the ranks that recorded nothing: torch's launcher SIGTERMs
+    them and waits 30 s, and a frozen rank never takes the SIGTERM."""
+    stop = threading.Event()
+    seen.update({r: Watched() for r in range(nproc)})
+
+    def watch() -> None:
+        failed_at, tick = None, 0
+        while not stop.wait(0.01):
+            tick += 1
+            for r, w in seen.items():
+                if w.died_at is not None:
+                    continue
+                if w.where is None or tick % 10 == 0:
+                    w.where = progress(directory, r) or w.where
+                if w.where is not None:
+                    state = _process_state(w.where["pid"])
+                    w.stopped |= state == "stopped"
+                    if state == "dead":  # its last words (an error it recorded on the way out)
+                        w.died_at, w.where = time.time(), progress(directory, r) or w.where
+            if failed_at is None and any((w.where or {}).get("error") for w in seen.values()):
+                failed_at = time.time()
+            if failed_at is not None and time.time() > failed_at + grace_s:
+                for w in seen.values():
+                    if w.died_at is None and w.where and not w.where.get("error") \
+                            and descends(w.where["pid"], os.getpid()):
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(w.where["pid"], signal.SIGKILL)
+                failed_at = float("inf")
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
+def blame(failed: dict[int, Any], seen: dict[int, Watched], steps: int) -> str:
+    """One line: which rank died (or froze), how, and at which step. torchelastic reports the first
+    rank it saw exit, which may be one whose collectives failed because of another, or one it
+    stopped itself; the causes come first: a frozen rank, the first rank gone without a word, a
+    signalled one, a rank's own error, before ranks that only lost a peer."""
+    def error(r: int) -> str | None:
+        return (seen[r].where or {}).get("error") if r in seen else None
+
+    frozen = [r for r, w in seen.items() if w.stopped]
+    silent = sorted((w.died_at, r) for r, w in seen.items() if w.died_at is not None and not error(r))
+    signalled = [r for r, f in failed.items() if f.exitcode < 0 and not error(r)]
+    own = [r for r in failed if error(r) and "another rank died or stopped responding" not in error(r)]
+    rank = (frozen or [r for _, r in silent[:1]] or signalled or own or sorted(failed))[0]
+    w = seen[rank].where if rank in seen else None
+    if rank in frozen:
+        how = "stopped responding (its process is stopped)"
+    elif error(rank):
+        how = f"failed ({error(rank)})"
+    elif rank in failed and failed[rank].exitcode < 0:
+        how = f"was killed by {failed[rank].signal_name()}"
+    elif rank in failed:
+        how = f"exited with status {failed[rank].exitcode}"
+    else:
+        how = "died"
+    if w is None:
+        at = "before its first step"
+    elif w["phase"] == "checkpoint":
+        at = f"while saving the checkpoint of step {w['step']}"
+    elif w["phase"] == "resume":
+        at = f"while loading the checkpoint of step {w['step']}"
+    else:
+        at = f"at step {w['step']} of {steps}"
+    return f"rank {rank} {how} {at}; the other ranks were stopped"

@@ -1,0 +1,169 @@
+"""Live tensor bytes during a step, in the planner's categories: what the memory model predicts,
+measured on any device (CUDA's allocator statistics have no categories, and a CPU's RSS counts
+the interpreter and allocator slack, not tensors).
+
+A dispatch mode sees every tensor an op creates (DTensor's local shards included: it lowers to
+plain ops first) and follows each storage until it is freed; the peak's live storages are then
+sorted: parameters, gradients and optimizer state by the tensors the model and optimizer hold
+after the step, activations by what autograd saved for backward, the rest temporaries
+(collective buffers, gathered ZeRO-3 parameters, recomputed activations in backward). torch's
+`MemTracker` does the same per module but refuses a module called twice in one step, which every
+microbatched plan does.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from autopar.contract.errors import AutoparError
+
+CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
+
+
+def _storage(t: torch.Tensor) -> tuple[int, torch.UntypedStorage] | None:
+    if isinstance(t, DTensor):
+        t = t._local_tensor
+    if not isinstance(t, torch.Tensor) or t.device.type == "meta" or isinstance(t, FakeTensor):
+        return None  # no memory: DTensor propagates shardings on fake tensors
+    try:
+        s = t.untyped_storage()
+        return (s._cdata, s) if s.nbytes() else None  # the storage itself: FSDP2 resizes one in place
+    except (RuntimeError, NotImplementedError):  # no storage of its own (a functional collective's pending result)
+        return None
+
+
+class TensorBytes(TorchDispatchMode):
+    """Within the block: the peak of live tensor bytes and the storages live at that peak."""
+
+    def __init__(self, held: list[torch.Tensor]) -> None:
+        super().__init__()
+        # storage -> itself, read at each op: FSDP2 frees a gathered parameter by resizing its
+        # storage to nothing (and gathers into it again), which no op reports
+        self.live: dict[int, weakref.ref] = {}
+        self.peak, self.at_peak = 0, {}
+        self.saved: set[int] = set()
+        for t in held:  # what exists before the step: parameters, optimizer state, buffers
+            self._track(t)
+        self._note()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _track(self, t: Any) -> None:
+        found = _storage(t) if isinstance(t, torch.Tensor) else None
+        if found is None or found[0] in self.live:
+            return
+        key, storage = found
+        self.live[key] = weakref.ref(storage)
+        weakref.finalize(storage, self.live.pop, key, None)
+
+    def _note(self) -> None:
+        sizes = {key: s.nbytes() for key, ref in list(self.live.items()) if (s := ref()) is not None}
+        total = sum(sizes.values())
+        if total > self.peak:
+            self.peak, self.at_peak = total, sizes
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        found = _storage(t)
+        if found is not None:
+            self.saved.add(found[0])
+        return t
+
+    def __enter__(self) -> TensorBytes:
+        self._hooks.__enter__()
+        return super().__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        super().__exit__(*exc)
+        self._hooks.__exit__(*exc)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(t is DTensor for t in types):
+            return NotImplemented  # DTensor lowers to plain ops, which come back through here
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            self._track(t)
+        self._note()
+        return out
+
+    def by_category(self, params: list[torch.Tensor], optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """The peak's bytes per category (and `total`), sorted by what holds each storage now."""
+        keys = {name: set() for name in CATEGORIES}
+        for p in params:
+            keys["parameters"].add((_storage(p) or (None,))[0])
+            if p.grad is not None:
+                keys["gradients"].add((_storage(p.grad) or (None,))[0])
+        for state in optimizer.state.values():
+            for t in state.values():
+                if isinstance(t, torch.Tensor):
+                    keys["optimizer"].add((_storage(t) or (None,))[0])
+        keys["activations"] = self.saved
+        out = dict.fromkeys(CATEGORIES, 0)
+        for key, nbytes in self.at_peak.items():
+            name = next((n for n in CATEGORIES[:-1] if key in keys[n]), "temporaries")
+            out[name] += nbytes
+        return {**out, "total": self.peak}
+
+
+def measured_step(pm: Any, inputs: Any, target: torch.Tensor, **step: Any) -> tuple[float, dict[str, int]]:
+    """One `pm.step` under `TensorBytes`: its loss and this rank's peak tensor bytes by category."""
+    params = list(pm.trained.parameters())
+    held = params + [t for s in pm.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
+    held += list(getattr(pm, "state_buffers", {}).values())
+    with TensorBytes(held) as tracker:
+        loss = pm.step(inputs, target, **step)
+    return loss, tracker.by_category(params, pm.optimizer)
+
+
+class MemoryLimitExceeded(AutoparError):
+    """A rank's tensors outgrew the memory limit the plan was made for."""
+
+
+def hold_to(pm: Any, limit: float) -> None:
+    """Keep the run within `limit` bytes of tensors per rank, as its plan promised: the first
+    step is measured (`TensorBytes`; later steps repeat its shapes, though an fp16 step its loss
+    scale skips creates no optimizer state) and, when some rank's peak
+    passed the limit, every rank raises `MemoryLimitExceeded` naming that rank's stage and the
+    category furthest over the plan's prediction (the measurement: `pm.first_step_tensor_bytes`). On CUDA the allocator is capped at the limit
+    as well, for every step (its reserve counts: a little more than the tensors)."""
+    import torch.distributed as dist
+
+    if pm.device.type == "cuda":
+        total = torch.cuda.get_device_properties(pm.device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, limit / total), pm.device)
+
+    def first(inputs: Any, target: torch.Tensor, local: bool = False) -> float:
+        del pm.step  # the following steps are plain ones
+        loss, measured = measured_step(pm, inputs, target, local=local)
+        pm.first_step_tensor_bytes = measured
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, (getattr(pm, "stage_index", 0), measured))
+        over = [(rank, stage, m) for rank, (stage, m) in enumerate(everyone) if m["total"] > limit]
+        if over:
+            raise MemoryLimitExceeded(_overflow(*over[0], pm.plan, limit))
+        return loss
+
+    pm.step = first
+
+
+def _overflow(rank: int, index: int, measured: dict[str, int], plan: Any, limit: float) -> str:
+    """What overflowed, against the plan's prediction for the stage, in one message."""
+    from autopar.contract.units import human_bytes
+    from autopar.cost_models.memory import in_flight_microbatches
+
+    cost = plan.stages[index].cost
+    states, transient = cost.get("state_bytes", 0.0), cost.get("transient_bytes", 0.0)
+    acts = cost.get("activation_bytes_per_microbatch", 0.0) * in_flight_microbatches(
+        plan.schedule, len(plan.stages), index, plan.num_microbatches)
+    got = {"model states": measured["parameters"] + measured["gradients"] + measured["optimizer"],
+           "activations": measured["activations"], "temporaries": measured["temporaries"]}
+    predicted = {"model states": states, "activations": acts, "temporaries": transient}
+    worst = max(got, key=lambda k: got[k] - predicted[k])
+    return (f"rank {rank} (stage {index}) held {human_bytes(measured['total'])} of tensors, over the memory limit "
+            f"of {human_bytes(limit)} the plan was made for: {worst} {human_bytes(got[worst])}, predicted "
+            f"{human_bytes(predicted[worst])}. Plan with a lower --memory-limit to leave room, or raise it")

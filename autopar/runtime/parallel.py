@@ -1,0 +1,331 @@
+"""Run a one-stage Plan's training step on torch.distributed (pipelines: runtime/pipeline.py).
+
+Ranks form a (dp, tp) mesh, tp innermost (a tensor-parallel group shares a host, as the planner
+assumes). The global batch is cut into this rank's data-parallel slice and into the plan's
+microbatches; gradients are averaged over the data axis by `GradSync` (plans with `R` parameters
+on it) or by FSDP2's `fully_shard` (`S(0)`: ZeRO-3). With a tensor axis the model runs as its
+exported graph with the plan's placements (`runtime.sharded_graph`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from autopar.planner.capture import first_tensor
+from autopar.runtime.breakdown import phase
+from autopar.runtime.buffers import AveragedBuffers, persistent
+from autopar.runtime.comm_count import CollectiveBytes
+from autopar.runtime.export import export_as_planned
+from autopar.runtime.failures import guarded
+from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.loop import clip, evaluating, gather_batch_dim, squared_grad_norm
+from autopar.runtime.precision import fsdp_policy, mixed_precision
+from autopar.runtime.sharded_graph import ShardedGraph, first_failure
+
+
+class UnsupportedPlan(ValueError):
+    """A plan this runtime cannot execute yet (the message says which part)."""
+
+
+def refuse_failing(module: nn.Module, inputs: tuple) -> None:
+    """A model the runtime cannot run under this plan is refused now, on every rank, naming the op
+    and the model's line, rather than at the first step."""
+    failed = first_failure(module, inputs)
+    if failed is not None:
+        raise UnsupportedPlan(f"the runtime cannot run this model under the plan: {failed}")
+
+
+def zero3(plan: Any) -> bool:
+    """Parameters sharded over the data axis (S(0) there): FSDP2 runs it."""
+    return any(p[0] == "S(0)" for s in plan.stages for p in s.params.values())
+
+
+def shard_data_axis(module: nn.Module, mesh: Any, precision: str | None) -> None:
+    """ZeRO-3 through FSDP2: each layer's unit (`ShardedGraph.units`) gathered for its forward and
+    again for its backward, then freed, so a step holds about one layer's whole parameters; the
+    rest (weights several layers share) in the root unit. Units take their inputs as they come
+    (autocast decides the dtypes), the root casts the stage's inputs as FSDP2 does."""
+    import warnings
+
+    from torch.distributed.fsdp import fully_shard
+
+    # the graph's values are never changed in place (export is functional): a view returned from a
+    # unit keeps FSDP2's pre-backward hook
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    for unit in getattr(module, "units", ()):
+        fully_shard(unit, mesh=mesh, **fsdp_policy(precision, cast_inputs=False))
+    fully_shard(module, mesh=mesh, **fsdp_policy(precision))
+
+
+def check_batch(inputs: Any, plan: Any, dp: int | None = None) -> None:
+    """The batch a step gets must be the one the plan was made for (it fixes the shapes): the
+    global batch, or with `dp` a data-parallel slice of it (`step(..., local=True)`)."""
+    from autopar.contract.errors import AutoparError
+
+    first = next((t for t in (inputs if isinstance(inputs, (tuple, list)) else (inputs,))
+                  if isinstance(t, torch.Tensor)), None)
+    if first is None:
+        return
+    if dp is None and first.shape[0] != plan.batch:
+        raise AutoparError(f"step got a batch of {first.shape[0]} samples, the plan was made for {plan.batch}: "
+                           f"pass batches of {plan.batch}, or re-plan for this batch")
+    if dp is not None and first.shape[0] != plan.batch // dp:
+        raise AutoparError(f"step(local=True) got {first.shape[0]} samples, this rank's data-parallel slice of the "
+                           f"plan's batch {plan.batch} is {plan.batch // dp}: pass that many, or the global batch")
+
+
+def data_sync(params: list[nn.Parameter], group: dist.ProcessGroup, plan: Any) -> Any:
+    """The data-parallel synchroniser the plan's `dp_gradient` asks for: bucketed all-reduce,
+    through a compressor, or delayed averaging. `AUTOPAR_EMULATE_LINK="latency_s[,bytes_per_s]"`
+    makes its results wait as on a slower link (benchmarks; `EmulatedLink`)."""
+    import os
+
+    from autopar.runtime.grad_sync import EmulatedLink
+
+    gradient = plan.dp_gradient or {}
+    link = None
+    if os.environ.get("AUTOPAR_EMULATE_LINK"):
+        text = os.environ["AUTOPAR_EMULATE_LINK"]
+        try:
+            values = [float(v) for v in text.split(",")]
+        except ValueError:
+            values = []
+        if not 1 <= len(values) <= 2 or not all(0 <= v < float("inf") for v in values) or 0 in values[1:]:
+            raise UnsupportedPlan(f"AUTOPAR_EMULATE_LINK={text[:40]!r}: write latency_s[,bytes_per_s], finite "
+                                  "non-negative numbers, e.g. 0.1 or 0.05,1e9")
+        link = EmulatedLink(*values)
+    if gradient.get("delay"):
+        if gradient.get("compression"):
+            raise UnsupportedPlan("delayed averaging runs on dense gradients: use compression or delay, not both")
+        from autopar.runtime.delayed import DelayedSync
+
+        return DelayedSync(params, group, int(gradient["delay"]), link=link)
+    compressed = None
+    if gradient.get("compression"):
+        from autopar.runtime.compression import Compressed
+
+        compressed = Compressed(gradient["compression"], group)
+    return GradSync(params, group, compressed=compressed, link=link)
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, plan: Any) -> None:
+    """A compressor that carries the momentum (DGC's momentum correction, 1-bit SGD's compressed
+    momentum) and an optimizer with its own would apply it twice."""
+    text = (plan.dp_gradient or {}).get("compression")
+    if not text or not any(g.get("momentum", 0) for g in optimizer.param_groups):
+        return
+    from autopar.contract.errors import AutoparError
+    from autopar.cost_models.compression import carries_momentum, parse
+
+    spec = parse(str(text))
+    if carries_momentum(spec):
+        raise AutoparError(
+            f"compression {spec.canonical()} carries the momentum itself: build the optimizer without momentum "
+            "(set the compressor's with ,momentum=M)" + ("; onebit,momentum=0 is Seide's 1-bit SGD on the gradient "
+                                                        "beside the optimizer's momentum, which diverges at large steps"
+                                                        if spec.method == "onebit" else ""))
+
+
+def positional(forward: Callable, inputs: Any) -> tuple:
+    """The model's inputs as positional arguments: a tuple as it is, a dict of keyword arguments
+    bound to `forward`'s parameters, the ones skipped before the last given at their defaults
+    (T5's `attention_mask=None` between `input_ids` and `decoder_input_ids`)."""
+    if not isinstance(inputs, dict):
+        return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    import inspect
+
+    from autopar.contract.errors import AutoparError
+
+    params = list(inspect.signature(forward).parameters.values())
+    known = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    unknown = set(inputs) - set(known)
+    if unknown:
+        raise AutoparError(f"the model's forward takes no positional parameter {', '.join(sorted(unknown))}: "
+                           f"its parameters are {', '.join(known)}")
+    last = max(known.index(name) for name in inputs)
+    missing = [p.name for p in params[:last + 1] if p.name not in inputs and p.default is p.empty]
+    if missing:
+        raise AutoparError(f"keyword inputs skip {', '.join(missing)}, which the model's forward needs")
+    return tuple(inputs[p.name] if p.name in inputs else p.default for p in params[:last + 1])
+
+
+def on_device(batch: Any, device: torch.device) -> Any:
+    """Every tensor of `batch` on the rank's device (as DDP moves a single-device module's inputs):
+    data loaders and `make_batch` produce CPU tensors."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(on_device(b, device) for b in batch)
+    if isinstance(batch, dict):
+        return {k: on_device(v, device) for k, v in batch.items()}
+    return batch
+
+
+def _split(batch: Any, parts: int, index: int) -> Any:
+    """Slice `index` of `parts` along dim 0 of every tensor in `batch` (tuples and dicts kept)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.tensor_split(parts)[index]
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(_split(b, parts, index) for b in batch)
+    if isinstance(batch, dict):
+        return {k: _split(v, parts, index) for k, v in batch.items()}
+    return batch
+
+
+class ParallelModel:
+    """The model under a plan: `step(inputs, target)` takes the global batch on every rank."""
+
+    def __init__(self, model: nn.Module, plan: Any, loss_fn: Callable, optimizer: Callable,
+                 example_inputs: tuple = (), device: torch.device | None = None,
+                 max_grad_norm: float | None = None) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.plan, self.loss_fn, self.max_grad_norm = plan, loss_fn, max_grad_norm
+        self.last_grad_norm: float | None = None
+        self.dp, self.tp = plan.stages[0].logical_mesh
+        if dist.get_world_size() != self.dp * self.tp:
+            raise UnsupportedPlan(f"the plan needs {self.dp * self.tp} ranks, the job has {dist.get_world_size()}")
+        device = self.device = device or torch.device("cpu")
+        mesh = init_device_mesh(device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
+        self.group, self.tp_group = mesh.get_group("dp"), mesh.get_group("tp")
+        self.rank, self.tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
+        self.data_parallel_rank, self.data_parallel_size = self.rank, self.dp  # for a DistributedSampler
+        self.model = model.to(device)
+        self.precision = mixed_precision(plan.precision, device)
+        self.graph: ShardedGraph | None = None
+        sharded = zero3(plan) and self.dp > 1
+        if self.tp > 1 or plan.stages[0].recompute or sharded:  # the graph: placements, layers (to recompute, to shard)
+            micro = _split(_split(example_inputs, self.dp, 0), plan.num_microbatches, 0)
+            ep = export_as_planned(self.model, tuple(micro), tuple(example_inputs))  # before sharding: plain tensors
+            self.graph = ShardedGraph(self.model, plan.stages[0], mesh["tp"] if self.tp > 1 else None, ep,
+                                      layers=[layer["nodes"] for layer in plan.layers], units=sharded)
+            with self.precision.autocast():  # as the steps will run it
+                refuse_failing(self.graph, tuple(micro))
+        # what trains: the model, or the graph holding its parameters (DTensors with a tensor axis)
+        self.trained: nn.Module = self.graph if self.graph is not None else self.model
+        self.sync: GradSync | None = None
+        if sharded:
+            shard_data_axis(self.trained, mesh["dp"], plan.precision)
+        elif self.dp > 1:
+            self.sync = data_sync(list(self.trained.parameters()), self.group, plan)
+        self.state_buffers = self.graph.state_buffers if self.graph is not None else persistent(self.model)
+        self.buffer_sync = AveragedBuffers(self.state_buffers, self.group) if self.dp > 1 else None
+        self.optimizer = optimizer(list(self.trained.parameters()))
+        check_optimizer(self.optimizer, plan)
+        self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [0, 0]}
+        self._issued: list[dict[str, Any]] = []
+
+    @guarded
+    def step(self, inputs: Any, target: torch.Tensor, local: bool = False) -> float:
+        """One training step on the global batch, or with `local` on this rank's data-parallel slice
+        of it (slice `data_parallel_rank` of `data_parallel_size` equal ones); returns the global
+        mean loss (same on every rank)."""
+        inputs, target = on_device(positional(self.model.forward, inputs), self.device), target.to(self.device)
+        check_batch(inputs, self.plan, self.dp if local else None)
+        m = self.plan.num_microbatches
+        local_in, local_target = (inputs, target) if local else (_split(inputs, self.dp, self.rank),
+                                                                 _split(target, self.dp, self.rank))
+        micro_in = [_split(local_in, m, i) for i in range(m)]
+        micro_target = [_split(local_target, m, i) for i in range(m)]
+        total = torch.zeros((), dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.buffer_sync is not None:
+            self.buffer_sync.before_step()
+        counter = CollectiveBytes() if self.tp > 1 else contextlib.nullcontext()
+        with counter:  # the tensor axis's collectives, issued by DTensor
+            self._microbatches(micro_in, micro_target, total)
+        if self.tp > 1:
+            self._bytes["tp"] = [counter.nbytes, counter.nbytes]
+        if self.sync is not None:
+            with phase("dp_sync"):
+                self.sync.finish()
+            stats = self.sync.reset_stats()
+            self._bytes["dp"] = [stats.bytes_raw, stats.bytes_sent]
+            self._issued = [{"axis": "dp", "kind": kind, "bytes": nbytes} for kind, nbytes in stats.collectives]
+        elif zero3(self.plan) and self.dp > 1:  # FSDP2, per microbatch: a reduce-scatter of each gradient, an
+            # all-gather of each layer's parameters for its forward and its backward, one of the root's
+            def whole(params: Any) -> int:
+                return sum(p.to_local().numel() * p.to_local().element_size() * self.dp for p in params)
+
+            root = whole(self.trained.parameters(recurse=False))
+            layers = whole(p for unit in self.trained.units for p in unit.parameters())
+            nbytes = m * (2 * root + 3 * layers)
+            self._bytes["dp"] = [nbytes, nbytes]
+        with phase("optimizer"):
+            if self.max_grad_norm is not None:
+                self.precision.unscale(self.optimizer)
+                params = list(self.trained.parameters())
+                self.last_grad_norm = clip(params, squared_grad_norm(params), dist.get_world_size(),
+                                           self.max_grad_norm, self.device)
+            self.precision.step(self.optimizer)
+        if self.sync is not None:
+            self.sync.after_step()
+        if self.buffer_sync is not None:
+            self.buffer_sync.after_step()
+        dist.all_reduce(total)
+        return float(total) / self.dp
+
+    def _microbatches(self, micro_in: list, micro_target: list, total: torch.Tensor) -> None:
+        """Forward and backward of every microbatch (the synchroniser launches with the last)."""
+        m = len(micro_in)
+        for i in range(m):
+            last = i == m - 1
+            if self.sync is not None:
+                self.sync.sync = last
+            # ZeRO-3 reduce-scatters every microbatch's gradients (FSDP2's default): skipping it would
+            # keep every layer's whole gradient between microbatches, the memory ZeRO-3 is there to save
+            args = micro_in[i] if isinstance(micro_in[i], (tuple, list)) else (micro_in[i],)
+            with phase("forward"), self.precision.autocast():  # forward and loss (the model's dtype: nothing)
+                if self.graph is None:
+                    loss = self.loss_fn(first_tensor(self.model(*args)), micro_target[i]) / m
+                    reported = loss
+                elif self.graph.output_shard:  # each tensor-parallel rank holds some samples
+                    target = micro_target[i].tensor_split(self.tp)[self.tp_rank]
+                    loss = reported = self.loss_fn(self.graph(*args), target) / (m * self.tp)
+                else:
+                    loss = self.loss_fn(self.graph(*args), micro_target[i]) / m
+                    reported = loss / self.tp
+            with phase("backward"):
+                self.precision.scale(loss).backward()
+            total += reported.detach().double()
+
+    def predict(self, inputs: Any) -> torch.Tensor:
+        """The model's output (reduced as the loss gets it) for the global batch, without gradients,
+        the same on every rank; run in the plan's microbatches. Training is left as it was
+        (buffers, random state). A collective: every rank calls it."""
+        inputs = on_device(positional(self.model.forward, inputs), self.device)
+        check_batch(inputs, self.plan)
+        m = self.plan.num_microbatches
+        mine = _split(inputs, self.dp, self.rank)
+        outs = []
+        with evaluating(self.state_buffers, self.device):
+            for i in range(m):
+                args = _split(mine, m, i)
+                with self.precision.autocast():
+                    out = first_tensor(self.trained(*args))
+                if self.graph is not None and self.graph.output_shard:  # each tensor-parallel rank: some samples
+                    out = gather_batch_dim(out, self.tp_group)
+                outs.append(out)
+        return gather_batch_dim(torch.cat(outs), self.group)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Unsharded parameters, as single-process training would hold them."""
+        if self.graph is not None:
+            return self.graph.full_state_dict()
+        return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+                for name, p in self.model.named_parameters()}
+
+    def issued(self) -> list[dict[str, Any]]:
+        """The collectives the synchronizer issued in the last step ({axis, kind, bytes}), to check
+        against the plan's prediction (FSDP2 issues its own: not listed)."""
+        return list(self._issued)
+
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        """Bytes this rank handed to collectives in the last step, per axis, before and after compression."""
+        return {axis: {"bytes_raw": raw, "bytes_sent": sent} for axis, (raw, sent) in self._bytes.items()}

@@ -1,0 +1,363 @@
+"""Pipeline stages with data and tensor parallelism inside each: torch.distributed.pipelining
+runs the schedule.
+
+The model is exported at the shape one rank runs (a microbatch of its data-parallel slice) and
+cut at the plan's stage boundaries: the plan's layers name their nodes, so a stage may begin
+anywhere between layers, module boundary or not (`sharded_graph.cut`). Each rank builds only its
+own stage (`ShardedGraph`, with the plan's tensor-axis placements when tp > 1) and hands it to a
+`PipelineStage`; `Schedule1F1B` / `ScheduleGPipe` run the microbatches (stages of different
+device counts: `runtime.fan_out`, the same orders). Each stage splits its devices by its own
+logical mesh (`_Groups`; boundaries between different ones are bridged by `runtime.cross_mesh`). After the schedule, gradients are averaged over the stage's data-parallel group
+(`GradSync`, its buckets launched during the last microbatch's backward), and weights
+used by several stages (a GPT's tied embedding and output layer) get the sum of their copies'
+gradients, as Megatron-LM does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.tensor import DTensor, Replicate
+
+from autopar.planner.capture import first_tensor
+from autopar.runtime.breakdown import phase
+from autopar.runtime.buffers import AveragedBuffers
+from autopar.runtime.comm_count import CollectiveBytes
+from autopar.runtime.cross_mesh import batch_dims
+from autopar.runtime.export import export_as_planned
+from autopar.runtime.failures import guarded
+from autopar.runtime.fan_out import FanOutSchedule, peers, receive, send
+from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.grad_sync import local as local_part
+from autopar.runtime.loop import clip, evaluating, squared_grad_norm
+from autopar.runtime.parallel import (
+    UnsupportedPlan,
+    _split,
+    check_batch,
+    check_optimizer,
+    data_sync,
+    on_device,
+    positional,
+    refuse_failing,
+    shard_data_axis,
+    zero3,
+)
+from autopar.runtime.precision import mixed_precision
+from autopar.runtime.sharded_graph import ShardedGraph, cut
+
+
+class _Groups:
+    """Where this rank sits and the process groups it needs. Stage s holds the ranks from
+    offsets[s] on; position j of a stage is data-parallel index j // tp and tensor index j % tp of
+    its logical mesh. With one logical mesh throughout this is a (pp, dp, tp) DeviceMesh;
+    otherwise the groups are made one by one (every rank creates every group, in order) and the
+    boundaries between stages of different meshes are bridged (`runtime.cross_mesh`). Stages of
+    equal sizes chain position j of every stage into a pipeline group; stages of different sizes
+    have none (`runtime.fan_out` sends to global ranks)."""
+
+    def __init__(self, plan: Any, device_type: str) -> None:
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+        self.sizes = [s.devices for s in plan.stages]
+        self.offsets = list(itertools.accumulate([0, *self.sizes]))
+        rank = dist.get_rank()
+        self.stage = next(s for s in range(len(self.sizes)) if rank < self.offsets[s + 1])
+        j = rank - self.offsets[self.stage]
+        dp, tp = plan.stages[self.stage].logical_mesh
+        self.dp_rank = j // tp
+        meshes = [tuple(s.logical_mesh) for s in plan.stages]
+        self.bridged_before = self.stage > 0 and meshes[self.stage - 1] != meshes[self.stage]
+        self.bridged_after = self.stage < len(meshes) - 1 and meshes[self.stage + 1] != meshes[self.stage]
+        if len(set(meshes)) == 1:
+            mesh = init_device_mesh(device_type, (len(meshes), dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+            self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
+            self.dp_mesh, self.tp_mesh = mesh["dp"], (mesh["tp"] if tp > 1 else None)
+            return
+        self.pp_group = None
+        if len(set(self.sizes)) == 1:
+            for k in range(self.sizes[0]):
+                group = dist.new_group([s * self.sizes[0] + k for s in range(len(meshes))])
+                if k == j:
+                    self.pp_group = group
+        for s, (sdp, stp) in enumerate(meshes):
+            base = self.offsets[s]
+            for t in range(stp):
+                group = dist.new_group([base + d * stp + t for d in range(sdp)])
+                if s == self.stage and t == j % tp:
+                    self.dp_group = group
+            for d in range(sdp):
+                group = dist.new_group([base + d * stp + t for t in range(stp)])
+                if s == self.stage and d == self.dp_rank:
+                    tp_group = group
+        self.dp_mesh = DeviceMesh.from_group(self.dp_group, device_type)
+        self.tp_mesh = DeviceMesh.from_group(tp_group, device_type) if tp > 1 else None
+
+
+class SyncingStage(PipelineStage):
+    """A PipelineStage that lets the gradient synchroniser launch its buckets while the last
+    microbatch's backward still runs (the schedule says which backward is the last)."""
+
+    sync: GradSync | None = None
+
+    def forward_one_chunk(self, *args, **kwargs):
+        with phase("forward"):
+            return super().forward_one_chunk(*args, **kwargs)
+
+    def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward: bool = False):
+        if self.sync is not None:
+            self.sync.sync = last_backward
+        with phase("backward"):
+            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+
+
+class PipelineModel:
+    """`step(inputs, target)`: the global batch on every rank; the global mean loss back."""
+
+    def __init__(self, model: nn.Module, plan: Any, loss_fn: Callable, optimizer: Callable,
+                 example_inputs: tuple, device: torch.device | None = None,
+                 max_grad_norm: float | None = None) -> None:
+        self.plan, self.loss_fn, self.forward = plan, loss_fn, model.forward
+        self.max_grad_norm, self.last_grad_norm = max_grad_norm, None
+        self.pp, self.m = len(plan.stages), plan.num_microbatches
+        device = self.device = device or torch.device("cpu")
+        g = _Groups(plan, device.type)
+        self.stage_index, self.dp_rank, self.pp_group, self.dp_group = g.stage, g.dp_rank, g.pp_group, g.dp_group
+        self.dp, self.tp = plan.stages[self.stage_index].logical_mesh
+        self.data_parallel_rank, self.data_parallel_size = self.dp_rank, self.dp  # this stage's
+        micro = tuple(_split(_split(example_inputs, self.dp, 0), self.m, 0))
+        ep = export_as_planned(model.to(device), micro, tuple(example_inputs))
+        user = [n.name for n in ep.graph.nodes if n.op == "placeholder" and n.name in ep.graph_signature.user_inputs]
+        parts = cut(ep.graph, plan, user, ep.graph_signature.user_outputs[0])
+        part = parts[self.stage_index]
+        if g.bridged_before or g.bridged_after:  # a second export (before sharding) tells batch dimensions
+            twice = export_as_planned(model, tuple(torch.cat([x, x]) if isinstance(x, torch.Tensor) else x
+                                                   for x in micro), tuple(example_inputs))
+        stage_plan = plan.stages[self.stage_index]
+        sharded = zero3(plan) and self.dp > 1  # the stage shards its parameters over the data axis (FSDP2)
+        self.module = ShardedGraph(model, stage_plan, g.tp_mesh, ep, part,
+                                   layers=[plan.layers[k]["nodes"] for k in range(*stage_plan.layers)], units=sharded)
+        self.trained = self.module  # what the optimizer steps (and checkpoints save), by model names
+        self.precision = mixed_precision(plan.precision, device)
+        self.module.forward = self.precision.autocasting(self.module.forward)
+        if plan.precision is not None:  # what crosses a boundary has the dtype autocast gives it
+            from autopar.planner.precision import retyped
+
+            values = {n.name: n.meta.get("val") for n in retyped(ep.graph, plan.precision, device.type).nodes}
+        else:
+            values = {n.name: n.meta.get("val") for n in ep.graph.nodes}
+        example = {**values, **dict(zip(user, [x for x in micro if isinstance(x, torch.Tensor)]))}
+        dims: dict[str, int | None] = {}
+        if g.bridged_before or g.bridged_after:  # values cross whole: find their batch dimension
+            dims = batch_dims(ep.graph, twice.graph, part.inputs + part.outputs)
+        if g.bridged_before:
+            self.module.slice_inputs = {i: (dims.get(n), self.dp_group) for i, n in enumerate(part.inputs)}
+        if g.bridged_after:
+            self.module.gather_outputs = {i: (dims.get(n), self.dp_group) for i, n in enumerate(part.outputs)}
+
+        def like(names: list[str], grad: bool, whole: bool) -> tuple[torch.Tensor, ...]:
+            """Zero tensors of what crosses the boundary (activations carry gradients)."""
+            out = []
+            for n in names:
+                shape = list(getattr(example[n], "shape", ()))
+                if whole and dims.get(n) is not None:
+                    shape[dims[n]] *= self.dp
+                out.append(torch.zeros(shape, dtype=example[n].dtype, device=device)
+                           .requires_grad_(grad and example[n].is_floating_point()))
+            return tuple(out)
+
+        # with fewer microbatches than stages, 1F1B's warm-up holds them all: the GPipe order (torch's
+        # Schedule1F1B refuses m < stages)
+        kind = ScheduleGPipe if plan.schedule == "gpipe" or self.m < self.pp else Schedule1F1B
+        # the loss, not the gradients, carries the 1/m of the microbatch mean: the synchroniser reads
+        # the gradients during the last backward, before the schedule could scale them
+        def loss_m(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            with self.precision.autocast():
+                loss = loss_fn(out, target) / self.m
+            return self.precision.scale(loss)  # fp16: the schedule's backward starts from the scaled loss
+
+        inputs = like(part.inputs, self.stage_index > 0, g.bridged_before)
+        outputs = like(part.outputs, True, g.bridged_after)
+        refuse_failing(self.module, tuple(micro) if self.stage_index == 0 else inputs)
+        fan = (1, 1)  # ranks this one sends activations to, and input gradients to
+        if g.pp_group is None:  # stages of different sizes: a rank may send to several
+            stage = FanOutSchedule(self.module, self.stage_index, g.sizes, self.m, loss_m, plan.schedule, inputs, outputs)
+            self.schedule = stage
+            fan = (len(stage.peers.act_to), len(stage.peers.grad_to))
+        else:
+            stage = SyncingStage(self.module, self.stage_index, self.pp, device, input_args=inputs,
+                                 output_args=outputs, group=self.pp_group)
+            self.schedule = kind(stage, self.m, loss_fn=loss_m, scale_grads=False)
+        self.sync = None
+        if sharded:
+            shard_data_axis(self.module, g.dp_mesh, plan.precision)
+        elif self.dp > 1:
+            self.sync = data_sync(list(self.module.parameters()), self.dp_group, plan)
+        stage.sync = self.sync  # buckets launch during the last microbatch's backward
+        self.state_buffers = self.module.state_buffers
+        self.buffer_sync = AveragedBuffers(self.state_buffers, self.dp_group) if self.dp > 1 else None
+        self.tied = self._tied_groups(g)
+        self._offsets, self._sizes, self._received = g.offsets, g.sizes, inputs
+        self.optimizer = optimizer(list(self.module.parameters()))
+        check_optimizer(self.optimizer, plan)
+        nbytes = [sum(t.numel() * t.element_size() for t in ts if t.is_floating_point() or not grad)
+                  for ts, grad in ((outputs, False), (inputs, True))]
+        pp = self.m * ((self.stage_index < self.pp - 1) * fan[0] * nbytes[0] + (self.stage_index > 0) * fan[1] * nbytes[1])
+        self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [pp, pp]}  # pp: activations out, their gradients back
+        self.overlapped = 0  # gradient buckets of the last step launched during backward
+
+    def _tied_groups(self, g: _Groups) -> list[tuple[nn.Parameter, dist.ProcessGroup, int | None]]:
+        """For each weight several stages use: this rank's copy, the group that sums the copies'
+        gradients (every rank creates every group, in order), and None when every copy is placed
+        alike on stages of one logical mesh (a group per position: local shards add up as they are),
+        else this stage's size (one group of all their ranks, each adding its whole gradient / size)."""
+        names = self.module.model_names()
+        placed = {names[n]: str(getattr(p, "placements", "")) for n, p in self.module.named_parameters()}
+        per_rank: list[dict[str, str]] = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, placed)
+        holders = [per_rank[g.offsets[s]] for s in range(self.pp)]
+        # weights a lower stage holds too: checkpoints save them from that stage alone
+        self.copies = {n for n in holders[self.stage_index]
+                       if any(n in holders[s] for s in range(self.stage_index))}
+        by_model = {model: here for here, model in names.items()}
+        out = []
+        for name in sorted({n for h in holders for n in h}):
+            stages = [s for s in range(self.pp) if name in holders[s]]
+            if len(stages) < 2:
+                continue
+            if len({holders[s][name] for s in stages}) == 1 and len({self.plan.stages[s].logical_mesh for s in stages}) == 1:
+                groups = [[g.offsets[s] + j for s in stages] for j in range(g.sizes[stages[0]])]
+                share = None
+            else:
+                groups = [[r for s in stages for r in range(g.offsets[s], g.offsets[s + 1])]]
+                share = g.sizes[self.stage_index]
+            for ranks in groups:
+                group = dist.new_group(ranks)
+                if dist.get_rank() in ranks:
+                    out.append((self.module.get_parameter(by_model[name]), group, share))
+        return out
+
+    @guarded
+    def step(self, inputs: Any, target: torch.Tensor, local: bool = False) -> float:
+        inputs, target = on_device(positional(self.forward, inputs), self.device), target.to(self.device)
+        if local and len({s.logical_mesh[0] for s in self.plan.stages}) > 1:
+            from autopar.contract.errors import AutoparError
+
+            raise AutoparError("step(local=True) needs the same data-parallel size on every stage; this plan's "
+                                  f"are {[s.logical_mesh[0] for s in self.plan.stages]}: pass the global batch")
+        check_batch(inputs, self.plan, self.dp if local else None)
+        # the first stage uses the inputs, the last the target; a local slice is cut into microbatches as it is
+        local_in, local_target = (inputs, target) if local else (self._local(inputs), self._local(target))
+        args = tuple(x for x in local_in if isinstance(x, torch.Tensor))  # the graph's inputs (None: a constant)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.buffer_sync is not None:
+            self.buffer_sync.before_step()
+        losses: list[torch.Tensor] = []
+        first, last = self.stage_index == 0, self.stage_index == self.pp - 1
+        if first and last:
+            raise UnsupportedPlan("a one-stage plan runs without the pipeline")
+        counter = CollectiveBytes() if self.tp > 1 else contextlib.nullcontext()
+        with counter, phase("schedule"):  # the tensor axis's collectives, issued by DTensor
+            if first:
+                self.schedule.step(*args)
+            elif last:  # the outputs (logits of every microbatch) are not kept: only the losses
+                kept = {"return_outputs": False} if not isinstance(self.schedule, FanOutSchedule) else {}
+                self.schedule.step(target=local_target, losses=losses, **kept)
+            else:
+                self.schedule.step()
+        if self.tp > 1:
+            self._bytes["tp"] = [counter.nbytes, counter.nbytes]
+        if self.sync:  # before the tied sum: finish() writes the averages back
+            with phase("dp_sync"):
+                self.sync.finish()
+            stats = self.sync.reset_stats()
+            self._bytes["dp"] = [stats.bytes_raw, stats.bytes_sent]
+            self.overlapped = stats.overlapped
+        for weight, group, share in self.tied:  # copies of one weight: each gets the sum of their gradients
+            grad = weight.grad
+            if grad is None:
+                continue
+            if share is None:
+                dist.all_reduce(local_part(grad), group=group)
+                continue
+            # placed differently in another stage: add up whole gradients, keep this copy's part
+            whole = (grad.full_tensor() if isinstance(grad, DTensor) else grad) / share
+            dist.all_reduce(whole, group=group)
+            weight.grad = whole if not isinstance(grad, DTensor) else DTensor.from_local(
+                whole, grad.device_mesh, [Replicate()] * grad.device_mesh.ndim, run_check=False,
+            ).redistribute(grad.device_mesh, grad.placements)
+        with phase("optimizer"):
+            if self.max_grad_norm is not None:  # a weight several stages hold counts once, in the lowest
+                self.precision.unscale(self.optimizer)
+                names = self.module.model_names()
+                own = [p for n, p in self.module.named_parameters() if names[n] not in self.copies]
+                self.last_grad_norm = clip(list(self.module.parameters()), squared_grad_norm(own),
+                                           self._sizes[self.stage_index], self.max_grad_norm, self.device)
+            scale = self.precision.loss_scale  # the losses the schedule kept are scaled by it
+            self.precision.step(self.optimizer)
+        if self.sync:
+            self.sync.after_step()
+        if self.buffer_sync is not None:
+            self.buffer_sync.after_step()
+        total = (torch.stack(losses).detach().double().sum() if losses
+                 else torch.zeros((), dtype=torch.float64, device=self.device))  # NCCL reduces device tensors only
+        dist.all_reduce(total)
+        dp, tp = self.plan.stages[-1].logical_mesh
+        return float(total) / (dp * tp * scale)  # every rank of the last stage holds the loss
+
+    def _local(self, batch: Any) -> Any:
+        """This rank's samples, microbatch by microbatch: microbatch i is the i-th m-th of the global
+        batch on every stage, whatever each stage's data-parallel size (the schedule cuts the
+        result into m equal chunks)."""
+        chunks = [_split(_split(batch, self.m, i), self.dp, self.dp_rank) for i in range(self.m)]
+        if isinstance(batch, torch.Tensor):
+            return torch.cat(chunks)
+        return type(batch)(torch.cat([c[k] for c in chunks]) if isinstance(batch[k], torch.Tensor) else batch[k]
+                           for k in range(len(batch)))
+
+    def predict(self, inputs: Any) -> torch.Tensor:
+        """The model's output for the global batch without gradients, on every rank: the stages
+        run the microbatches forward (activations to the next stage's peers, as the schedule
+        sends them) and the last stage's slices are shared. Training is left as it was."""
+        inputs = on_device(positional(self.forward, inputs), self.device)
+        check_batch(inputs, self.plan)
+        args = tuple(x for x in self._local(inputs) if isinstance(x, torch.Tensor))
+        first, last = self.stage_index == 0, self.stage_index == self.pp - 1
+        to = peers(self._sizes, dist.get_rank())
+        outs, sends = [], []
+        with evaluating(self.state_buffers, self.device):
+            for i in range(self.m):
+                xs = tuple(a.tensor_split(self.m)[i] for a in args) if first else receive(self._received, to.act_from)
+                out = self.module(*xs)  # in the plan's precision
+                if last:
+                    outs.append(first_tensor(out).cpu())
+                else:
+                    sends += send(out if isinstance(out, tuple) else (out,), to.act_to)
+            for work, _ in sends:
+                work.wait()
+        held: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(held, (self.dp_rank, outs) if last else None)  # tensor-parallel ranks: the same
+        by_slice = dict(h for h in held if h is not None)
+        return torch.cat([by_slice[r][i] for i in range(self.m) for r in sorted(by_slice)]).to(self.device)
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        mine = self.module.full_state_dict()  # a collective within the stage; one rank per stage shares it
+        parts: list[dict] = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine if dist.get_rank() in self._offsets else {})
+        out: dict[str, torch.Tensor] = {}
+        for part in parts:
+            out.update(part)
+        return out
+
+    def comm_stats(self) -> dict[str, dict[str, int]]:
+        return {axis: {"bytes_raw": raw, "bytes_sent": sent} for axis, (raw, sent) in self._bytes.items()}
+
+    def issued(self) -> list[dict[str, Any]]:
+        return []
+

@@ -1,0 +1,472 @@
+"""The exported graph, op by op, as a stage of the plan runs it: the tensor axis through DTensor,
+pipeline stages as parts of the graph (`cut`).
+
+The model is exported again at the shape one rank runs (its microbatch), so node names are the
+plan's. Parameters become DTensors with the plan's tensor-axis placements; before each op its
+inputs are redistributed to the placements the plan says it needs (`StagePlan.needs`), and after
+it the output is brought to the plan's placement when DTensor chose another. Values replicated on
+the tensor axis stay plain tensors between ops (no DTensor dispatch where nothing is split), and
+each is wrapped once, so the partial gradients of all its split consumers add up before the one
+all-reduce that makes them whole (the planner's assumption). Ops DTensor has no sharding rule for
+(CPU attention, DESIGN.md §6) run on the local shards when the plan splits a dimension they treat
+independently; the plan only splits such ops along letters present in all their inputs and outputs.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import (
+    DTensor,
+    Partial,
+    Placement,
+    Replicate,
+    Shard,
+    distribute_tensor,
+)
+
+from autopar.planner.capture import _WRAPPER_PREFIX
+from autopar.runtime.buffers import persistent
+from autopar.runtime.cross_mesh import gather_batch, slice_batch
+from autopar.runtime.recompute import Segment, checkpointed, segments
+
+_CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
+# attention on CPU: no DTensor rule (DTensor would try propagating through its decomposition, which
+# takes minutes for a masked attention); the plan splits it by batch or heads, so it runs locally
+_LOCAL = {torch.ops.aten.scaled_dot_product_attention.default,
+          torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+# convolutions: DTensor's rule follows the input's placement and ignores a split weight (torch 2.13)
+_CONV = {torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, torch.ops.aten.conv3d.default,
+         torch.ops.aten.convolution.default}
+_LOCAL |= _CONV
+_EMBEDDING = torch.ops.aten.embedding.default
+
+
+def _grouped(target: Any) -> bool:
+    """A grouped matmul (aten's, or the fallback custom op transformers runs experts through)."""
+    return "grouped_mm" in str(target)
+
+
+def _split_rows(value: Any) -> bool:
+    return isinstance(value, DTensor) and value.placements[0] == Shard(0)
+
+
+def placement(text: str) -> Placement:
+    if text == "R":
+        return Replicate()
+    if text == "P":
+        return Partial()
+    return Shard(int(text[2:-1]))
+
+
+def _reduced(value: DTensor, want: str) -> bool:
+    """A partial sum the plan expects that DTensor already reduced (its `contiguous` does): the value
+    is right as it is, and DTensor refuses to turn it back into partial sums."""
+    return want == "P" and isinstance(value.placements[0], Replicate)
+
+
+def _same(have: Placement, want: Placement) -> bool:
+    if isinstance(want, Partial):
+        return isinstance(have, Partial)  # the embedding's masked partial sum is a partial sum too
+    return have == want
+
+
+def shard_parameters(model: nn.Module, params: dict[str, list[str]], mesh: DeviceMesh, only: set[str]) -> None:
+    """Replace the parameters of `model` named in `only` by DTensors with their plan placement on
+    the tensor axis (every alias of a tied weight points to the one new parameter)."""
+    aliases: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        aliases.setdefault(id(p), []).append(name)
+    for names in aliases.values():
+        if not only.intersection(names):
+            continue
+        p = model.get_parameter(names[0])
+        spec = next((params[n][1] for n in names if n in params), "R")
+        new = nn.Parameter(distribute_tensor(p.detach(), mesh, [placement(spec)]), requires_grad=p.requires_grad)
+        if new.requires_grad:  # registered first: the gradient synchroniser's hooks see the fixed gradient
+            new.register_post_accumulate_grad_hook(_grad_like_param)
+        for name in names:
+            owner, _, leaf = name.rpartition(".")
+            setattr(model.get_submodule(owner), leaf, new)
+
+
+def _grad_like_param(p: torch.Tensor) -> None:
+    """DTensor leaves a gradient where its backward rule put it (an embedding's can come back
+    replicated); the optimizer and the synchroniser need it placed like the parameter."""
+    if p.grad is not None and p.grad.placements != p.placements:
+        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+
+class OpFailed(RuntimeError):
+    """An op of the exported graph failed under the plan: names the op and the user's line."""
+
+
+def first_failure(module: ShardedGraph, inputs: tuple, group: Any = None) -> str | None:
+    """Run `module` forward once on `inputs` (no gradients; random state and buffers kept) and agree over
+    `group` (all ranks: every rank must take the same decision) on the first op that failed.
+    A collective: every rank of the group calls it."""
+    import torch.distributed as dist
+
+    failed = None
+    kept = [(t, t.clone()) for t in module.fixed.values() if isinstance(t, torch.Tensor)]  # BatchNorm's statistics
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            module(*inputs)
+    except OpFailed as exc:
+        failed = str(exc)
+    finally:
+        with torch.no_grad():
+            for tensor, value in kept:
+                tensor.copy_(value)
+    said: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(said, failed, group=group)
+    return next((s for s in said if s is not None), None)
+
+
+def source_line(node: fx.Node) -> str:
+    """The model's own line that made this node (export records the stack), as ' at FILE:LINE: code'."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = [line.strip() for line in trace.splitlines() if line.strip()]
+    for i in range(len(frames) - 1, -1, -1):
+        if frames[i].startswith("File "):
+            code = frames[i + 1] if i + 1 < len(frames) else ""
+            return f" at {frames[i].removeprefix('File ')}: {code}"
+    return ""
+
+
+@dataclass
+class Part:
+    """The nodes one pipeline stage runs, the values it receives and the values it sends on."""
+
+    nodes: set[str]
+    inputs: list[str]
+    outputs: list[str]
+
+
+def cut(graph: fx.Graph, plan: Any, user_inputs: list[str], output: str) -> list[Part]:
+    """Split the exported graph at the plan's stage boundaries (its layers name their nodes).
+
+    Nodes no layer lists (getitem, export's checks) join the stage of their latest input, or of
+    their first user. A value a later stage needs travels through every stage in between."""
+    listed = {}
+    for i, stage in enumerate(plan.stages):
+        for k in range(*stage.layers):
+            listed.update({name: i for name in plan.layers[k]["nodes"]})
+    ops = [n for n in graph.nodes if n.op == "call_function"]
+    where: dict[str, int] = {name: 0 for name in user_inputs}
+    for node in ops:
+        made = [where[i.name] for i in node.all_input_nodes if i.name in where]
+        where[node.name] = listed.get(node.name, max(made, default=-1))
+    for node in reversed(ops):  # sources no layer lists (constants, aranges): with their first user
+        if where[node.name] < 0:
+            where[node.name] = min((where[u.name] for u in node.users if u.op == "call_function"), default=0)
+    last = len(plan.stages) - 1
+    needed = {name: where[name] for name in where}  # the last stage that uses each value
+    for node in ops:
+        for i in node.all_input_nodes:
+            if i.name in needed:
+                needed[i.name] = max(needed[i.name], where[node.name])
+    needed[output] = last
+    order = list(where)
+    carried = [[v for v in order if where[v] <= s < needed[v]] for s in range(last)]
+    return [Part({n.name for n in ops if where[n.name] == s}, user_inputs if s == 0 else carried[s - 1],
+                 carried[s] if s < last else [output]) for s in range(last + 1)]
+
+
+class Layer(nn.Module):
+    """One layer's parameters, and a forward that runs its segment of the graph: the module FSDP2's
+    hooks gather the parameters around (ZeRO-3 per layer, as torchtitan shards each block)."""
+
+    def __init__(self, graph: ShardedGraph, segment: Segment) -> None:
+        super().__init__()
+        self.segment = segment
+        self._graph = weakref.ref(graph)  # not a submodule: the graph holds this one
+
+    def forward(self, *values: Any) -> tuple:
+        return self._graph()._segment(self.segment, *values)
+
+
+class ShardedGraph(nn.Module):
+    """Runs (part of) `model`'s exported graph with the tensor-axis placements of one plan stage.
+
+    `ep` is the model exported at the shape this rank runs (one microbatch of its data-parallel
+    slice). Called with the part's inputs, it returns its outputs as plain tensors replicated on
+    the tensor axis — or, for a whole graph whose plan leaves the output split by batch, this
+    rank's samples of it (`output_shard`; the loss is then computed per shard). Without a mesh
+    (tp = 1) the ops run on plain tensors. `layers`: the node names of each of the stage's layers,
+    the units it recomputes when the plan says so (`runtime.recompute`); with `units` each layer's
+    own parameters live in a submodule of `units`, the unit of FSDP2 under ZeRO-3 (`_homes`)."""
+
+    def __init__(self, model: nn.Module, stage: Any, mesh: DeviceMesh | None, ep: Any, part: Part | None = None,
+                 layers: list[list[str]] | None = None, units: bool = False) -> None:
+        super().__init__()
+        self.mesh, self.stage = mesh, stage
+        self.graph = ep.graph_module.graph
+        sig = ep.graph_signature
+        user = [n.name for n in self.graph.nodes if n.op == "placeholder" and n.name in sig.user_inputs]
+        by_name = {n.name: n for n in self.graph.nodes}
+        output = by_name[sig.user_outputs[0]]  # the outputs before it are buffers the model updates
+        self.part = part or Part({n.name for n in self.graph.nodes if n.op == "call_function"}, user, [output.name])
+        self.nodes = [n for n in self.graph.nodes if n.op == "call_function" and n.name in self.part.nodes]
+        self.inputs = [by_name[n] for n in self.part.inputs]
+        self.outputs = [by_name[n] for n in self.part.outputs]
+        inputs_used = {i for n in self.nodes for i in n.all_input_nodes if i.op == "placeholder"}
+        # graph order: every rank registers the parameters in the same order (FSDP and the
+        # gradient buckets pair them up across ranks by position)
+        used = [n for n in self.graph.nodes if n in inputs_used]
+        fqns = {}
+        for node in used:
+            fqn = sig.inputs_to_parameters.get(node.name) or sig.inputs_to_buffers.get(node.name)
+            if fqn is not None:
+                fqns[node.name] = fqn.removeprefix(_WRAPPER_PREFIX)
+        if mesh is not None:
+            shard_parameters(model, stage.params, mesh, set(fqns.values()))
+        named = dict(model.named_parameters(remove_duplicate=False))
+        buffers = dict(model.named_buffers(remove_duplicate=False))
+        canonical = {id(p): n for n, p in model.named_parameters()}
+        self.fixed: dict[fx.Node, Any] = {}  # placeholder -> buffer or constant
+        params: dict[fx.Node, nn.Parameter] = {}
+        for node in used:
+            fqn = fqns.get(node.name)
+            if fqn in named:
+                params[node] = named[fqn]
+            elif fqn is not None:
+                self.fixed[node] = buffers[fqn]
+            elif node.name in sig.inputs_to_lifted_tensor_constants:
+                self.fixed[node] = ep.constants[sig.inputs_to_lifted_tensor_constants[node.name]]
+        self.state_buffers = persistent(model, set(fqns.values()))  # what checkpoints save of this part
+        # buffers the model updates (BatchNorm's running statistics), from the ops of this part
+        self.updates = {by_name[n]: buffers[fqn.removeprefix(_WRAPPER_PREFIX)]
+                        for n, fqn in sig.buffers_to_mutate.items() if n in self.part.nodes}
+        for node in self.graph.nodes:  # submodules of higher-order ops (a rotary cache's no_grad block)
+            if node.op == "get_attr":
+                self.fixed[node] = operator.attrgetter(node.target)(ep.graph_module)
+        want = stage.ops.get(output.name, ["R", "R"])[1]
+        # split by batch (inputs carry it in dim 0): the loss runs per shard
+        self.output_shard = part is None and mesh is not None and want == "S(0)"
+        self.unplanned: set[str] = set()  # ops whose output DTensor placed otherwise than the plan
+        # at a boundary with a stage of another logical mesh: position -> (batch dim, dp group)
+        self.slice_inputs: dict[int, tuple[int | None, Any]] = {}
+        self.gather_outputs: dict[int, tuple[int | None, Any]] = {}
+        given = set(self.fixed) | set(params)
+        self.segments = segments(self.nodes, layers or [], set(self.outputs) | set(self.updates), given)
+        self.units = nn.ModuleList()  # with `units`: a module per layer holding its own parameters
+        self._unit_at: dict[int, Layer] = {}  # segment index -> its unit
+        self._wrapped: dict[fx.Node, DTensor] | None = None  # during a forward without recomputation
+        home = self._homes(params, units)
+        self.param_of: dict[fx.Node, tuple[nn.Module, str]] = {}  # placeholder -> (module, name) holding it
+        for node, p in params.items():  # graph order: every rank registers the parameters in the same order
+            name = canonical[id(p)].replace(".", "__")  # the model's FQN, dots as "__"
+            if not hasattr(home[id(p)], name):
+                home[id(p)].register_parameter(name, p)  # what the stage, optimizer and FSDP see
+            self.param_of[node] = (home[id(p)], name)
+
+    def _homes(self, params: dict[fx.Node, nn.Parameter], units: bool) -> dict[int, nn.Module]:
+        """The module each parameter is registered in: here, or with `units` (ZeRO-3) the unit of the
+        one layer that uses it, which FSDP2 gathers for that layer's forward and backward and frees
+        after. A weight several layers use (a tied embedding and output layer) stays here, in the
+        root unit, gathered for the whole step."""
+        home: dict[int, nn.Module] = {id(p): self for p in params.values()}
+        if not units:
+            return home
+        segment_of = {n: i for i, s in enumerate(self.segments) for n in s.nodes}
+        users: dict[int, set[int]] = {}
+        for node, p in params.items():
+            users.setdefault(id(p), set()).update(segment_of[u] for u in node.users if u in segment_of)
+        for i, segment in enumerate(self.segments):
+            own = [pid for pid, where in users.items() if where == {i}]
+            if own:
+                self._unit_at[i] = Layer(self, segment)
+                self.units.append(self._unit_at[i])
+                home.update(dict.fromkeys(own, self._unit_at[i]))
+        return home
+
+    def model_names(self) -> dict[str, str]:
+        """Each parameter's name here (as `named_parameters` gives it) -> its name in the user's model."""
+        return {n: n.rpartition(".")[2].replace("__", ".") for n, _ in self.named_parameters()}
+
+    # ---- running ---------------------------------------------------------------------------
+
+    def forward(self, *inputs: torch.Tensor) -> Any:
+        inputs = tuple(x for x in inputs if isinstance(x, torch.Tensor))  # None and flags: constants of the export
+        inputs = tuple(slice_batch(x, *self.slice_inputs[i]) if i in self.slice_inputs else x
+                       for i, x in enumerate(inputs))
+        env: dict[fx.Node, Any] = {**self.fixed, **dict(zip(self.inputs, inputs))}  # outputs may be constants
+        recompute = self.stage.recompute and torch.is_grad_enabled()  # each layer runs again before its backward
+        # without recomputation, replicated values are wrapped once for the whole part (not passed
+        # as an argument: FSDP2's hooks would copy it)
+        self._wrapped = None if recompute else {}
+        try:
+            for i, segment in enumerate(self.segments):
+                unit = self._unit_at.get(i)
+                run = unit if unit is not None else partial(self._segment, segment)
+                values = [env[n] for n in segment.inputs]
+                env.update(zip(segment.outputs, checkpointed(run, *values) if recompute else run(*values)))
+        finally:
+            self._wrapped = None
+        with torch.no_grad():
+            for node, buffer in self.updates.items():
+                buffer.copy_(env[node].full_tensor() if isinstance(env[node], DTensor) else env[node])
+        # values crossing to the next stage are sent as they lie in memory: an expanded mask (stride 0)
+        # or a transposed activation is copied into one block first (gloo and NCCL send contiguous ones)
+        outs = [self._plain(env[n]) for n in self.outputs]
+        outs = [x.contiguous() if isinstance(x, torch.Tensor) else x for x in outs]
+        outs = [gather_batch(x, *self.gather_outputs[i]) if i in self.gather_outputs else x for i, x in enumerate(outs)]
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _segment(self, segment: Segment, *values: Any) -> tuple:
+        """The nodes of one segment on the values it reads; the values later ones read."""
+        env: dict[fx.Node, Any] = dict(self.fixed)
+        for node, (module, name) in self.param_of.items():  # read each call: FSDP swaps in gathered parameters
+            env[node] = getattr(module, name)
+        env.update(zip(segment.inputs, values))
+        wrapped = {} if self._wrapped is None else self._wrapped
+        for node in segment.nodes:
+            try:
+                env[node] = self._run(node, env, wrapped)
+            except Exception as exc:
+                raise OpFailed(f"{node.name} ({node.target}) failed under the plan's placements "
+                               f"{self._placements(node, env)}{source_line(node)}: {exc}") from exc
+        return tuple(env[n] for n in segment.outputs)
+
+    def _placements(self, node: fx.Node, env: dict) -> str:
+        got = [getattr(env.get(i), "placements", "plain") for i in node.all_input_nodes]
+        return f"(inputs {got}, needs {self.stage.needs.get(node.name)}, output {self.stage.ops.get(node.name)})"
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """This part's parameters, whole (gathered over the tensor and data axes), by the model's names.
+        A collective: every rank of the part calls it."""
+        names = self.model_names()
+        return {names[name]: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
+                for name, p in sorted(self.named_parameters(), key=lambda item: names[item[0]])}
+
+    def _plain(self, out: Any) -> Any:
+        if isinstance(out, DTensor):
+            want = Shard(0) if self.output_shard else Replicate()
+            return (out if out.placements[0] == want else out.redistribute(self.mesh, [want])).to_local()
+        if self.output_shard:
+            return out.tensor_split(self.mesh.size())[self.mesh.get_local_rank()]
+        return out
+
+    def _run(self, node: fx.Node, env: dict, wrapped: dict) -> Any:
+        if node.target is operator.getitem:
+            return operator.getitem(env[node.args[0]], node.args[1])
+        if node.target in _CHECKS and any(isinstance(env[i], DTensor) for i in node.all_input_nodes):
+            return None  # export's metadata checks (global shapes, already checked when exporting)
+        needs = self.stage.needs.get(node.name) or []
+        want = self.stage.ops[node.name][1] if node.name in self.stage.ops else None  # None: as DTensor places it
+        if isinstance(node.target, torch._ops.HigherOrderOperator) and want in (None, "R"):
+            return self._replicated(node, env)
+        inputs = node.all_input_nodes
+        need = {inp: needs[i] for i, inp in enumerate(inputs) if i < len(needs) and needs[i] is not None}
+        split = want not in (None, "R") or any(p != "R" for p in need.values()) or any(isinstance(env[i], DTensor) for i in inputs)
+        if not split:
+            return node.target(*fx.node.map_arg(node.args, env.__getitem__), **fx.node.map_arg(node.kwargs, env.__getitem__))
+
+        def arg(inp: fx.Node) -> Any:
+            value = env[inp]
+            if not isinstance(value, torch.Tensor):
+                return value
+            if not isinstance(value, DTensor):
+                if inp not in wrapped:
+                    wrapped[inp] = DTensor.from_local(value, self.mesh, [Replicate()], run_check=False)
+                value = wrapped[inp]
+            if inp in need and not _same(value.placements[0], placement(need[inp])) and not _reduced(value, need[inp]):
+                value = value.redistribute(self.mesh, [placement(need[inp])])
+            return value
+
+        args = fx.node.map_arg(node.args, arg)
+        kwargs = fx.node.map_arg(node.kwargs, arg)
+        if node.target in _LOCAL or _grouped(node.target):
+            out = self._run_local(node, args, kwargs, want)
+        elif node.target is _EMBEDDING and _split_rows(args[0]) and not _split_rows(args[1]):
+            out = self._vocab_parallel(*args[:3])
+        else:
+            try:
+                out = node.target(*args, **kwargs)
+            except NotImplementedError as exc:
+                if "sharding strategy" not in str(exc):
+                    raise
+                out = self._run_local(node, args, kwargs, want)
+        if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):  # created by the op (arange, masks)
+            out = DTensor.from_local(out, self.mesh, [Replicate()], run_check=False)
+        if isinstance(out, DTensor):
+            if want is not None and not _same(out.placements[0], placement(want)):
+                self.unplanned.add(node.name)
+                if not _reduced(out, want):
+                    out = out.redistribute(self.mesh, [placement(want)])
+            if isinstance(out.placements[0], Replicate):
+                out = out.to_local()
+        return out
+
+    def _replicated(self, node: fx.Node, env: dict) -> Any:
+        """A higher-order op the plan replicates (`cond`, an autocast region: DTensor has rules for
+        few) runs its body on whole tensors; split inputs are gathered first (their gradients
+        split back)."""
+        def whole(inp: fx.Node) -> Any:
+            value = env[inp]
+            return value.redistribute(self.mesh, [Replicate()]).to_local() if isinstance(value, DTensor) else value
+
+        return node.target(*fx.node.map_arg(node.args, whole), **fx.node.map_arg(node.kwargs, whole))
+
+    def _vocab_parallel(self, weight: DTensor, ids: Any, padding_idx: int = -1) -> DTensor:
+        """Megatron's vocabulary-parallel embedding: each rank looks up the rows it holds, zero for
+        the others, a partial sum. DTensor's own rule gives a `_MaskPartial` whose mask does not
+        follow later views (T5's relative-position bias is permuted before it is added)."""
+        table = weight.to_local()
+        ids = ids.to_local() if isinstance(ids, DTensor) else ids
+        _, start = Shard.local_shard_size_and_offset(weight.shape[0], self.mesh.size(), self.mesh.get_local_rank())
+        outside = (ids < start) | (ids >= start + table.shape[0])
+        padding = padding_idx - start if 0 <= padding_idx - start < table.shape[0] else -1  # no gradient there
+        rows = torch.ops.aten.embedding.default(table, (ids - start).masked_fill(outside, 0), padding)
+        return DTensor.from_local(rows.masked_fill(outside.unsqueeze(-1), 0), self.mesh, [Partial()], run_check=False)
+
+    def _local_experts(self, op: Any, x: Any, weight: DTensor, offs: Any) -> DTensor:
+        """Expert parallelism for a grouped matmul (tokens sorted by expert): this rank multiplies
+        the rows of the experts it holds; the other rows are zero, so the output is a partial sum
+        and the tokens' gradient too."""
+        w = weight.to_local()
+        if isinstance(x, DTensor):
+            x = x.to_local(grad_placements=[Partial()])
+        offs = offs.to_local() if isinstance(offs, DTensor) else offs
+        _, first = Shard.local_shard_size_and_offset(weight.shape[0], self.mesh.size(), self.mesh.get_local_rank())
+        bounds = [0, *offs.tolist()]
+        start, end = bounds[first], bounds[first + w.shape[0]]
+        mine = op(x[start:end], w, offs[first:first + w.shape[0]] - start)
+        rows = torch.cat([mine.new_zeros(start, mine.shape[1]), mine, mine.new_zeros(x.shape[0] - end, mine.shape[1])])
+        return DTensor.from_local(rows, self.mesh, [Partial()], run_check=False)
+
+    def _run_local(self, node: fx.Node, args: tuple, kwargs: dict, want: str | None) -> Any:
+        """An op without a (correct) DTensor rule, on each rank's shards: valid when the plan splits
+        it along a dimension it computes independently (batch, heads, a convolution's output
+        channels) or along one it sums over (input channels: `P`). A replicated input's gradient
+        is then a partial sum over the ranks; a convolution's bias joins one rank's partial sum."""
+        if want is None or want == "R" and any(
+                isinstance(a, DTensor) and not isinstance(a.placements[0], Replicate) for a in args):
+            raise NotImplementedError(f"{node.target} has no DTensor sharding rule and the plan splits it "
+                                      f"as {want}: it cannot run on local shards")
+        if want == "P" and node.target not in _CONV and not _grouped(node.target):
+            raise NotImplementedError(f"{node.target} has no DTensor sharding rule for a partial result")
+        if _grouped(node.target) and _split_rows(args[1]):
+            return self._local_experts(node.target, *args[:3])
+
+        def local(a: Any) -> Any:
+            if not isinstance(a, DTensor):
+                return a
+            if isinstance(a.placements[0], Replicate) and want != "R":
+                return a.to_local(grad_placements=[Partial()])
+            return a.to_local()
+
+        local_args = [local(a) for a in args]
+        if (want == "P" and node.target in _CONV and len(local_args) > 2 and local_args[2] is not None
+                and self.mesh.get_local_rank() != 0):
+            local_args[2] = local_args[2] * 0  # the bias once in the sum (its gradient: zero here)
+        out = node.target(*local_args, **kwargs)
+        return DTensor.from_local(out, self.mesh, [placement(want)], run_check=False)
