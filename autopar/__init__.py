@@ -1,23 +1,38 @@
-"""autopar: an Alpa-style auto-parallelization planner and compiler for PyTorch."""
+"""autopar: an Alpa-style auto-parallelization planner and compiler for PyTorch.
 
-from autopar.api import parallelize
-from autopar.contract.errors import AutoparError, CaptureError, ClusterSpecError, ModelSpecError
-from autopar.models import Workload, load_workload
-from autopar.planner.capture import capture, first_tensor
-from autopar.planner.graph import Layer, OpGraph, OpNode, TensorInfo
+The names below load on first use (PEP 562), so that `import autopar.contract` or
+`import autopar.cost_models` does not import torch and the whole runtime with them.
+"""
 
-__all__ = [
-    "AutoparError",
-    "CaptureError",
-    "ClusterSpecError",
-    "Layer",
-    "ModelSpecError",
-    "OpGraph",
-    "OpNode",
-    "TensorInfo",
-    "Workload",
-    "capture",
-    "first_tensor",
-    "load_workload",
-    "parallelize",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "parallelize": "autopar.api",
+    "capture": "autopar.planner.capture",
+    "first_tensor": "autopar.contract.export",
+    "AutoparError": "autopar.contract.errors",
+    "CaptureError": "autopar.contract.errors",
+    "ClusterSpecError": "autopar.contract.errors",
+    "ModelSpecError": "autopar.contract.errors",
+    "Plan": "autopar.contract.plan",
+    "Layer": "autopar.planner.graph",
+    "OpGraph": "autopar.planner.graph",
+    "OpNode": "autopar.planner.graph",
+    "TensorInfo": "autopar.planner.graph",
+    "Workload": "autopar.contract.workload",
+    "load_workload": "autopar.models",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'autopar' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def __dir__() -> list[str]:
+    return __all__

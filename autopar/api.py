@@ -17,10 +17,25 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from autopar.contract.compression import parse
 from autopar.contract.errors import AutoparError
 from autopar.contract.plan import Plan
-from autopar.models import Workload
+from autopar.contract.precision import parse_precision
+from autopar.contract.units import human_bytes
+from autopar.contract.workload import Workload
+from autopar.cost_models import get_cluster
 from autopar.planner.capture import capture
+from autopar.planner.intra_op import REPLICATED_GRADIENTS
+from autopar.planner.manual import Layout, manual_plan, manual_search
+from autopar.planner.search import Search, plan_auto, plan_compressed
+from autopar.planner.tune import candidates, choose
+from autopar.runtime import default_backend, local_device
+from autopar.runtime.backend import keep_to_loopback
+from autopar.runtime.failures import set_timeouts
+from autopar.runtime.loop import time_steps
+from autopar.runtime.memory import hold_to
+from autopar.runtime.parallel import ParallelModel, UnsupportedPlan, positional, zero3
+from autopar.runtime.pipeline import PipelineModel
 
 log = logging.getLogger(__name__)
 
@@ -65,12 +80,8 @@ def parallelize(
     measured fastest is kept; `plan.search["tuned"]` holds every candidate's predicted and measured
     step time. The model's weights are left as they were.
     """
-    from autopar.planner.precision import parse_precision
-    from autopar.runtime import default_backend, local_device
-    from autopar.runtime.parallel import ParallelModel, UnsupportedPlan, positional, zero3
 
     precision = parse_precision(mixed_precision)
-    from autopar.cost_models.compression import parse
 
     if compression not in (None, "auto"):
         parse(compression)  # a misspelt method fails here, on every rank, before any process group
@@ -113,7 +124,6 @@ def parallelize(
     if mixed_precision is not None:
         resolved.check_precision(precision)
     if memory_limit is not None and resolved.estimate is not None and resolved.estimate.peak_memory_bytes > memory_limit:
-        from autopar.contract.units import human_bytes
 
         raise AutoparError(f"the plan {resolved.name} predicts {human_bytes(resolved.estimate.peak_memory_bytes)} per "
                            f"device, over the memory limit of {human_bytes(memory_limit)}: plan with the limit "
@@ -137,7 +147,6 @@ def parallelize(
     _start_equal(model.to(device))
     try:
         if len(resolved.stages) > 1:
-            from autopar.runtime.pipeline import PipelineModel
 
             pm = PipelineModel(model, resolved, loss_fn, optimizer, args, device=device, max_grad_norm=max_grad_norm)
         else:
@@ -145,11 +154,9 @@ def parallelize(
     except UnsupportedPlan as exc:
         raise AutoparError(str(exc)) from None
     if timeout is not None:
-        from autopar.runtime.failures import set_timeouts
 
         set_timeouts(timeout)  # every group, the model's too; not before: rank 0 may plan for minutes
     if memory_limit is not None:
-        from autopar.runtime.memory import hold_to
 
         hold_to(pm, memory_limit)
     _BUILT.add(pm)
@@ -175,8 +182,6 @@ def _resolve(plan, model, args, batch, graph, cluster, mesh, compression, delay,
     if isinstance(plan, Path) or (isinstance(plan, str) and plan.endswith(".json")):
         return Plan.load(plan)
     search = _search(model, args, batch, graph, cluster, mesh, delay, precision, memory_limit)
-    from autopar.planner.manual import Layout, manual_plan, manual_search
-    from autopar.planner.search import plan_auto, plan_compressed
 
     if plan is not None:
         layout = Layout.parse(str(plan))
@@ -185,9 +190,6 @@ def _resolve(plan, model, args, batch, graph, cluster, mesh, compression, delay,
 
 
 def _search(model, args, batch, graph, cluster, mesh, delay, precision, memory_limit):
-    from autopar.cost_models import get_cluster
-    from autopar.planner.intra_op import REPLICATED_GRADIENTS
-    from autopar.planner.search import Search
 
     spec = get_cluster(cluster or "cpu-local")
     if cluster is None:  # more local ranks than cores: they share them
@@ -199,7 +201,6 @@ def _search(model, args, batch, graph, cluster, mesh, delay, precision, memory_l
 
 
 def _candidates(model, args, batch, graph, cluster, mesh, precision, memory_limit, k: int) -> list[Plan]:
-    from autopar.tune import candidates
 
     search = _search(model, args, batch, graph, cluster, mesh, None, precision, memory_limit)
     return candidates(search, k)
@@ -211,11 +212,6 @@ def _tuned(plans: list[Plan], model: nn.Module, args: tuple, target: torch.Tenso
     slowest rank's median); the measured fastest, with every measurement recorded."""
     import copy
 
-    from autopar.bench import time_steps
-    from autopar.runtime import local_device
-    from autopar.runtime.parallel import ParallelModel
-    from autopar.runtime.pipeline import PipelineModel
-    from autopar.tune import choose
 
     device = local_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
     measured = []
@@ -249,7 +245,6 @@ def _init_process_group(backend: str) -> None:
     if "WORLD_SIZE" in os.environ:
         dist.init_process_group(backend)
         return
-    from autopar.runtime.backend import keep_to_loopback
 
     keep_to_loopback()  # one process: a store in memory, no listening port
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)

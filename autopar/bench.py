@@ -12,8 +12,8 @@ microbatches (`runtime.recompute`, `runtime.precision`, `runtime.parallel.shard_
 
 from __future__ import annotations
 
+import logging
 import os
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -24,8 +24,20 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopar.api import parallelize
+from autopar.contract.errors import AutoparError
+from autopar.contract.plan import Plan
+from autopar.contract.precision import parse_precision
+from autopar.models import load_workload
+from autopar.planner.manual import Layout, check, manual_plan, manual_search
+from autopar.planner.search import Search, plan_auto, replay
+from autopar.planner.tune import candidates, choose
 from autopar.runtime.backend import join_local, local_store
+from autopar.runtime.breakdown import measuring, summarise
+from autopar.runtime.loop import time_steps
+from autopar.runtime.memory import measured_step
 
+log = logging.getLogger(__name__)
 
 def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, precision: str | None = None,
                     choices: dict | None = None, pin: bool = False) -> list[Any]:
@@ -35,9 +47,6 @@ def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, pre
     cluster (the hand-written layouts only: the search would choose again)."""
     import dataclasses
 
-    from autopar.models import load_workload
-    from autopar.planner.manual import Layout, check, manual_plan, manual_search
-    from autopar.planner.search import Search, plan_auto
 
     w = load_workload(model, batch=batch, device="cpu", dtype=torch.float32)
     search = Search.start(w, cluster, (1, nproc), precision=precision, choices=choices, pin=pin)
@@ -62,37 +71,17 @@ def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, pre
     return plans
 
 
-def time_steps(pm: Any, batches: Callable[[], tuple], warmup: int, steps: int) -> float:
-    """The median over `steps` timed steps (after `warmup`) of the slowest rank's step time: every
-    rank of the job calls it. `batches()` gives the next (inputs, target)."""
-    measured = []
-    for i in range(warmup + steps):
-        inputs, target = batches()
-        dist.barrier()
-        start = time.perf_counter()
-        pm.step(inputs, target)
-        slowest = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-        if i >= warmup:
-            measured.append(float(slowest))
-    return statistics.median(measured)
-
-
 def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans: list[str], warmup: int,
           steps: int, out: str, breakdown: bool) -> None:
-    import autopar
-    from autopar.contract.plan import Plan
-    from autopar.runtime.breakdown import measuring, summarise
-    from autopar.runtime.memory import measured_step
 
     torch.set_num_threads(1)
     join_local("gloo", port, rank, world)
     times: list[tuple] = []
     for text in plans:
         torch.manual_seed(0)
-        w = autopar.load_workload(model, batch=batch, device="cpu", dtype=torch.float32)
+        w = load_workload(model, batch=batch, device="cpu", dtype=torch.float32)
         plan = Plan.from_json(text)
-        pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=plan,
+        pm = parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=plan,
                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), mixed_precision=plan.precision or "fp32")
         gen = torch.Generator().manual_seed(1)
         median = time_steps(pm, lambda: w.make_batch(w.batch, gen), warmup, steps)
@@ -147,7 +136,6 @@ def predicted_breakdown(plan: Any) -> list[dict[str, float]]:
     simulator's replay (durations as replayed: ranks sharing cores run slower): forward and
     backward of all microbatches, the exposed data-axis synchronisation, the optimizer, and the
     time the pipeline leaves the stage idle or sending."""
-    from autopar.planner.search import replay
 
     sim = replay(plan)
     out = []
@@ -171,7 +159,6 @@ def predicted_breakdown(plan: Any) -> list[dict[str, float]]:
 def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup: int = 2, steps: int = 5,
           progress: Callable[[str], None] | None = None, precision: str | None = None,
           breakdown: bool = False) -> dict[str, Any]:
-    from autopar.planner.precision import parse_precision
 
     precision = parse_precision(precision)
     if progress:
@@ -193,3 +180,28 @@ def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup
     return {"model": model, "nproc": nproc, "batch": batch, "precision": precision, "cluster": cluster.name, "layouts": rows,
             "spearman": spearman([r["predicted_step_time_s"] for r in rows], [r["measured_step_time_s"] for r in rows]),
             "auto_name": rows[0]["name"], "auto_vs_fastest": rows[0]["measured_step_time_s"] / fastest}
+
+
+def tune_locally(search: Search, model: str, k: int, batch: int | None, steps: int = 3,
+                 progress: Any = None) -> Plan:
+    """`autopar plan --tune K`: the candidates run on this machine's ranks (one per device of the
+    mesh), the zoo model's synthetic batches, one warm-up and `steps` timed steps each."""
+
+    hosts, per_host = search.mesh
+    if hosts != 1:
+        raise AutoparError(f"--tune runs the candidates on this machine's ranks; the mesh {hosts}x{per_host} spans "
+                           f"{hosts} hosts: tune inside the job with parallelize(..., tune={k})")
+    plans = candidates(search, k)
+    measured = []
+    for i, plan in enumerate(plans):  # one start of the ranks each: a plan the runtime refuses costs only itself
+        if progress:
+            progress(f"measuring plan {i + 1} of {len(plans)} on {per_host} ranks")
+        try:
+            measured.append(measure(model, per_host, batch, [plan], warmup=1, steps=steps)[0][0])
+        except Exception as exc:  # noqa: BLE001 - the ranks' error, reported with the plan
+            log.warning("tune: %s (%d microbatches) did not run: %s", plan.name, plan.num_microbatches,
+                        str(exc).strip().splitlines()[-1])
+            measured.append(float("inf"))
+    if all(t == float("inf") for t in measured):
+        raise AutoparError(f"--tune {k}: none of the {len(plans)} best predicted plans ran on this machine's ranks")
+    return choose(plans, measured)

@@ -27,7 +27,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopar.api import parallelize
+from autopar.cost_models import ClusterSpec, DeviceSpec, Link
+from autopar.models import load_workload
+from autopar.planner.capture import capture
+from autopar.runtime import default_backend
 from autopar.runtime.backend import join_local, local_store
+from autopar.runtime.breakdown import measuring, summarise
+from autopar.runtime.loop import time_steps
 
 SIZES = [2**k for k in range(10, 24, 2)]  # bytes per collective: 1 KiB … 4 MiB
 
@@ -143,17 +150,13 @@ def runtime_overheads(device: torch.device, world: int, model: str = "gpt-tiny",
     timing added to the step), per op the planner counts (each graph node forward, and again in
     backward), is the overhead; the tensor axis's collectives' time in place (waiting for the
     slowest rank included) gives their latency there."""
-    import autopar
-    from autopar.bench import time_steps
-    from autopar.planner.capture import capture
-    from autopar.runtime.breakdown import measuring, summarise
 
     out = {}
     for axis, layout in (("dp", f"{world},1,1,1"), ("tp", f"1,{world},1,1")):
         torch.manual_seed(0)
-        w = autopar.load_workload(model, batch=4 * world, device=device.type, dtype=torch.float32)
+        w = load_workload(model, batch=4 * world, device=device.type, dtype=torch.float32)
         nodes = sum(1 for n in capture(w.model, w.example_inputs) if n.op != "input")
-        pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=layout,
+        pm = parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=layout,
                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
         gen = torch.Generator().manual_seed(1)
         plain = time_steps(pm, lambda: w.make_batch(w.batch, gen), warmup=2, steps=steps)
@@ -231,7 +234,6 @@ def _rank(rank: int, world: int, port: int, out: str, backend: str) -> None:
 
 def calibrate(nproc: int, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measurements of `nproc` local ranks (at least 2 for the links)."""
-    from autopar.runtime import default_backend
 
     backend = default_backend()
     with tempfile.TemporaryDirectory() as tmp, local_store() as port:
@@ -250,7 +252,6 @@ def host_cores(nproc: int) -> int:
 
 def cluster_spec(measured: dict[str, Any], nproc: int, name: str = "cpu-local") -> Any:
     """The ClusterSpec of what was measured: one host of `nproc` devices."""
-    from autopar.cost_models import ClusterSpec, DeviceSpec, Link
 
     dev = measured["device"]
     cores = host_cores(nproc)

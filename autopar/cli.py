@@ -19,16 +19,23 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
+from autopar.contract import schedules
 from autopar.contract.errors import AutoparError
 from autopar.contract.jsonio import read_json, write_json
 from autopar.contract.limits import MAX_MEMORY_BYTES, MAX_SECONDS, check_counts
+from autopar.contract.plan import Plan
+from autopar.contract.precision import parse_precision
 from autopar.contract.units import human, human_bytes, human_time, printable, span
+from autopar.cost_models import PRESETS, ClusterSpec, calibration_file, collective_time, get_cluster
+from autopar.models import load_workload
+from autopar.planner.manual import Layout, deepspeed_moe_plan, has_experts, layout_grid, manual_plan, manual_search
+from autopar.planner.search import RESERVE, Search, parse_mesh, plan_auto, plan_compressed, warn_time_limited
+from autopar.summary import inspect_workload
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 def cmd_clusters(args: argparse.Namespace, out: Console) -> Any:
-    from autopar.cost_models import PRESETS, ClusterSpec, calibration_file
 
     clusters = [PRESETS[name]() for name in PRESETS] + [ClusterSpec.load(path) for path in args.files]
     if args.json:
@@ -53,8 +60,6 @@ def cmd_clusters(args: argparse.Namespace, out: Console) -> Any:
 
 
 def cmd_inspect(args: argparse.Namespace, out: Console) -> Any:
-    from autopar.models import load_workload
-    from autopar.summary import inspect_workload
 
     with Console(stderr=True).status(f"capturing {escape(printable(args.model))} …", spinner="dots"):
         workload = load_workload(args.model, batch=args.batch, dtype=DTYPES.get(args.dtype))
@@ -84,10 +89,6 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> Any:
 
 
 def _search(args: argparse.Namespace):
-    from autopar.cost_models import get_cluster
-    from autopar.models import load_workload
-    from autopar.planner.precision import parse_precision
-    from autopar.planner.search import Search, parse_mesh
 
     for flag, value, most in (("--time-limit", args.time_limit, MAX_SECONDS),
                               ("--memory-limit", args.memory_limit, MAX_MEMORY_BYTES / 2**30)):
@@ -133,8 +134,6 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
     import time
 
     _check_out("--out", args.out)
-    from autopar.planner.manual import Layout, manual_plan, manual_search
-    from autopar.planner.search import plan_auto, plan_compressed
 
     start = time.perf_counter()
     bar, step = _progress(f"planning {args.model}")
@@ -148,7 +147,7 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
             if args.manual or args.compression or args.stages:
                 raise AutoparError("--tune measures the best predicted layouts of the free search: leave out "
                                    "--manual, --compression and --stages")
-            from autopar.tune import tune_locally
+            from autopar.bench import tune_locally
 
             plan = tune_locally(search, args.model, args.tune, args.batch, progress=step)
         elif args.manual:
@@ -169,7 +168,6 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
 
 
 def cmd_show(args: argparse.Namespace, out: Console) -> Any:
-    from autopar.contract.plan import Plan
 
     _check_out("--png", args.png)
     plan = Plan.load(args.plan)
@@ -184,9 +182,7 @@ def cmd_show(args: argparse.Namespace, out: Console) -> Any:
 
 
 def _picture(plan, path: str) -> None:
-    from autopar.cost_models import get_cluster
     from autopar.draw import save
-    from autopar.planner.search import RESERVE
 
     try:
         limit = get_cluster(plan.cluster).device.memory_bytes * (1 - RESERVE)
@@ -201,14 +197,6 @@ def _picture(plan, path: str) -> None:
 
 
 def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
-    from autopar.planner.manual import (
-        deepspeed_moe_plan,
-        has_experts,
-        layout_grid,
-        manual_plan,
-        manual_search,
-    )
-    from autopar.planner.search import plan_auto, warn_time_limited
 
     bar, step = _progress(f"comparing layouts for {args.model}")
     with bar:
@@ -255,7 +243,6 @@ def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
 
 def cmd_calibrate(args: argparse.Namespace, out: Console) -> Any:
     from autopar.calibrate import calibrate, cluster_spec
-    from autopar.cost_models import calibration_file, collective_time
 
     _check_out("--out", args.out, make=True)
     if args.from_bench:
@@ -302,7 +289,6 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> Any:
 
 def _fit(args: argparse.Namespace, out: Console) -> Any:
     """`calibrate --from BENCH.json`: the cluster's parameters fitted to a bench's measurements."""
-    from autopar.cost_models import calibration_file, get_cluster
     from autopar.fit import fit
 
     try:
@@ -337,7 +323,6 @@ def _fit(args: argparse.Namespace, out: Console) -> Any:
 
 def cmd_bench(args: argparse.Namespace, out: Console) -> Any:
     from autopar.bench import bench
-    from autopar.cost_models import get_cluster
 
     check_counts(args.nproc, args.steps, args.warmup)
     _check_out("--breakdown", args.breakdown, folder_ok=True, make=True)
@@ -491,7 +476,7 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--cluster", default="cpu-local", help="preset name or cluster JSON file (default cpu-local)")
         p.add_argument("--mesh", required=True, help="HOSTSxDEVICES, e.g. 8x8")
         p.add_argument("--batch", type=int, help="global batch (default: the model's suite default)")
-        p.add_argument("--schedule", choices=["1f1b", "gpipe"], default="1f1b", help="pipeline schedule")
+        p.add_argument("--schedule", choices=list(schedules.SCHEDULES), default="1f1b", help="pipeline schedule")
         p.add_argument("--recompute", action="store_true",
                        help="hand-written layouts recompute activations (compare: only those that do)")
         p.add_argument("--memory-limit", type=float, help="GiB per device a plan may use (default: 90%% of memory)")

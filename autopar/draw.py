@@ -14,6 +14,7 @@ from typing import Any
 from autopar.contract.plan import Plan, PlanError
 from autopar.contract.units import human_bytes, human_time, printable
 from autopar.cost_models.simulator import Simulation
+from autopar.planner.search import replay
 
 MAX_BARS = 50_000  # forward and backward bars in the Gantt: past it the picture is unreadable and slow
 MAX_STAGES = 256  # rows
@@ -30,7 +31,6 @@ def draw(plan: Plan, memory_limit: float | None = None) -> Any:
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
-    from autopar.planner.search import replay
 
     n = len(plan.stages)
     if n > MAX_STAGES or 2 * n * plan.num_microbatches > MAX_BARS:

@@ -21,6 +21,11 @@ from typing import Any
 
 import numpy as np
 
+from autopar.bench import candidate_plans
+from autopar.contract.errors import AutoparError
+from autopar.cost_models.simulator import StageTimes, simulate
+from autopar.planner.search import hosts
+
 PARAMS = ("flops", "memory", "op_overhead", "sharded_overhead", "latency", "bandwidth")
 FIELDS = ("forward_s", "backward_s", "send_s", "grad_sync_s", "optimizer_s")
 BOUND = 5.0
@@ -51,10 +56,6 @@ def fit(bench: dict[str, Any], cluster: Any, progress: Callable[[str], None] | N
     time before and after, on the layouts fitted and on the others."""
     from scipy.optimize import least_squares
 
-    from autopar.bench import candidate_plans
-    from autopar.contract.errors import AutoparError
-    from autopar.cost_models.simulator import StageTimes, simulate
-    from autopar.planner.search import hosts
 
     model, nproc = bench["model"], bench["nproc"]
     cluster = cluster.with_ranks(nproc)

@@ -5,8 +5,6 @@ from __future__ import annotations
 import difflib
 import importlib
 import importlib.util
-from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -15,19 +13,8 @@ from torch import nn
 
 from autopar.contract.errors import ModelSpecError
 from autopar.contract.limits import MAX_BATCH
+from autopar.contract.workload import Workload
 from autopar.zoo import ZOO
-
-
-@dataclass
-class Workload:
-    """A model with inputs of its global batch; loss and synthetic data when the spec provides them."""
-
-    name: str
-    model: nn.Module
-    example_inputs: tuple
-    batch: int
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None
-    make_batch: Callable[[int, torch.Generator], tuple[tuple, torch.Tensor]] | None = None
 
 
 def load_workload(spec: str, *, batch: int | None = None, device: str | torch.device = "meta",

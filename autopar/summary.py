@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from autopar.models import Workload
+from autopar.contract.workload import Workload
 from autopar.planner.capture import capture
 
 

@@ -17,8 +17,14 @@ from typing import Any
 
 import torch
 
-from autopar.runtime import failures
+from autopar.api import parallelize
+from autopar.contract.errors import AutoparError
+from autopar.contract.limits import MAX_MEMORY_BYTES, MAX_SECONDS, check_counts
+from autopar.models import load_workload
+from autopar.runtime import checkpoint, failures, local_device
 from autopar.runtime.backend import LOOPBACK, local_store, register_loopback_rendezvous
+from autopar.runtime.checkpoint import is_step, latest, verify
+from autopar.runtime.memory import measured_step
 
 # after a rank fails, the others get SIGTERM, and SIGKILL this much later (torch's default is 30 s;
 # `failures.reaping`): a frozen rank ignores SIGTERM, and checkpoints need no clean exit
@@ -51,8 +57,6 @@ class TrainJob:
         return given if given.is_dir() or self.checkpoint_dir is None else Path(self.checkpoint_dir) / given
 
     def check(self) -> None:
-        from autopar.contract.errors import AutoparError
-        from autopar.contract.limits import MAX_MEMORY_BYTES, MAX_SECONDS, check_counts
 
         check_counts(self.nproc, self.steps, self.checkpoint_every, self.delay)
         if self.checkpoint_every < 0:
@@ -62,7 +66,6 @@ class TrainJob:
         if self.checkpoint_dir:
             _check_writable_dir(Path(self.checkpoint_dir))
         if self.resume_from is not None:
-            from autopar.runtime.checkpoint import is_step, verify
 
             path = self.resume_path()
             problem = ("no such checkpoint folder" if not path.is_dir() else
@@ -75,7 +78,6 @@ class TrainJob:
             raise AutoparError(f"--timeout must be a positive number of seconds, got {self.timeout_s} "
                                f"(at most {MAX_SECONDS:g})")
         if self.checkpoint_dir and not self.resume and self.resume_from is None:
-            from autopar.runtime.checkpoint import latest
 
             found = latest(self.checkpoint_dir)
             if found is not None:
@@ -85,7 +87,6 @@ class TrainJob:
 
 def _check_writable_dir(path: Path) -> None:
     """A checkpoint folder the job can create and write, said before anything runs."""
-    from autopar.contract.errors import AutoparError
 
     existing = next((p for p in (path, *path.parents) if p.exists()), None)
     if path.exists() and not path.is_dir():
@@ -100,21 +101,17 @@ def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
     the others; one in the user's input is recorded as such and reported as it is."""
     import torch.distributed as dist
 
-    import autopar
-    from autopar.contract.errors import AutoparError
-    from autopar.runtime import checkpoint, local_device
-    from autopar.runtime.memory import measured_step
 
     # the launcher's number for this rank, known before the process group is: an error while
     # building the model or the plan is reported with its cause too
     rank, step, phase = int(os.environ.get("RANK", "0")), 0, "start"
     try:
         torch.manual_seed(0)  # every rank builds the same initial weights
-        w = autopar.load_workload(job.model, batch=job.batch, device="cpu", dtype=torch.float32)
+        w = load_workload(job.model, batch=job.batch, device="cpu", dtype=torch.float32)
         if w.make_batch is None or w.loss_fn is None:
             raise AutoparError(f"{job.model} has no loss and synthetic batches: return (model, inputs, loss_fn, "
                                "make_batch) from your model function")
-        pm = autopar.parallelize(w.model, None, w.example_inputs, loss_fn=w.loss_fn, plan=job.plan,
+        pm = parallelize(w.model, None, w.example_inputs, loss_fn=w.loss_fn, plan=job.plan,
                                  cluster=job.cluster, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
                                  compression=job.compression, delay=job.delay, timeout=job.timeout_s,
                                  mixed_precision=job.mixed_precision, memory_limit=job.memory_limit)
@@ -191,7 +188,6 @@ def launch(job: TrainJob, quiet: bool = True) -> dict[str, Any]:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from autopar.contract.errors import AutoparError
 
     job.check()
     with tempfile.TemporaryDirectory(prefix="autopar-progress-") as scratch, local_store() as port:
@@ -221,7 +217,6 @@ def launch(job: TrainJob, quiet: bool = True) -> dict[str, Any]:
                 raise AutoparError(given) from None
             message = failures.blame(exc.failures, seen, job.steps)
             if job.checkpoint_dir:
-                from autopar.runtime import checkpoint
 
                 found = checkpoint.latest(job.checkpoint_dir)
                 message += (f"; the latest checkpoint is {found}: run again with --resume" if found

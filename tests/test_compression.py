@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar import AutoparError
-from autopar.cost_models.compression import DGC_WARMUP_STEPS, carries_momentum, parse, wire
+from autopar.contract.compression import DGC_WARMUP_STEPS, carries_momentum, parse
+from autopar.cost_models.compression import wire
 from autopar.runtime.compression import DGCMemory, ErrorFeedback, _compressor
 from autopar.runtime.compressors import (
     QSGD,

@@ -2,6 +2,7 @@
 
 import pytest
 
+from autopar.contract import schedules
 from autopar.cost_models import (
     Collective,
     DeviceSpec,
@@ -11,7 +12,6 @@ from autopar.cost_models import (
     compute_time,
     fits,
     get_cluster,
-    in_flight_microbatches,
     model_state_memory,
     p2p_time,
     training_memory,
@@ -100,10 +100,10 @@ def test_model_state_memory():
 
 
 def test_activation_memory_and_fit():
-    assert in_flight_microbatches("1f1b", 4, 0, 16) == 4
-    assert in_flight_microbatches("1f1b", 4, 3, 16) == 1
-    assert in_flight_microbatches("1f1b", 8, 0, 2) == 2
-    assert in_flight_microbatches("gpipe", 4, 3, 16) == 16
+    assert schedules.in_flight("1f1b", 4, 0, 16) == 4
+    assert schedules.in_flight("1f1b", 4, 3, 16) == 1
+    assert schedules.in_flight("1f1b", 8, 0, 2) == 2
+    assert schedules.in_flight("gpipe", 4, 3, 16) == 16
     mem = training_memory(model_state_memory(1e9, 2), 1e9, 4)
     assert mem.activations == 4e9 and mem.total == pytest.approx(20e9)
     assert fits(mem, 24e9) and not fits(mem, 22e9)  # 10 % reserve: 21.6 GB usable

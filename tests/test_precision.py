@@ -11,7 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
 from autopar.contract.errors import AutoparError
-from autopar.planner.precision import PRECISIONS
+from autopar.contract.precision import PRECISIONS
 from tests.distributed import shared_ranks
 from tests.families import workload as family
 from tests.test_parallelize import _staged

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 
 from autopar.contract.errors import AutoparError
 from autopar.contract.plan import Plan
+from autopar.contract.workload import Workload
 from autopar.cost_models import get_cluster
-from autopar.models import Workload
 from autopar.planner.search import Search, plan_auto
 from autopar.zoo import gpt, mlp
 

@@ -2,7 +2,8 @@
 
 import pytest
 
-from autopar.cost_models.simulator import Hosts, StageTimes, schedule_order, simulate
+from autopar.contract import schedules
+from autopar.cost_models.simulator import Hosts, StageTimes, simulate
 
 
 def uniform(n, f=1.0, b=2.0, send=0.0, sync=0.0, act=1.0):
@@ -44,10 +45,10 @@ def test_transfers_and_gradient_sync_add_up():
 def test_schedule_order_is_complete():
     for schedule in ("1f1b", "gpipe"):
         for s in range(4):
-            order = schedule_order(schedule, 4, s, 6)
+            order = schedules.order(schedule, 4, s, 6)
             assert sorted(order) == sorted([("F", i) for i in range(6)] + [("B", i) for i in range(6)])
     with pytest.raises(ValueError, match="unknown schedule"):
-        schedule_order("zb", 2, 0, 2)
+        schedules.order("zb", 2, 0, 2)
 
 
 def test_ranks_sharing_cores_slow_each_other_down():

@@ -17,13 +17,14 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from autopar.contract import schedules
+from autopar.contract.compression import parse
 from autopar.contract.errors import AutoparError
 from autopar.contract.jsonio import loads, read_json, write_json
 from autopar.contract.limits import MAX_BATCH, MAX_DEVICES, MAX_MICROBATCHES
 from autopar.contract.units import human_time, printable, span
 
 SCHEMA = "autopar.plan/1"
-SCHEDULES = ("1f1b", "gpipe")
 _PLACEMENT = re.compile(r"R|P|S\(\d+\)")
 
 
@@ -262,7 +263,6 @@ def _parse(data: Any, source: str) -> Plan:
     if gradient.get("zero_stage", 0) not in (0, 1, 2, 3):
         raise PlanError(f"{source}: dp_gradient.zero_stage must be 0, 1, 2 or 3, got {gradient.get('zero_stage')!r}")
     if gradient.get("compression") is not None:
-        from autopar.cost_models.compression import parse
 
         try:
             parse(str(gradient["compression"]))
@@ -272,8 +272,8 @@ def _parse(data: Any, source: str) -> Plan:
     if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
         raise PlanError(f"{source}: dp_gradient.delay must be a number of steps ≥ 0, got {delay!r}")
     schedule = need(data, "schedule", str)
-    if schedule not in SCHEDULES:
-        raise PlanError(f"{source}: schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if schedule not in schedules.SCHEDULES:
+        raise PlanError(f"{source}: schedule must be one of {', '.join(schedules.SCHEDULES)}, got {schedule!r}")
     precision = data.get("precision")
     if precision not in (None, "bf16", "fp16"):
         raise PlanError(f"{source}: precision must be \"bf16\", \"fp16\" or null (the model's dtype), got {precision!r}")

@@ -7,7 +7,6 @@ from autopar.cost_models.compute import compute_time, fixed_time, optimizer_time
 from autopar.cost_models.memory import (
     MemoryBreakdown,
     fits,
-    in_flight_microbatches,
     model_state_memory,
     training_memory,
 )
@@ -28,7 +27,6 @@ __all__ = [
     "fixed_time",
     "optimizer_time",
     "get_cluster",
-    "in_flight_microbatches",
     "model_state_memory",
     "p2p_link",
     "p2p_time",

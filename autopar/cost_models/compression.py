@@ -1,5 +1,5 @@
-"""What gradient compression costs on the data axis: the spec users write ("dgc:0.999"), the bytes
-each method hands to collectives for a gradient of a given shape (the runtime's counters are
+"""What gradient compression costs on the data axis (the spec users write, "dgc:0.999", is the
+contract's: `autopar.contract.compression`): the bytes each method hands to collectives for a gradient of a given shape (the runtime's counters are
 tested against these), and the time of a compressed synchronisation including the compressor's
 own work.
 
@@ -12,100 +12,16 @@ all-reduce (its worst case short of the fallback).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
-from autopar.contract.errors import AutoparError
+from autopar.contract.compression import Spec, dgc_sparsifies
 from autopar.cost_models.cluster import DeviceSpec, Link
 from autopar.cost_models.comm import all_gather_time, all_reduce_time
 
-METHODS = ("fp16", "topk", "randk", "dgc", "powersgd", "onebit", "threshold", "terngrad", "qsgd", "signsgd")
-EXAMPLES = "fp16, topk:0.01, randk:0.01, dgc:0.999, powersgd:2, onebit, threshold:0.01, terngrad, qsgd:16, signsgd"
 # the methods `--compression auto` weighs: those published without loss of accuracy at these settings
 AUTO = (None, "fp16", "powersgd:4", "dgc:0.999")
 # passes over the gradient the compressor makes (encode, error feedback), before decoding
 _PASSES = {"fp16": 2, "randk": 2, "powersgd": 3, "topk": 4, "dgc": 4, "onebit": 4, "terngrad": 3, "qsgd": 3,
            "signsgd": 2}
-
-
-# Deep Gradient Compression's warm-up (Lin et al. 2018, §3.4): the density falls exponentially over
-# DGC_STAGES stages before the final sparsity, as its reference code computes it (density_k =
-# final^((k+1)/(stages+1)): 74.9 %, 93.7 %, 98.4 %, 99.6 % for a final 99.9 %, the paper's figures).
-# The paper spends four epochs on it; the runtime counts steps, so a stage lasts `warmup` steps.
-DGC_STAGES = 4
-DGC_WARMUP_STEPS = 25
-# options each method reads, at their defaults (a plan records them written out: `canonical`)
-DEFAULTS: dict[str, dict[str, float]] = {
-    "dgc": {"momentum": 0.9, "warmup": DGC_WARMUP_STEPS},
-    "onebit": {"momentum": 0.9},
-    "terngrad": {"clip": 2.5},
-}
-
-
-@dataclass
-class Spec:
-    method: str
-    arg: float | None
-    options: dict[str, float]
-    text: str
-
-    def option(self, key: str) -> float:
-        return self.options.get(key, DEFAULTS.get(self.method, {}).get(key, 0.0))
-
-    def canonical(self) -> str:
-        """The spec with every default option written out, so a plan says what ran."""
-        options = {**DEFAULTS.get(self.method, {}), **self.options}
-        return ",".join([self.text.split(",")[0]] + [f"{k}={int(v) if v == int(v) else v!r}"
-                                                     for k, v in sorted(options.items())])
-
-
-def carries_momentum(spec: Spec) -> bool:
-    """DGC (momentum correction) and 1-bit SGD (its momentum compressed with error feedback, as
-    1-bit Adam does; not without error feedback) keep the momentum on each rank and send from it:
-    the optimizer must have none."""
-    return spec.method == "dgc" or (spec.method == "onebit" and spec.option("momentum") > 0
-                                    and spec.options.get("ef", 1) != 0)
-
-
-def dgc_density(sparsity: float, warmup: float, step: int) -> float:
-    """The fraction of a gradient DGC sends at `step`: the warm-up's stages, then 1 − sparsity."""
-    stage = min(step // warmup, DGC_STAGES) if warmup else DGC_STAGES
-    return (1 - sparsity) ** ((stage + 1) / (DGC_STAGES + 1))
-
-
-def dgc_sparsifies(shape: tuple[int, ...]) -> bool:
-    """DGC selects from weight matrices; biases and norms (fewer than two dimensions) travel dense
-    with plain momentum, as in the paper's reference code."""
-    return len(shape) > 1
-
-
-def parse(text: str) -> Spec:
-    """`name[:value][,key=value...]`, e.g. "dgc:0.999,warmup=100", "topk:0.01,ef=0"."""
-    head, *rest = text.split(",")
-    name, _, arg = head.partition(":")
-    if name not in METHODS:
-        raise AutoparError(f"unknown compression {text!r}: use one of {EXAMPLES}")
-    try:
-        value = float(arg) if arg else None
-        options = {k: float(v) for k, v in (o.split("=", 1) for o in rest)}
-    except ValueError:
-        raise AutoparError(f"compression {text!r}: values must be numbers, as in dgc:0.999,warmup=100") from None
-    if not all(math.isfinite(v) for v in [*options.values(), *([value] if value is not None else [])]):
-        raise AutoparError(f"compression {text!r}: values must be finite numbers, as in dgc:0.999,warmup=100")
-    a = value
-    if name in ("topk", "randk") and not (a and 0 < a <= 1):
-        raise AutoparError(f"compression {text!r}: give the fraction kept, e.g. {name}:0.01")
-    if name == "dgc" and not (a is not None and 0 <= a < 1):
-        raise AutoparError(f"compression {text!r}: give the final sparsity in [0, 1), e.g. dgc:0.999")
-    if name == "qsgd" and a is not None and not 1 <= a <= 127:
-        raise AutoparError(f"compression {text!r}: levels must be 1 to 127 (they travel in int8)")
-    if name == "powersgd" and a is not None and (a < 1 or a != int(a) or a > 4096):
-        raise AutoparError(f"compression {text!r}: the rank must be a positive integer, e.g. powersgd:2")
-    if name == "threshold" and not (a and a > 0):
-        raise AutoparError(f"compression {text!r}: give the threshold τ, e.g. threshold:0.01")
-    if options.get("warmup", 0) < 0 or not 0 <= options.get("momentum", 0) < 1:
-        raise AutoparError(f"compression {text!r}: warmup is a number of steps ≥ 0 and momentum in [0, 1), "
-                           "e.g. dgc:0.999,warmup=25,momentum=0.9")
-    return Spec(name, value, options, text)
 
 
 def wire(spec: Spec, shape: tuple[int, ...], ranks: int) -> tuple[str, int]:

@@ -49,16 +49,6 @@ def model_state_memory(
     )
 
 
-def in_flight_microbatches(schedule: str, num_stages: int, stage_index: int, num_microbatches: int) -> int:
-    """Microbatches whose activations a stage holds at its peak: GPipe all, 1F1B `stages - index`
-    (all of them with fewer microbatches than stages: the runtime runs GPipe's order then)."""
-    if schedule == "gpipe" or schedule == "1f1b" and num_microbatches < num_stages:
-        return num_microbatches
-    if schedule == "1f1b":
-        return min(num_stages - stage_index, num_microbatches)
-    raise ValueError(f"unknown schedule {schedule!r}: 'gpipe' or '1f1b'")
-
-
 def training_memory(
     states: MemoryBreakdown, activation_bytes_per_microbatch: float, in_flight: int
 ) -> MemoryBreakdown:

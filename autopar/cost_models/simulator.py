@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from autopar.contract import schedules
+
 
 @dataclass(frozen=True)
 class StageTimes:
@@ -38,23 +40,6 @@ class Event:
     end: float
 
 
-
-
-def schedule_order(schedule: str, num_stages: int, stage: int, num_microbatches: int) -> list[tuple[str, int]]:
-    """The actions of one stage: GPipe all forwards then all backwards; 1F1B warms up with
-    `stages - stage - 1` forwards, then alternates one forward and one backward. 1F1B with fewer
-    microbatches than stages runs GPipe's order (torch's `Schedule1F1B` refuses it; the runtime
-    falls back), so every stage holds all of them."""
-    m = num_microbatches
-    if schedule == "gpipe" or schedule == "1f1b" and m < num_stages:
-        return [("F", i) for i in range(m)] + [("B", i) for i in range(m)]
-    if schedule != "1f1b":
-        raise ValueError(f"unknown schedule {schedule!r}: '1f1b' or 'gpipe'")
-    warmup = min(num_stages - stage - 1, m)
-    order = [("F", i) for i in range(warmup)]
-    for i in range(m - warmup):
-        order += [("F", warmup + i), ("B", i)]
-    return order + [("B", i) for i in range(m - warmup, m)]
 
 
 @dataclass(frozen=True)
@@ -95,7 +80,7 @@ def simulate(stages: list[StageTimes], num_microbatches: int, schedule: str = "1
     """Replays the schedule; with `hosts`, stages computing at the same time on an oversubscribed
     host slow each other down (their work is fixed, their speed `Hosts.rates`)."""
     n = len(stages)
-    orders = [schedule_order(schedule, n, s, num_microbatches) for s in range(n)]
+    orders = [schedules.order(schedule, n, s, num_microbatches) for s in range(n)]
     # every stage ends with its exposed gradient synchronisation (what `overlap` of it does not hide
     # behind its last backward: grad_sync_s holds that share) and its optimizer step, on its cores too
     orders = [o + [("S", -1)] for o in orders]
@@ -152,7 +137,7 @@ def simulate(stages: list[StageTimes], num_microbatches: int, schedule: str = "1
             if kind == "F" and s + 1 < n:
                 events.append(Event(s, "send", mb, now, now + stages[s].send_s))
     if any(p < len(o) for p, o in zip(pos, orders)):
-        raise RuntimeError("schedule deadlocked")  # a bug in schedule_order, never the user's input
+        raise RuntimeError("schedule deadlocked")  # a bug in a schedule's order, never the user's input
     peak = [max(p, st.state_bytes + st.sync_bytes) for p, st in zip(peak, stages)]
     pipeline_end = max(e.end for e in events if e.kind in ("F", "B"))
     busy = sum(e.end - e.start for e in events if e.kind in ("F", "B"))

@@ -9,14 +9,7 @@ work: planning never needs real weights.
 
 from __future__ import annotations
 
-import contextlib
-import inspect
-import io
-import logging
 import operator
-import os
-import sys
-import traceback
 from typing import Any
 
 import networkx as nx
@@ -24,44 +17,11 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
-from autopar.contract.errors import CaptureError
+from autopar.contract.export import WRAPPER_PREFIX, export_program
 from autopar.planner.flops import FlopCounter
 from autopar.planner.graph import OpGraph, OpNode, TensorInfo
+from autopar.planner.replicate import capture_replicated
 from autopar.planner.saved import saved_outputs
-
-_WRAPPER_PREFIX = "inner."
-
-
-class _TensorOutput(nn.Module):
-    """Calls the model and returns one tensor, so any model exports the same way.
-
-    The wrapper takes the model's own signature, so graph inputs keep the model's argument names.
-    """
-
-    def __init__(self, inner: nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-        sig = inspect.signature(inner.forward)
-        extra = {"use_cache": False} if "use_cache" in sig.parameters else {}
-
-        def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
-            return first_tensor(inner(*args, **kwargs, **extra))
-
-        forward.__signature__ = sig.replace(parameters=[p for n, p in sig.parameters.items() if n not in extra])
-        self.forward = forward
-
-
-def first_tensor(out: Any) -> torch.Tensor:
-    """The tensor a model's output stands for: itself, `.logits`, or the first tensor inside."""
-    if isinstance(out, torch.Tensor):
-        return out
-    logits = getattr(out, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits
-    for leaf in tree_leaves(out):
-        if isinstance(leaf, torch.Tensor):
-            return leaf
-    raise CaptureError(f"the model returned {type(out).__name__} with no tensor in it; return the logits or loss")
 
 
 def capture(
@@ -76,84 +36,15 @@ def capture(
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
     kwargs = example_kwargs or {}
     if replicate:
-        from autopar.planner.replicate import capture_replicated
-
-        graph = capture_replicated(model, lambda m: _export(m, args, kwargs), _build)
+        graph = capture_replicated(model, lambda m: export_program(m, args, kwargs), build)
         if graph is not None:
             return graph
-    exported = _export(model, args, kwargs)
+    exported = export_program(model, args, kwargs)
     sig = exported.graph_signature
-    return _build(exported.graph, model, sig.inputs_to_parameters, sig.inputs_to_buffers, set(sig.user_inputs))
+    return build(exported.graph, model, sig.inputs_to_parameters, sig.inputs_to_buffers, set(sig.user_inputs))
 
 
-def _export(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
-    # a failed export prints its partial graph to stderr and logs warnings about it: the error
-    # below says what failed and where; what a successful export says is passed on
-    shapes = logging.getLogger("torch.fx.experimental.symbolic_shapes")
-    level = shapes.level
-    shapes.setLevel(logging.ERROR)
-    said = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(said):
-            exported = torch.export.export(_TensorOutput(model), args, kwargs, strict=False)
-    except CaptureError:
-        raise
-    except Exception as exc:
-        raise CaptureError(_explain(exc, model)) from exc
-    finally:
-        shapes.setLevel(level)
-    sys.stderr.write(said.getvalue())
-    return exported
-
-
-def _explain(exc: Exception, model: nn.Module) -> str:
-    """One message: what failed, where in the user's code, and what usually fixes it."""
-    first = next((line for line in str(exc).splitlines() if line.strip()), type(exc).__name__).strip()
-    where = _user_frame(exc)
-    hint = ""
-    if "data-dependent" in str(exc) or "GuardOnDataDependent" in type(exc).__name__:
-        op = _culprit(exc)
-        first = (f"{op + ' needs the value of a tensor: ' if op else ''}control flow or a shape depends on "
-                 f"the value of a tensor ({first})")
-        hint = "make it independent of tensor values (torch.where, masks, or torch.cond)"
-    return (
-        f"cannot capture {type(model).__name__} with torch.export: {first}"
-        + (f"\n  at {where}" if where else "")
-        + (f"\n  hint: {hint}" if hint else "")
-    )
-
-
-def _culprit(exc: BaseException) -> str:
-    """The tensor operation the user's line called that needed a value (`Tensor.__bool__` for an
-    `if` on a tensor, `Tensor.item`, `Tensor.nonzero`, ...): torch's dispatch frames hold it as `func`."""
-    user = _is_user_file
-    frames = [frame for frame, _ in traceback.walk_tb(exc.__traceback__)]
-    last = max((i for i, f in enumerate(frames) if user(f.f_code.co_filename)), default=None)
-    if last is None:
-        return ""
-    for frame in frames[last + 1:]:
-        func = frame.f_locals.get("func")
-        if callable(func) and getattr(func, "__name__", ""):
-            owner = getattr(func, "__objclass__", None) or getattr(func, "__self__", None)
-            prefix = "Tensor." if owner is torch.Tensor or "Tensor" in getattr(owner, "__name__", "") else ""
-            return f"{prefix}{func.__name__}"
-    return ""
-
-
-def _is_user_file(filename: str) -> bool:
-    return not filename.startswith((os.path.dirname(torch.__file__), os.path.dirname(__file__), "<")) \
-        and "site-packages" not in filename.split(os.sep)[-4:]
-
-
-def _user_frame(exc: BaseException) -> str:
-    frames = [f for f in traceback.extract_tb(exc.__traceback__) if _is_user_file(f.filename)]
-    if not frames:
-        return ""
-    f = frames[-1]
-    return f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
-
-
-def _build(
+def build(
     fx_graph: fx.Graph, model: nn.Module, to_param: dict[str, str], to_buffer: dict[str, str], user_inputs: set[str]
 ) -> OpGraph:
     """OpGraph of an exported aten graph; `to_param` / `to_buffer` map placeholders to the
@@ -303,9 +194,9 @@ def _op_name(target: Any) -> str:
 
 
 def _strip(path: str) -> str:
-    if path == _WRAPPER_PREFIX[:-1]:
+    if path == WRAPPER_PREFIX[:-1]:
         return ""
-    return path.removeprefix(_WRAPPER_PREFIX)
+    return path.removeprefix(WRAPPER_PREFIX)
 
 
 def _module_path(node: fx.Node, lists: set[str]) -> tuple[str, str]:
@@ -344,7 +235,7 @@ def _canonical_names(model: nn.Module) -> dict[str, str]:
     """Every name a parameter is reachable by (tied weights have several) -> its named_parameters() name."""
     first = {id(p): name for name, p in model.named_parameters()}
     return {
-        _WRAPPER_PREFIX + name: first[id(p)]
+        WRAPPER_PREFIX + name: first[id(p)]
         for name, p in model.named_parameters(remove_duplicate=False)
     }
 

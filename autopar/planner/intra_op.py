@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 from torch import fx
 
+from autopar.contract.precision import PRECISIONS
 from autopar.cost_models import (
     ClusterSpec,
     Link,
@@ -50,7 +51,6 @@ from autopar.planner.placement import (
     shard,
     shard_dim,
 )
-from autopar.planner.precision import PRECISIONS
 
 log = logging.getLogger(__name__)
 

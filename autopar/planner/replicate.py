@@ -20,9 +20,10 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from autopar.contract.export import WRAPPER_PREFIX
+
 log = logging.getLogger(__name__)
 
-_WRAPPER_PREFIX = "inner."  # capture wraps the model as `inner`
 
 
 @dataclass(frozen=True)
@@ -114,7 +115,7 @@ def capture_replicated(model: nn.Module, export: Callable[[nn.Module], Any], bui
 
 
 def _expand(exported: Any, rep: Repeat) -> tuple[fx.Graph, dict[str, str], dict[str, str]]:
-    prefix = f"{_WRAPPER_PREFIX}{rep.path}."
+    prefix = f"{WRAPPER_PREFIX}{rep.path}."
     p, periods = rep.period, rep.count // rep.period
     sig = exported.graph_signature
     kind_of = {**{ph: "param" for ph in sig.inputs_to_parameters}, **{ph: "buffer" for ph in sig.inputs_to_buffers}}

@@ -9,15 +9,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from autopar.contract import schedules
+from autopar.contract.compression import parse
 from autopar.contract.errors import AutoparError
 from autopar.contract.limits import MAX_DEVICES, MAX_DEVICES_PER_HOST
 from autopar.contract.plan import Estimate, Plan, StagePlan
 from autopar.contract.units import human_bytes
+from autopar.contract.workload import Workload
 from autopar.cost_models import ClusterSpec
-from autopar.cost_models.compression import AUTO, parse
-from autopar.cost_models.memory import in_flight_microbatches
+from autopar.cost_models.compression import AUTO
 from autopar.cost_models.simulator import Hosts, Simulation, StageTimes, simulate
-from autopar.models import Workload
 from autopar.planner.capture import capture
 from autopar.planner.graph import OpGraph
 from autopar.planner.ilp import InfeasibleError
@@ -109,9 +110,9 @@ class Search:
 
     def in_flight(self, s: int, m: int, depth: int) -> int:
         """Microbatches a stage with s stages from the end holds (the DP does not know the
-        pipeline's length: with fewer microbatches than the deepest one it may build, 1F1B runs
-        GPipe's order and every stage holds all of them)."""
-        return m if self.schedule == "1f1b" and m < depth else in_flight_microbatches(self.schedule, s, 0, m)
+        pipeline's length: with fewer microbatches than the deepest one it may build, the schedule
+        may run its fallback, 1F1B GPipe's order, in which every stage holds all of them)."""
+        return schedules.runs(self.schedule, depth, m).in_flight(s, 0, m)
 
 
     def times(self, shapes: list[tuple[int, int]], m: int, depth: int) -> tuple[np.ndarray, dict]:

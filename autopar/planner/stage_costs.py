@@ -19,9 +19,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from autopar.contract.compression import Spec
+from autopar.contract.precision import PRECISIONS
 from autopar.cost_models import ClusterSpec, Link, axis_link, fixed_time, optimizer_time, p2p_time
 from autopar.cost_models.comm import all_reduce_time
-from autopar.cost_models.compression import Spec, dense_time, sync_time
+from autopar.cost_models.compression import dense_time, sync_time
 from autopar.planner.graph import OpGraph
 from autopar.planner.ilp import InfeasibleError
 from autopar.planner.intra_op import (
@@ -35,7 +37,6 @@ from autopar.planner.intra_op import (
     shard_stage,
 )
 from autopar.planner.layering import cut_bytes
-from autopar.planner.precision import PRECISIONS
 
 COLUMNS = 20  # of `StageCosts.range_sums`
 LOSS_PASSES, LOSS_OPS = 5, 6  # cross-entropy's passes over its input's size, and its ops (forward and backward)

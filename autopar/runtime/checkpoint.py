@@ -43,6 +43,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from autopar.contract.errors import AutoparError
+
 log = logging.getLogger(__name__)
 _STEP = re.compile(r"step-(\d+)")
 _FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
@@ -72,7 +74,6 @@ def agreed_latest(directory: str | Path) -> Path | None:
 
 def agreed_verified(path: str | Path) -> Path:
     """`path` once rank 0 has verified it (every rank raises the same error when it fails)."""
-    from autopar.contract.errors import AutoparError
 
     problem = [verify(path) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(problem, src=0)
@@ -214,7 +215,6 @@ def save(pm: Any, directory: str | Path, step: int, trainer: dict[str, Any] | No
     generator's state, the losses so far, an LR scheduler's state: anything torch.save takes) is
     kept beside it, and each rank's random state and synchroniser state (error feedback, delayed
     gradients) too. Keeps the `keep` checkpoints of the highest steps."""
-    from autopar.contract.errors import AutoparError
 
     root = Path(directory)
     final, partial = root / f"step-{step}", root / f"step-{step}.partial"
@@ -266,7 +266,6 @@ def load(pm: Any, path: str | Path, verified: bool = False) -> dict[str, Any]:
     before rank 0 has checked every file against the manifest (`verified`: `latest` already did)."""
     path = Path(path)
     if not (path / ".metadata").is_file():
-        from autopar.contract.errors import AutoparError
 
         raise AutoparError(f"{path} is not a complete autopar checkpoint (no .metadata): "
                            "pass a step-N directory that `autopar train --checkpoint-dir` wrote")
@@ -282,7 +281,6 @@ def load(pm: Any, path: str | Path, verified: bool = False) -> dict[str, Any]:
     dcp.load(state, checkpoint_id=str(path))
     set_optimizer_state_dict(pm.trained, pm.optimizer, {torch_keys[k]: state[k] for k in torch_keys}, options=_FLAT)
     mine = path / f"rank{dist.get_rank()}.pt"
-    from autopar.contract.errors import AutoparError
 
     problem = None
     try:
@@ -315,7 +313,6 @@ def load(pm: Any, path: str | Path, verified: bool = False) -> dict[str, Any]:
 def _load_plain(path: Path) -> Any:
     """torch.load of tensors and plain values only: a pickle that would build anything else (run
     code) is refused with the file's name."""
-    from autopar.contract.errors import AutoparError
 
     try:
         return torch.load(path, weights_only=True)
@@ -326,7 +323,6 @@ def _load_plain(path: Path) -> Any:
 
 def _check_fits(state: dict[str, Any], saved: dict[str, Any], path: Path) -> None:
     """One clear message for a checkpoint of another model, instead of DCP's error from deep inside."""
-    from autopar.contract.errors import AutoparError
 
     params = [k for k in state if k.startswith("model.")]
     missing = [k.removeprefix("model.") for k in params if k not in saved]

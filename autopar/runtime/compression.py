@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.cost_models.compression import Spec, carries_momentum, dgc_sparsifies, parse
+from autopar.contract.compression import Spec, carries_momentum, dgc_sparsifies, parse
 from autopar.runtime.compressors import (
     QSGD,
     DGCSelect,

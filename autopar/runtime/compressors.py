@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from autopar.cost_models.compression import DGC_WARMUP_STEPS, dgc_density
+from autopar.contract.compression import DGC_WARMUP_STEPS, dgc_density
 
 # ---- bit packing --------------------------------------------------------------------------------
 
@@ -167,7 +167,7 @@ class DGCSelect(_Sparse):
     """Deep Gradient Compression's selection (Lin et al. 2018), per weight matrix: the threshold is
     the top-k magnitude of a random sample (1 %, at least 1000 elements), so selection costs a
     pass, not a sort; more than 1.3 k survivors are cut to k exactly. The density warms up
-    exponentially over `cost_models.compression.DGC_STAGES` stages of `warmup` steps. The
+    exponentially over `autopar.contract.compression.DGC_STAGES` stages of `warmup` steps. The
     momentum correction, clipping and masking live in its memory (`runtime.compression.DGCMemory`);
     tensors it does not sparsify (`dgc_sparsifies`) the communicator averages dense."""
 

@@ -16,14 +16,14 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from autopar.planner.capture import _export
+from autopar.contract.export import export_program
 
 
 def export_as_planned(model: nn.Module, micro: tuple, whole: tuple) -> Any:
     """`model` exported on `micro`, its nodes named as in the export on `whole` (the plan's)."""
-    ep = _export(model, micro, {})
+    ep = export_program(model, micro, {})
     if _batch(micro) == 1 != _batch(whole):
-        align_names(ep.graph, _export(model, whole, {}).graph)
+        align_names(ep.graph, export_program(model, whole, {}).graph)
     return ep
 
 

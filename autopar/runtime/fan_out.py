@@ -7,7 +7,7 @@ keeps its slice), which makes any rank of the sending stage a valid source: posi
 s + 1 takes its activations from position j mod n_s of stage s, and position i of stage s takes
 its gradients from position i mod n_{s+1} of stage s + 1. A rank may thus send to several ranks,
 and some send to none. This module runs the same orders as `ScheduleGPipe` / `Schedule1F1B`
-with those peers (`schedule_order`, the orders the simulator replays): blocking receives,
+with those peers (`autopar.contract.schedules`, the orders the simulator replays): blocking receives,
 asynchronous sends.
 """
 
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.cost_models.simulator import schedule_order
+from autopar.contract import schedules
 from autopar.runtime.breakdown import phase
 
 
@@ -56,7 +56,7 @@ class FanOutSchedule:
         self.module, self.stage, self.m, self.loss_fn = module, stage, m, loss_fn
         self.first, self.last = stage == 0, stage == len(sizes) - 1
         self.peers = peers(sizes, dist.get_rank())
-        self.order = [(kind == "F", i) for kind, i in schedule_order(schedule, len(sizes), stage, m)]
+        self.order = [(kind == "F", i) for kind, i in schedules.order(schedule, len(sizes), stage, m)]
         self.inputs, self.outputs = inputs, outputs
         self.sync: Any = None  # GradSync: its buckets launch during the last backward
 

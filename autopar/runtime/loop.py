@@ -10,7 +10,10 @@ count once.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import statistics
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -80,3 +83,19 @@ def gather_batch_dim(value: torch.Tensor, group: dist.ProcessGroup | None) -> to
     parts = [torch.empty_like(value) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, value.contiguous(), group=group)
     return torch.cat(parts)
+
+
+def time_steps(pm: Any, batches: Callable[[], tuple], warmup: int, steps: int) -> float:
+    """The median over `steps` timed steps (after `warmup`) of the slowest rank's step time: every
+    rank of the job calls it. `batches()` gives the next (inputs, target)."""
+    measured = []
+    for i in range(warmup + steps):
+        inputs, target = batches()
+        dist.barrier()
+        start = time.perf_counter()
+        pm.step(inputs, target)
+        slowest = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if i >= warmup:
+            measured.append(float(slowest))
+    return statistics.median(measured)

@@ -22,7 +22,9 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from autopar.contract import schedules
 from autopar.contract.errors import AutoparError
+from autopar.contract.units import human_bytes
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
 
@@ -153,12 +155,10 @@ def hold_to(pm: Any, limit: float) -> None:
 
 def _overflow(rank: int, index: int, measured: dict[str, int], plan: Any, limit: float) -> str:
     """What overflowed, against the plan's prediction for the stage, in one message."""
-    from autopar.contract.units import human_bytes
-    from autopar.cost_models.memory import in_flight_microbatches
 
     cost = plan.stages[index].cost
     states, transient = cost.get("state_bytes", 0.0), cost.get("transient_bytes", 0.0)
-    acts = cost.get("activation_bytes_per_microbatch", 0.0) * in_flight_microbatches(
+    acts = cost.get("activation_bytes_per_microbatch", 0.0) * schedules.in_flight(
         plan.schedule, len(plan.stages), index, plan.num_microbatches)
     got = {"model states": measured["parameters"] + measured["gradients"] + measured["optimizer"],
            "activations": measured["activations"], "temporaries": measured["temporaries"]}

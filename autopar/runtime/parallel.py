@@ -17,13 +17,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from autopar.planner.capture import first_tensor
+from autopar.contract.compression import carries_momentum, parse
+from autopar.contract.errors import AutoparError
+from autopar.contract.export import first_tensor
 from autopar.runtime.breakdown import phase
 from autopar.runtime.buffers import AveragedBuffers, persistent
 from autopar.runtime.comm_count import CollectiveBytes
+from autopar.runtime.compression import Compressed
+from autopar.runtime.delayed import DelayedSync
 from autopar.runtime.export import export_as_planned
 from autopar.runtime.failures import guarded
-from autopar.runtime.grad_sync import GradSync
+from autopar.runtime.grad_sync import EmulatedLink, GradSync
 from autopar.runtime.loop import clip, evaluating, gather_batch_dim, squared_grad_norm
 from autopar.runtime.precision import fsdp_policy, mixed_precision
 from autopar.runtime.sharded_graph import ShardedGraph, first_failure
@@ -66,7 +70,6 @@ def shard_data_axis(module: nn.Module, mesh: Any, precision: str | None) -> None
 def check_batch(inputs: Any, plan: Any, dp: int | None = None) -> None:
     """The batch a step gets must be the one the plan was made for (it fixes the shapes): the
     global batch, or with `dp` a data-parallel slice of it (`step(..., local=True)`)."""
-    from autopar.contract.errors import AutoparError
 
     first = next((t for t in (inputs if isinstance(inputs, (tuple, list)) else (inputs,))
                   if isinstance(t, torch.Tensor)), None)
@@ -86,7 +89,6 @@ def data_sync(params: list[nn.Parameter], group: dist.ProcessGroup, plan: Any) -
     makes its results wait as on a slower link (benchmarks; `EmulatedLink`)."""
     import os
 
-    from autopar.runtime.grad_sync import EmulatedLink
 
     gradient = plan.dp_gradient or {}
     link = None
@@ -103,12 +105,10 @@ def data_sync(params: list[nn.Parameter], group: dist.ProcessGroup, plan: Any) -
     if gradient.get("delay"):
         if gradient.get("compression"):
             raise UnsupportedPlan("delayed averaging runs on dense gradients: use compression or delay, not both")
-        from autopar.runtime.delayed import DelayedSync
 
         return DelayedSync(params, group, int(gradient["delay"]), link=link)
     compressed = None
     if gradient.get("compression"):
-        from autopar.runtime.compression import Compressed
 
         compressed = Compressed(gradient["compression"], group)
     return GradSync(params, group, compressed=compressed, link=link)
@@ -120,8 +120,6 @@ def check_optimizer(optimizer: torch.optim.Optimizer, plan: Any) -> None:
     text = (plan.dp_gradient or {}).get("compression")
     if not text or not any(g.get("momentum", 0) for g in optimizer.param_groups):
         return
-    from autopar.contract.errors import AutoparError
-    from autopar.cost_models.compression import carries_momentum, parse
 
     spec = parse(str(text))
     if carries_momentum(spec):
@@ -140,7 +138,6 @@ def positional(forward: Callable, inputs: Any) -> tuple:
         return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
     import inspect
 
-    from autopar.contract.errors import AutoparError
 
     params = list(inspect.signature(forward).parameters.values())
     known = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]

@@ -22,11 +22,15 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.pipelining as pipelining
 from torch import nn
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+from torch.distributed.pipelining import PipelineStage
 from torch.distributed.tensor import DTensor, Replicate
 
-from autopar.planner.capture import first_tensor
+from autopar.contract import schedules
+from autopar.contract.errors import AutoparError
+from autopar.contract.export import first_tensor
+from autopar.contract.precision import retyped
 from autopar.runtime.breakdown import phase
 from autopar.runtime.buffers import AveragedBuffers
 from autopar.runtime.comm_count import CollectiveBytes
@@ -147,7 +151,6 @@ class PipelineModel:
         self.precision = mixed_precision(plan.precision, device)
         self.module.forward = self.precision.autocasting(self.module.forward)
         if plan.precision is not None:  # what crosses a boundary has the dtype autocast gives it
-            from autopar.planner.precision import retyped
 
             values = {n.name: n.meta.get("val") for n in retyped(ep.graph, plan.precision, device.type).nodes}
         else:
@@ -172,9 +175,8 @@ class PipelineModel:
                            .requires_grad_(grad and example[n].is_floating_point()))
             return tuple(out)
 
-        # with fewer microbatches than stages, 1F1B's warm-up holds them all: the GPipe order (torch's
-        # Schedule1F1B refuses m < stages)
-        kind = ScheduleGPipe if plan.schedule == "gpipe" or self.m < self.pp else Schedule1F1B
+        # the registry's class, or its fallback where torch's refuses the count (Schedule1F1B: m < stages)
+        kind = getattr(pipelining, schedules.runs(plan.schedule, self.pp, self.m).torch_class)
         # the loss, not the gradients, carries the 1/m of the microbatch mean: the synchroniser reads
         # the gradients during the last backward, before the schedule could scale them
         def loss_m(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -247,7 +249,6 @@ class PipelineModel:
     def step(self, inputs: Any, target: torch.Tensor, local: bool = False) -> float:
         inputs, target = on_device(positional(self.forward, inputs), self.device), target.to(self.device)
         if local and len({s.logical_mesh[0] for s in self.plan.stages}) > 1:
-            from autopar.contract.errors import AutoparError
 
             raise AutoparError("step(local=True) needs the same data-parallel size on every stage; this plan's "
                                   f"are {[s.logical_mesh[0] for s in self.plan.stages]}: pass the global batch")

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.planner.precision import PRECISIONS
+from autopar.contract.precision import PRECISIONS
 
 
 @dataclass

@@ -32,7 +32,7 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 
-from autopar.planner.capture import _WRAPPER_PREFIX
+from autopar.contract.export import WRAPPER_PREFIX
 from autopar.runtime.buffers import persistent
 from autopar.runtime.cross_mesh import gather_batch, slice_batch
 from autopar.runtime.recompute import Segment, checkpointed, segments
@@ -225,7 +225,7 @@ class ShardedGraph(nn.Module):
         for node in used:
             fqn = sig.inputs_to_parameters.get(node.name) or sig.inputs_to_buffers.get(node.name)
             if fqn is not None:
-                fqns[node.name] = fqn.removeprefix(_WRAPPER_PREFIX)
+                fqns[node.name] = fqn.removeprefix(WRAPPER_PREFIX)
         if mesh is not None:
             shard_parameters(model, stage.params, mesh, set(fqns.values()))
         named = dict(model.named_parameters(remove_duplicate=False))
@@ -243,7 +243,7 @@ class ShardedGraph(nn.Module):
                 self.fixed[node] = ep.constants[sig.inputs_to_lifted_tensor_constants[node.name]]
         self.state_buffers = persistent(model, set(fqns.values()))  # what checkpoints save of this part
         # buffers the model updates (BatchNorm's running statistics), from the ops of this part
-        self.updates = {by_name[n]: buffers[fqn.removeprefix(_WRAPPER_PREFIX)]
+        self.updates = {by_name[n]: buffers[fqn.removeprefix(WRAPPER_PREFIX)]
                         for n, fqn in sig.buffers_to_mutate.items() if n in self.part.nodes}
         for node in self.graph.nodes:  # submodules of higher-order ops (a rotary cache's no_grad block)
             if node.op == "get_attr":
