@@ -5,7 +5,7 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from autopar.planner import capture
+from autopar.planner.capture import capture
 
 
 def _gpt2():

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from autopar.cost_models import get_cluster
-from autopar.planner import capture
+from autopar.planner import rules
+from autopar.planner.capture import capture
 from autopar.planner.ilp import InfeasibleError
 from autopar.planner.intra_op import best_sharding, logical_meshes, shard_stage
 from autopar.zoo import gpt, moe
@@ -132,6 +133,25 @@ def test_unknown_op_runs_replicated_with_one_warning(caplog):
     assert len(warnings) == 1
     flip = next(n.name for n in graph if n.op == "aten.flip.default")
     assert r.ops[flip][1] == "R"
+
+
+def test_a_new_op_rule_is_one_decorator(monkeypatch):
+    """flip has no rule, so the data axis gathers the batch before it; one decorated function (the
+    flipped dimensions keep no letter) lets the batch split pass through."""
+    graph = capture(Flipper(), torch.randn(64, 64))
+    flip = next(n.name for n in graph if n.op == "aten.flip.default")
+    assert shard_stage(graph, HOST, (1, 8), (8, 1)).ops[flip][0] == "R"
+    monkeypatch.setattr(rules, "RULES", dict(rules.RULES))  # the registration ends with the test
+
+    @rules.rule(torch.ops.aten.flip)
+    def _flip(node, ins, outs):
+        kept = "abcdefgh"[: len(ins[0])]
+        flipped = {d % len(kept) for d in node.args[1]}
+        out = "".join(c.upper() if i in flipped else c for i, c in enumerate(kept))
+        return rules.Signature([kept], [out], rules.FOLLOWER)
+
+    graph = capture(Flipper(), torch.randn(64, 64))
+    assert shard_stage(graph, HOST, (1, 8), (8, 1)).ops[flip][0] == "S(0)"
 
 
 @pytest.mark.parametrize("name", ["wresnet-tiny", "moe-tiny", "gpt-tiny", "mlp-tiny"])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import operator
 import string
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +25,23 @@ aten = torch.ops.aten
 
 # How an op relates to sharding: anchors choose a letter; followers inherit their input's.
 ANCHOR, FOLLOWER, SOURCE, UNKNOWN, NOOP = "anchor", "follower", "source", "unknown", "noop"
+
+
+Builder = Callable[[fx.Node, list, list], "Signature | None"]
+RULES: dict[str, Builder] = {}  # "aten.mm" (an op's overload packet) -> its rule
+
+
+def rule(*ops: Any) -> Callable[[Builder], Builder]:
+    """Registers the decorated function as the rule of `ops` (`aten.mm`, or "ns.op" for an op that
+    may not exist in every torch): `fn(node, input shapes, output shapes) -> Signature`, or None to
+    fall through to the generic rules. Every overload of an op shares its rule."""
+
+    def register(fn: Builder) -> Builder:
+        for op in ops:
+            RULES[op if isinstance(op, str) else str(op)] = fn
+        return fn
+
+    return register
 
 
 @dataclass
@@ -63,8 +80,7 @@ def signature(node: fx.Node) -> Signature:
         fresh = _Letters()
         return Signature([], [fresh.take(len(o)) for o in outs], SOURCE)
     target = node.target
-    name = str(target).removeprefix("aten.").rsplit(".", 1)[0] if isinstance(target, torch._ops.OpOverload) else ""
-    builder = _BUILDERS.get(name)
+    builder = RULES.get(str(target.overloadpacket)) if isinstance(target, torch._ops.OpOverload) else None
     if builder is not None:
         sig = builder(node, ins, outs)
         if sig is not None:
@@ -140,6 +156,7 @@ def _matmul_letters(a: tuple, b: tuple, out: tuple) -> tuple[str, str, str]:
     return la, lb, batch + "mn"
 
 
+@rule(aten.linear)
 def _linear(node, ins, outs):
     args = _args(node)
     x = _shape(args[0].meta["val"])
@@ -150,6 +167,7 @@ def _linear(node, ins, outs):
     return Signature(_place(node, ins, assign), [lead + "n"], ANCHOR, set(lead + "kn"), linear=True)
 
 
+@rule(aten.mm, aten.bmm, aten.matmul)
 def _mm(node, ins, outs, bias_first: bool = False):
     args = _args(node)
     a, b = (args[1], args[2]) if bias_first else (args[0], args[1])
@@ -165,6 +183,12 @@ def _mm(node, ins, outs, bias_first: bool = False):
     return Signature(_place(node, ins, assign), [lo], ANCHOR, set(la + lb), linear=True)
 
 
+@rule(aten.addmm, aten.baddbmm)
+def _addmm(node, ins, outs):
+    return _mm(node, ins, outs, bias_first=True)
+
+
+@rule(aten.einsum)
 def _einsum(node, ins, outs):
     args = _args(node)
     lhs, _, rhs = args[0].replace(" ", "").partition("->")
@@ -175,6 +199,7 @@ def _einsum(node, ins, outs):
     return Signature(_place(node, ins, assign), [rhs], ANCHOR, set(lhs) - {","}, linear=True)
 
 
+@rule(aten.conv1d, aten.conv2d, aten.conv3d, aten.convolution)
 def _conv(node, ins, outs):
     args = _args(node)
     x, w = _shape(args[0].meta["val"]), _shape(args[1].meta["val"])
@@ -188,6 +213,7 @@ def _conv(node, ins, outs):
     return Signature(_place(node, ins, assign), ["bo" + spatial_out], ANCHOR, {"b", "o", "c"}, linear=True)
 
 
+@rule("aten._grouped_mm", "transformers.grouped_mm_fallback")
 def _grouped_mm(node, ins, outs):
     """A mixture of experts' grouped matmul: tokens sorted by expert (`sk`) times every expert's
     weight (`ekn`), `offs` each expert's running token count. Splitting the experts `e` is expert
@@ -204,6 +230,7 @@ def _grouped_mm(node, ins, outs):
     return Signature(_place(node, ins, assign), ["sn"], ANCHOR, {"e", "k", "n"}, linear=True)
 
 
+@rule(aten.embedding)
 def _embedding(node, ins, outs):
     args = _args(node)
     idx = _shape(args[1].meta["val"])
@@ -232,14 +259,18 @@ def _norm(node, ins, outs, normalized: int | None = None):
     return Signature(_place(node, ins, assign), stats, ANCHOR, shardable)
 
 
+@rule(aten.layer_norm, aten.native_layer_norm, aten.rms_norm)
 def _layer_norm(node, ins, outs):
     return _norm(node, ins, outs, len(_args(node)[1]))
 
 
+@rule(aten.batch_norm, aten._native_batch_norm_legit_functional,
+      aten._native_batch_norm_legit_no_training)
 def _batch_norm(node, ins, outs):
     return _norm(node, ins, outs, None)
 
 
+@rule(aten.softmax, aten._softmax, aten.log_softmax, aten._log_softmax)
 def _softmax(node, ins, outs):
     args = _args(node)
     x = _shape(args[0].meta["val"])
@@ -248,6 +279,8 @@ def _softmax(node, ins, outs):
     return Signature(_place(node, ins, {0: letters}), [letters], ANCHOR, set(letters) - {letters[dim]})
 
 
+@rule(aten.scaled_dot_product_attention, aten._scaled_dot_product_flash_attention_for_cpu,
+      aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_flash_attention)
 def _sdpa(node, ins, outs):
     args = _args(node)
     q = _shape(args[0].meta["val"])
@@ -264,6 +297,7 @@ def _sdpa(node, ins, outs):
     return Signature(_place(node, ins, assign), out_letters, ANCHOR, {"b", "h"})
 
 
+@rule(aten.cross_entropy_loss)
 def _cross_entropy(node, ins, outs):
     args = _args(node)
     logits, target = _shape(args[0].meta["val"]), _shape(args[1].meta["val"])
@@ -289,16 +323,19 @@ def _pointwise(ins, out):
     return Signature(placed, [letters], FOLLOWER)
 
 
+@rule(aten.alias, aten.detach, aten.clone, aten.contiguous, aten._to_copy, aten.to, aten.type_as)
 def _same(node, ins, outs):
     letters = string.ascii_lowercase[: len(ins[0])]
     return Signature(_place(node, ins, {0: letters}), [letters], FOLLOWER, view=True)
 
 
+@rule(aten.dropout)
 def _elementwise(node, ins, outs):
     letters = string.ascii_lowercase[: len(ins[0])]
     return Signature(_place(node, ins, {0: letters}), [letters] * len(outs), FOLLOWER)
 
 
+@rule(aten.view, aten._unsafe_view, aten.reshape, aten.flatten, aten.unflatten)
 def _reshape(node, ins, outs):
     """Merged dims keep the outer dim's letter; a split dim gives its letter to the outer part."""
     src, dst = ins[0], outs[0]
@@ -325,6 +362,7 @@ def _reshape(node, ins, outs):
     return Signature(_place(node, ins, {0: a}), ["".join(b)], FOLLOWER, view=True)
 
 
+@rule(aten.transpose, aten.t, aten.permute)
 def _permute(node, ins, outs):
     args = _args(node)
     letters = string.ascii_lowercase[: len(ins[0])]
@@ -339,6 +377,7 @@ def _permute(node, ins, outs):
     return Signature(_place(node, ins, {0: letters}), ["".join(letters[p] for p in perm)], FOLLOWER, view=True)
 
 
+@rule(aten.expand, aten.unsqueeze, aten.squeeze, aten.select, aten.slice)
 def _expand_like(node, ins, outs):
     """expand / unsqueeze / squeeze / select / slice: letters kept where the size is kept."""
     src, dst = ins[0], outs[0]
@@ -368,6 +407,7 @@ def _expand_like(node, ins, outs):
     return Signature(_place(node, ins, {0: a}), ["".join(out)], FOLLOWER, view=True)
 
 
+@rule(aten.split, aten.split_with_sizes, aten.chunk)
 def _split(node, ins, outs):
     args = _args(node)
     letters = string.ascii_lowercase[: len(ins[0])]
@@ -376,6 +416,7 @@ def _split(node, ins, outs):
     return Signature(_place(node, ins, {0: letters}), [out] * len(outs), FOLLOWER, view=True)
 
 
+@rule(aten.unbind)
 def _unbind(node, ins, outs):
     d = _arg(node, "dim", 0) % len(ins[0])
     letters = string.ascii_lowercase[: len(ins[0])]
@@ -403,14 +444,17 @@ def _reduction(node, ins, outs, linear: bool):
     return Signature(_place(node, ins, {0: letters}), [out] + [out] * (len(outs) - 1), FOLLOWER, linear=linear)
 
 
+@rule(aten.sum, aten.mean)
 def _sum(node, ins, outs):
     return _reduction(node, ins, outs, True)
 
 
+@rule(aten.amax, aten.amin, aten.max, aten.min, aten.argmax, aten.argmin, aten.var, aten.std)
 def _max(node, ins, outs):
     return _reduction(node, ins, outs, False)
 
 
+@rule(aten.cumsum, aten.cumprod)
 def _along(node, ins, outs):
     """cumsum and friends: one dim is scanned, the others carry through."""
     args = _args(node)
@@ -419,6 +463,8 @@ def _along(node, ins, outs):
     return Signature(_place(node, ins, {0: letters}), [letters[:d] + "Z" + letters[d + 1:]], FOLLOWER)
 
 
+@rule(aten.max_pool2d, aten.max_pool2d_with_indices, aten.avg_pool2d, aten.adaptive_avg_pool2d,
+      aten._adaptive_avg_pool2d)
 def _pool(node, ins, outs):
     """Pooling: batch and channels carry through, the window's dims do not."""
     src = ins[0]
@@ -428,6 +474,7 @@ def _pool(node, ins, outs):
     return Signature(_place(node, ins, {0: letters}), [out] * len(outs), FOLLOWER)
 
 
+@rule(aten.cat, aten.stack)
 def _cat(node, ins, outs):
     args = _args(node)
     rank = len(outs[0])
@@ -440,81 +487,6 @@ def _cat(node, ins, outs):
     return Signature(placed, [letters[:d] + "Y" + letters[d + 1:]], FOLLOWER)
 
 
-_BUILDERS = {
-    "linear": _linear,
-    "mm": _mm,
-    "bmm": _mm,
-    "matmul": _mm,
-    "addmm": lambda n, i, o: _mm(n, i, o, bias_first=True),
-    "baddbmm": lambda n, i, o: _mm(n, i, o, bias_first=True),
-    "einsum": _einsum,
-    "_grouped_mm": _grouped_mm,
-    "transformers.grouped_mm_fallback": _grouped_mm,
-    "conv1d": _conv,
-    "conv2d": _conv,
-    "conv3d": _conv,
-    "convolution": _conv,
-    "embedding": _embedding,
-    "layer_norm": _layer_norm,
-    "native_layer_norm": _layer_norm,
-    "rms_norm": _layer_norm,
-    "batch_norm": _batch_norm,
-    "_native_batch_norm_legit_functional": _batch_norm,
-    "_native_batch_norm_legit_no_training": _batch_norm,
-    "softmax": _softmax,
-    "_softmax": _softmax,
-    "log_softmax": _softmax,
-    "_log_softmax": _softmax,
-    "scaled_dot_product_attention": _sdpa,
-    "_scaled_dot_product_flash_attention_for_cpu": _sdpa,
-    "_scaled_dot_product_efficient_attention": _sdpa,
-    "_scaled_dot_product_flash_attention": _sdpa,
-    "cross_entropy_loss": _cross_entropy,
-    "view": _reshape,
-    "_unsafe_view": _reshape,
-    "reshape": _reshape,
-    "flatten": _reshape,
-    "unflatten": _reshape,
-    "transpose": _permute,
-    "t": _permute,
-    "permute": _permute,
-    "expand": _expand_like,
-    "unsqueeze": _expand_like,
-    "squeeze": _expand_like,
-    "select": _expand_like,
-    "slice": _expand_like,
-    "split": _split,
-    "split_with_sizes": _split,
-    "chunk": _split,
-    "unbind": _unbind,
-    "alias": _same,
-    "detach": _same,
-    "clone": _same,
-    "contiguous": _same,
-    "_to_copy": _same,
-    "to": _same,
-    "type_as": _same,
-    "dropout": _elementwise,
-    "sum": _sum,
-    "mean": _sum,
-    "amax": _max,
-    "amin": _max,
-    "max": _max,
-    "min": _max,
-    "argmax": _max,
-    "argmin": _max,
-    "var": _max,
-    "std": _max,
-    "cumsum": _along,
-    "cumprod": _along,
-    "max_pool2d": _pool,
-    "max_pool2d_with_indices": _pool,
-    "avg_pool2d": _pool,
-    "adaptive_avg_pool2d": _pool,
-    "_adaptive_avg_pool2d": _pool,
-    "cat": _cat,
-    "stack": _cat,
-}
 
 
 def letter_sizes(sig: Signature, ins: list, outs: list) -> dict[str, int]:

@@ -175,8 +175,7 @@ class PipelineModel:
                            .requires_grad_(grad and example[n].is_floating_point()))
             return tuple(out)
 
-        # the registry's class, or its fallback where torch's refuses the count (Schedule1F1B: m < stages)
-        kind = getattr(pipelining, schedules.runs(plan.schedule, self.pp, self.m).torch_class)
+        kind = schedule_class(plan.schedule, self.pp, self.m)
         # the loss, not the gradients, carries the 1/m of the microbatch mean: the synchroniser reads
         # the gradients during the last backward, before the schedule could scale them
         def loss_m(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -362,3 +361,8 @@ class PipelineModel:
     def issued(self) -> list[dict[str, Any]]:
         return []
 
+
+def schedule_class(name: str, num_stages: int, num_microbatches: int) -> type:
+    """torch's class for the registry's schedule, or for its fallback where torch's refuses the
+    microbatch count (Schedule1F1B: fewer microbatches than stages)."""
+    return getattr(pipelining, schedules.runs(name, num_stages, num_microbatches).torch_class)

@@ -4,7 +4,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autopar.planner import capture
+from autopar.planner.capture import capture
 from autopar.planner.rules import ANCHOR, FOLLOWER, UNKNOWN, signature
 
 
