@@ -30,6 +30,11 @@ class Link:
     # GPUs (NCCL's kernels and copy engines), about 0 where gloo reduces on the cores backward needs
     overlap: float = 1.0
 
+    def bandwidth_only(self) -> Link:
+        """The link without its per-message cost, for bytes whose α is charged elsewhere (once per
+        gradient bucket, not per tensor)."""
+        return Link(bandwidth=self.bandwidth, latency=0.0)
+
 
 @dataclass(frozen=True, kw_only=True)
 class DeviceSpec:

@@ -27,10 +27,15 @@ class Collective(str, Enum):
     ALL_TO_ALL = "all_to_all"
 
 
+def all_reduce_latency(n: int, link: Link) -> float:
+    """The α part of a ring all-reduce: what one more message (a gradient bucket) adds."""
+    return 2 * (n - 1) * link.latency if n > 1 else 0.0
+
+
 def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
     if n <= 1:
         return 0.0
-    return 2 * (n - 1) * link.latency + 2 * (n - 1) / n * nbytes / link.bandwidth
+    return all_reduce_latency(n, link) + 2 * (n - 1) / n * nbytes / link.bandwidth
 
 
 def all_gather_time(nbytes: float, n: int, link: Link) -> float:
@@ -50,7 +55,7 @@ def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
     return all_gather_time(nbytes, n, link)
 
 
-def p2p_time(nbytes: float, link: Link) -> float:
+def p2p_time(nbytes: float | np.ndarray, link: Link) -> float | np.ndarray:
     return link.latency + nbytes / link.bandwidth
 
 

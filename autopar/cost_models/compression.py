@@ -106,15 +106,11 @@ def sync_time(spec: Spec, shapes: list[tuple[int, ...]], ranks: int, link: Link,
         for kind, nbytes in volume.items():
             alpha = messages(spec, kind) * (ranks - 1) * link.latency
             if kind == "all_reduce":
-                time += all_reduce_time(nbytes, ranks, _bandwidth(link)) + 2 * alpha
+                time += all_reduce_time(nbytes, ranks, link.bandwidth_only()) + 2 * alpha
             else:
-                time += all_gather_time(ranks * nbytes, ranks, _bandwidth(link)) + alpha
+                time += all_gather_time(ranks * nbytes, ranks, link.bandwidth_only()) + alpha
     return time
 
 
 def dense_time(shapes: list[tuple[int, ...]], ranks: int, link: Link) -> float:
-    return all_reduce_time(4 * sum(math.prod(s) for s in shapes), ranks, _bandwidth(link))
-
-
-def _bandwidth(link: Link) -> Link:
-    return Link(bandwidth=link.bandwidth, latency=0.0)
+    return all_reduce_time(4 * sum(math.prod(s) for s in shapes), ranks, link.bandwidth_only())

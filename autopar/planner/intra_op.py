@@ -39,6 +39,7 @@ from autopar.cost_models import (
     fixed_time,
     model_state_memory,
 )
+from autopar.cost_models.comm import all_reduce_latency
 from autopar.planner import rules as L
 from autopar.planner.graph import OpGraph, OpNode
 from autopar.planner.ilp import InfeasibleError, Problem, solve
@@ -515,7 +516,7 @@ class _Stage:
         info, mesh, zero = self.graph.params[fqn], self.mesh, strategy.zero
         shards = mesh.tp if shard_dim(placement) is not None else 1
         local = info.nbytes / shards
-        dp_bw, tp_bw = _bandwidth_only(mesh.dp_link), _bandwidth_only(mesh.tp_link)
+        dp_bw, tp_bw = mesh.dp_link.bandwidth_only(), mesh.tp_link.bandwidth_only()
         trainable = fqn in self.graph.trainable
         syncs = []
         if trainable and partial and mesh.tp > 1:
@@ -669,10 +670,6 @@ def layer_hash(graph: OpGraph, nodes: tuple[str, ...]) -> str:
     return h.hexdigest()
 
 
-def _bandwidth_only(link: Link) -> Link:
-    return Link(bandwidth=link.bandwidth, latency=0.0)
-
-
 BUCKET_BYTES = 25e6  # DDP's default gradient bucket
 
 
@@ -683,9 +680,8 @@ def buckets(nbytes: float) -> int:
 def _bucket_latency(stage: _Stage, chosen: list[_Eval]) -> float:
     """Per-message latency of one gradient bucket's synchronisation on the data and tensor axes."""
     mesh = stage.mesh
-    dp = 2 * (mesh.dp - 1) * mesh.dp_link.latency if mesh.dp > 1 else 0.0
-    tp = 2 * (mesh.tp - 1) * mesh.tp_link.latency if any(e.tp_grad_sync for e in chosen) else 0.0
-    return dp + tp
+    tp = all_reduce_latency(mesh.tp, mesh.tp_link) if any(e.tp_grad_sync for e in chosen) else 0.0
+    return all_reduce_latency(mesh.dp, mesh.dp_link) + tp
 
 
 def shard_stage(

@@ -304,7 +304,7 @@ class StageCosts:
         sync = self.exposed_sync(sync, bwd, submesh, lm, trainable)
         cut_after = np.array([self.cut[b - 1] if 0 < b < len(self.atoms) else 0.0 for b in bounds])
         link = self._send_link(submesh)
-        send = np.where(cut_after > 0, link.latency + cut_after / (lm[0] * lm[1] * m) / link.bandwidth, 0.0)[None, :] \
+        send = np.where(cut_after > 0, p2p_time(cut_after / (lm[0] * lm[1] * m), link), 0.0)[None, :] \
             * np.ones_like(acts)
         time = fwd + bwd + send
         time = np.where(np.isnan(time), np.inf, time)
