@@ -131,7 +131,7 @@ def spearman(a: list[float], b: list[float]) -> float:
     return float(np.corrcoef(ra, rb)[0, 1]) if len(a) > 1 else 1.0
 
 
-def predicted_breakdown(plan: Any) -> list[dict[str, float]]:
+def predicted_breakdown(plan: Plan) -> list[dict[str, float]]:
     """Per stage, the plan's prediction in the terms `runtime.breakdown` measures, from the
     simulator's replay (durations as replayed: ranks sharing cores run slower): forward and
     backward of all microbatches, the exposed data-axis synchronisation, the optimizer, and the

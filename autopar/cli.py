@@ -23,6 +23,7 @@ from autopar.contract import schedules
 from autopar.contract.errors import AutoparError
 from autopar.contract.jsonio import read_json, write_json
 from autopar.contract.limits import MAX_MEMORY_BYTES, MAX_SECONDS, check_counts
+from autopar.contract.placements import Placement
 from autopar.contract.plan import Plan
 from autopar.contract.precision import parse_precision
 from autopar.contract.units import human, human_bytes, human_time, printable, span
@@ -424,7 +425,7 @@ def _print_plan(plan, out: Console) -> None:
         out.print(tuned)
 
 
-def _placement_runs(params: dict[str, list[str]]) -> list[tuple[str, str]]:
+def _placement_runs(params: dict[str, list[Placement]]) -> list[tuple[str, str]]:
     """Weights grouped by layer; consecutive layers with the same placements share one row."""
     by_layer: dict[str, list[str]] = {}
     for fqn, placement in params.items():
@@ -432,7 +433,7 @@ def _placement_runs(params: dict[str, list[str]]) -> list[tuple[str, str]]:
         if parts[-1] == "bias" or any("ln" in p or "norm" in p for p in parts):
             continue
         cut = next((i + 1 for i, p in enumerate(parts) if p.isdigit()), 1)
-        by_layer.setdefault(".".join(parts[:cut]), []).append(f"{'.'.join(parts[cut:])} {'/'.join(placement)}")
+        by_layer.setdefault(".".join(parts[:cut]), []).append(f"{'.'.join(parts[cut:])} {'/'.join(map(str, placement))}")
     runs: list[tuple[list[str], str]] = []
     for layer, items in sorted(by_layer.items(), key=lambda kv: _natural(kv[0])):
         text = " · ".join(items)

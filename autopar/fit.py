@@ -23,6 +23,7 @@ import numpy as np
 
 from autopar.bench import candidate_plans
 from autopar.contract.errors import AutoparError
+from autopar.contract.plan import Plan
 from autopar.cost_models.simulator import StageTimes, simulate
 from autopar.planner.search import hosts
 
@@ -47,7 +48,7 @@ def scaled(cluster: Any, factors: dict[str, float]) -> Any:
                                inter_host=link(cluster.inter_host))
 
 
-def _fields(plan: Any) -> np.ndarray:
+def _fields(plan: Plan) -> np.ndarray:
     return np.array([[s.cost.get(k, 0.0) for k in FIELDS] for s in plan.stages])
 
 

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 import autopar
+from autopar.contract.placements import Shard
 from autopar.runtime import checkpoint
 from tests.distributed import run_ranks, shared_ranks
 from tests.test_parallelize import _layout, _workload
@@ -32,7 +33,7 @@ def _plan(w, layout: str):
         return layout
     plan = _layout(w, WORLD, layout.removeprefix("zero3:"))
     for stage in plan.stages:
-        stage.params = {f: ["S(0)", p[1]] for f, p in stage.params.items()}
+        stage.params = {f: [Shard(0), p[1]] for f, p in stage.params.items()}
     return plan
 
 

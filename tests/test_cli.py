@@ -11,8 +11,11 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autopar import load_workload
 from autopar.cli import main
+from autopar.contract.placements import Replicate, Shard
 from autopar.runtime.memory import CATEGORIES
 from autopar.zoo import ZOO
+
+R = Replicate()
 
 
 def run_json(capsys, *argv):
@@ -159,10 +162,10 @@ def test_compare_lists_the_deepspeed_moe_layout_for_moe_models(capsys):
     (stage,) = plan.stages
     assert stage.logical_mesh == (1, 4)  # every device a data-parallel rank
     experts = {f: p for f, p in stage.params.items() if f.endswith(("mlp.wi", "mlp.wo"))}
-    assert experts and all(p == ["R", "S(0)"] for p in experts.values())  # spread over all devices
-    assert all(p == ["R", "R"] for f, p in stage.params.items() if f not in experts)  # dense: replicated
+    assert experts and all(p == [R, Shard(0)] for p in experts.values())  # spread over all devices
+    assert all(p == [R, R] for f, p in stage.params.items() if f not in experts)  # dense: replicated
     ops = {n: search.graph.node(n).op for n in stage.ops}
-    assert all(stage.ops[n][1] != "R" for n, op in ops.items() if op == "aten.linear.default")  # batch split
+    assert all(stage.ops[n][1] != R for n, op in ops.items() if op == "aten.linear.default")  # batch split
     # ZeRO-2: dense weights keep a quarter of their gradients and optimizer state
     dense = sum(search.graph.params[f].nbytes for f in stage.params if f not in experts)
     assert stage.cost["state_bytes"] < 4 * dense  # replicated fp32 Adam states would be 4 × params
@@ -198,7 +201,7 @@ def test_a_tensor_parallel_plan_round_trips_with_what_each_op_needs(tmp_path):
     plan = Plan.load(path)
     needs = plan.stages[0].needs
     assert needs and set(needs) <= set(plan.stages[0].ops)  # every op of the tensor-parallel stage
-    assert needs["embedding"] == ["S(0)", "R"]  # vocabulary-parallel: the weight split, the indices whole
+    assert needs["embedding"] == [Shard(0), R]  # vocabulary-parallel: the weight split, the indices whole
     assert Plan.from_json(plan.to_json()).to_json() == plan.to_json() == path.read_text()
 
 

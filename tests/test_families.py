@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import autopar
+from autopar.contract.placements import Shard
 from tests.distributed import shared_ranks
 from tests.families import FAMILIES, workload
 
@@ -70,7 +71,7 @@ def _plan(w, world, layout):
     cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)
     plan = manual_plan(manual_search(Search.start(w, cluster, (1, world))), Layout.parse(LAYOUTS[layout]))
     for stage in plan.stages:
-        stage.params = {f: ["S(0)", p[1]] for f, p in stage.params.items()}
+        stage.params = {f: [Shard(0), p[1]] for f, p in stage.params.items()}
     return plan
 
 
@@ -121,5 +122,5 @@ def test_a_tensor_axis_splits_the_experts_of_a_mixture():
     cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=WORLD)
     stage = manual_plan(manual_search(Search.start(w, cluster, (1, WORLD))), Layout.parse("1,4,1")).stages[0]
     experts = {f: p[1] for f, p in stage.params.items() if ".mlp.experts." in f}
-    assert experts and all(p == "S(0)" for f, p in experts.items() if f.endswith("down_proj"))
-    assert all(p == "S(1)" for f, p in experts.items() if f.endswith("gate_up_proj"))
+    assert experts and all(p == Shard(0) for f, p in experts.items() if f.endswith("down_proj"))
+    assert all(p == Shard(1) for f, p in experts.items() if f.endswith("gate_up_proj"))

@@ -10,6 +10,7 @@ from torch import nn
 
 import autopar
 from autopar import AutoparError
+from autopar.contract.placements import Shard
 from tests.distributed import run_ranks, shared_ranks
 from tests.test_parallelize import _layout, _workload
 
@@ -52,7 +53,7 @@ def _plan(w, layout):
         return LAYOUTS[layout]
     plan = _layout(w, WORLD, LAYOUTS[layout])
     for stage in plan.stages:
-        stage.params = {f: ["S(0)", p[1]] for f, p in stage.params.items()}
+        stage.params = {f: [Shard(0), p[1]] for f, p in stage.params.items()}
     return plan
 
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import autopar
+from autopar.contract.placements import Shard
 from tests.distributed import shared_ranks
 
 CASES = [("shards",), ("recomputes",), ("overflows",)]
@@ -48,7 +49,7 @@ def _train(rank, world, case):
         losses = [pm.step(*w.make_batch(w.batch, gen)) for _ in range(2)]
     except autopar.AutoparError as exc:
         return str(exc)
-    zero = [all(p[0] == "S(0)" for p in s.params.values()) for s in plan.stages]
+    zero = [all(p[0] == Shard(0) for p in s.params.values()) for s in plan.stages]
     return losses, pm.first_step_tensor_bytes, limit, [s.recompute for s in plan.stages], zero
 
 

@@ -8,6 +8,7 @@ from torch import nn
 
 import autopar
 from autopar import AutoparError
+from autopar.contract.placements import Partial, Shard
 from tests.distributed import run_ranks, shared_ranks
 
 STEPS, BATCH = 3, 8
@@ -92,7 +93,7 @@ def _parallel(rank, world, name, layout, zero3):
     if zero3:  # the same layout with every parameter sharded over the data axis (ZeRO-3)
         plan = _layout(w, world, layout)
         for stage in plan.stages:
-            stage.params = {f: ["S(0)", p[1]] for f, p in stage.params.items()}
+            stage.params = {f: [Shard(0), p[1]] for f, p in stage.params.items()}
     pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer, plan=plan)
     losses = [pm.step(inputs, target) for inputs, target in batches]
     return losses, pm.full_state_dict(), pm.comm_stats()
@@ -272,7 +273,7 @@ def _bad(rank, world, case):
         elif case == "unrunnable":  # a hand-edited plan asks for a placement the op cannot take
             plan = _layout(w, world, "1,2,1")
             gelu = next(n for n in plan.stages[0].ops if n.startswith("gelu"))
-            plan.stages[0].needs[gelu] = ["P"]  # within its rank, but a partial sum gelu cannot take
+            plan.stages[0].needs[gelu] = [Partial()]  # within its rank, but a partial sum gelu cannot take
             autopar.parallelize(w.model, (1, world), w.example_inputs, plan=plan, **kwargs)
     except AutoparError as exc:
         return str(exc)

@@ -11,6 +11,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
 from autopar.contract.errors import AutoparError
+from autopar.contract.placements import Shard
 from autopar.contract.precision import PRECISIONS
 from tests.distributed import shared_ranks
 from tests.families import workload as family
@@ -57,7 +58,7 @@ def _plan(w, world, layout):
     plan = manual_plan(manual_search(search), Layout.parse(layout.removeprefix("zero3:")))
     if layout.startswith("zero3:"):
         for stage in plan.stages:
-            stage.params = {f: ["S(0)", p[1]] for f, p in stage.params.items()}
+            stage.params = {f: [Shard(0), p[1]] for f, p in stage.params.items()}
     return plan
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import autopar
+from autopar.contract.placements import Shard
 from tests.distributed import shared_ranks
 from tests.families import workload as family
 from tests.test_parallelize import _layout, _staged
@@ -50,7 +51,7 @@ def _plan(w, world, layout, recompute):
     for stage in plan.stages:
         stage.recompute = recompute
         if layout.startswith("zero3:"):
-            stage.params = {f: ["S(0)", p[1]] for f, p in stage.params.items()}
+            stage.params = {f: [Shard(0), p[1]] for f, p in stage.params.items()}
     return plan
 
 

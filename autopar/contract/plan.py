@@ -12,7 +12,6 @@ import collections
 import dataclasses
 import json
 import math
-import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,10 +21,10 @@ from autopar.contract.compression import parse
 from autopar.contract.errors import AutoparError
 from autopar.contract.jsonio import loads, read_json, write_json
 from autopar.contract.limits import MAX_BATCH, MAX_DEVICES, MAX_MICROBATCHES
+from autopar.contract.placements import Partial, Placement, Shard, is_placement, placed, spelled
 from autopar.contract.units import human_time, printable, span
 
 SCHEMA = "autopar.plan/1"
-_PLACEMENT = re.compile(r"R|P|S\(\d+\)")
 
 
 class PlanError(AutoparError):
@@ -37,11 +36,11 @@ class StagePlan:
     layers: tuple[int, int]  # [start, end) in `Plan.layers`
     submesh: tuple[int, int]  # (hosts, devices per host)
     logical_mesh: tuple[int, int]  # (dp, tp)
-    params: dict[str, list[str]] = field(default_factory=dict)  # FQN -> [placement on dp, on tp]
-    ops: dict[str, list[str]] = field(default_factory=dict)  # node -> [placement on dp, on tp]
+    params: dict[str, list[Placement]] = field(default_factory=dict)  # FQN -> [placement on dp, on tp]
+    ops: dict[str, list[Placement]] = field(default_factory=dict)  # node -> [placement on dp, on tp]
     # node -> the tensor-axis placement each input (fx `all_input_nodes` order) must have when the
     # op runs (None: not a tensor the op splits); the runtime redistributes to it. Stages with tp > 1
-    needs: dict[str, list[str | None]] = field(default_factory=dict)
+    needs: dict[str, list[Placement | None]] = field(default_factory=dict)
     recompute: bool = False
     cost: dict[str, float] = field(default_factory=dict)  # per microbatch and per step, itemised
 
@@ -81,7 +80,9 @@ class Plan:
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["stages"] = [{**s, "layers": list(s["layers"]), "submesh": list(s["submesh"]),
-                           "logical_mesh": list(s["logical_mesh"])} for s in data["stages"]]
+                           "logical_mesh": list(s["logical_mesh"]), "params": spelled(stage.params),
+                           "ops": spelled(stage.ops), "needs": spelled(stage.needs)}
+                          for s, stage in zip(data["stages"], self.stages)]
         data["mesh"] = list(self.mesh)
         return {"schema": SCHEMA, **data}
 
@@ -131,8 +132,8 @@ class Plan:
             for fqn, placement in s.params.items():
                 if fqn not in param_shapes:
                     raise PlanError(f"{where}.params names {fqn!r}, which the model does not have")
-                if "P" in placement:
-                    raise PlanError(f"{where}.params[{fqn!r}] is {placement}: a stored parameter is never a partial "
+                if any(isinstance(p, Partial) for p in placement):
+                    raise PlanError(f"{where}.params[{fqn!r}] is {_spell(placement)}: a stored parameter is never a partial "
                                     "sum (P); use R or S(d)")
                 _within(placement, len(param_shapes[fqn]), f"{where}.params[{fqn!r}]")
                 placed.add(fqn)
@@ -233,13 +234,14 @@ def _parse(data: Any, source: str) -> Plan:
         for kind, table in (("params", stage.params), ("ops", stage.ops)):
             for key, placement in table.items():
                 if not (isinstance(placement, list) and len(placement) == 2
-                        and all(isinstance(p, str) and _PLACEMENT.fullmatch(p) for p in placement)):
+                        and all(is_placement(p) for p in placement)):
                     raise PlanError(f"{source}: {where}{kind}[{key!r}] must be two placements (R, P or S(d)), "
                                     f"got {placement!r}")
         for key, placements in stage.needs.items():
             if not (isinstance(placements, list)
-                    and all(p is None or isinstance(p, str) and _PLACEMENT.fullmatch(p) for p in placements)):
+                    and all(p is None or is_placement(p) for p in placements)):
                 raise PlanError(f"{source}: {where}needs[{key!r}] must be a list of placements or null, got {placements!r}")
+        stage.params, stage.ops, stage.needs = placed(stage.params), placed(stage.ops), placed(stage.needs)
         if stage.logical_mesh[0] * stage.logical_mesh[1] != stage.devices or stage.devices == 0:
             raise PlanError(f"{source}: {where}logical_mesh {list(stage.logical_mesh)} does not tile its submesh "
                             f"{list(stage.submesh)}")
@@ -301,12 +303,15 @@ def _parse(data: Any, source: str) -> Plan:
         search=data.get("search") or {}, name=str(data.get("name", "auto")))
 
 
-def _within(placements: list[str], ndim: int, where: str) -> None:
+def _within(placements: list[Placement], ndim: int, where: str) -> None:
     for placement in placements:
-        m = re.fullmatch(r"S\((\d+)\)", placement)
-        if m and int(m.group(1)) >= ndim:
-            raise PlanError(f"{where} is {placements}: {placement} splits dimension {m.group(1)} of a tensor with "
-                            f"{ndim} dimension(s)")
+        if isinstance(placement, Shard) and placement.dim >= ndim:
+            raise PlanError(f"{where} is {_spell(placements)}: {placement} splits dimension {placement.dim} of a "
+                            f"tensor with {ndim} dimension(s)")
+
+
+def _spell(placements: list[Placement]) -> list[str]:
+    return [str(p) for p in placements]
 
 
 def _kind(kind: type | tuple) -> str:

@@ -13,6 +13,7 @@ from autopar.contract import schedules
 from autopar.contract.compression import parse
 from autopar.contract.errors import AutoparError
 from autopar.contract.limits import MAX_DEVICES, MAX_DEVICES_PER_HOST
+from autopar.contract.placements import Shard, placed
 from autopar.contract.plan import Estimate, Plan, StagePlan
 from autopar.contract.units import human_bytes
 from autopar.contract.workload import Workload
@@ -255,8 +256,8 @@ def plan_single_stage(search: Search) -> Plan:
     c = best.cost
     comm = c["comm_s"] + c["reshard_s"]
     stage = StagePlan(
-        layers=(0, len(search.layers)), submesh=search.mesh, logical_mesh=best.logical_mesh, params=best.params,
-        ops=best.ops, needs=best.needs, cost={"forward_s": c["compute_s"] * share + comm / 2 + loss(best) / 2,
+        layers=(0, len(search.layers)), submesh=search.mesh, logical_mesh=best.logical_mesh, params=placed(best.params),
+        ops=placed(best.ops), needs=placed(best.needs), cost={"forward_s": c["compute_s"] * share + comm / 2 + loss(best) / 2,
                             "backward_s": backward(best), "send_s": 0.0,
                             "grad_sync_s": float(costs.exposed_sync(c["grad_sync_s"], backward(best), search.mesh,
                                                                     best.logical_mesh, c["trainable_bytes"])),
@@ -308,8 +309,8 @@ def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int]
             ops.update(atom_ops)
             needs.update(atom_needs)
         stages.append(StagePlan(
-            layers=(i, j), submesh=shape, logical_mesh=opt.logical_mesh, params=dict(sorted(params.items())),
-            ops=ops, needs=needs, recompute=opt.recompute,
+            layers=(i, j), submesh=shape, logical_mesh=opt.logical_mesh, params=placed(dict(sorted(params.items()))),
+            ops=placed(ops), needs=placed(needs), recompute=opt.recompute,
             cost={"forward_s": opt.forward_s, "backward_s": opt.backward_s, "send_s": opt.send_s,
                   "grad_sync_s": opt.grad_sync_s, "optimizer_s": opt.optimizer_s, "state_bytes": opt.state_bytes,
                   **_memory_costs(opt.activation_bytes, opt.transient_bytes, opt.grad_bytes, opt.sync_bytes)}))
@@ -380,7 +381,7 @@ def _plan(search: Search, stages: list[StagePlan], sim, m: int, name: str, info:
     estimate = Estimate(
         step_time_s=sim.step_time_s, tflops_per_device=model_flops / sim.step_time_s / devices / 1e12,
         peak_memory_bytes=peak, bubble_fraction=sim.bubble_fraction, fits=peak <= search.memory_limit)
-    zero = any(p[0] == "S(0)" for s in stages for p in s.params.values())
+    zero = any(p[0] == Shard(0) for s in stages for p in s.params.values())
     return Plan(
         model=search.workload.name, graph_hash=search.graph.fingerprint(), batch=search.workload.batch,
         cluster=search.cluster.name, mesh=search.mesh,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 
 from autopar.contract.errors import AutoparError
+from autopar.contract.placements import Shard
 from autopar.contract.plan import Plan
 from autopar.planner.inter_op import microbatch_counts
 from autopar.planner.manual import layout_grid, manual_plan, manual_search
@@ -19,7 +20,7 @@ def layout_key(plan: Plan) -> tuple:
     """What makes two plans different layouts: how many stages, and each one's (dp, tp) mesh,
     recomputation and ZeRO-3; not where the stages cut nor the microbatch count (the cost model's
     ranking among those is finer than what it gets wrong between layouts)."""
-    return (plan.precision, tuple((tuple(s.logical_mesh), s.recompute, any(p[0] == "S(0)" for p in s.params.values()))
+    return (plan.precision, tuple((tuple(s.logical_mesh), s.recompute, any(p[0] == Shard(0) for p in s.params.values()))
                                   for s in plan.stages))
 
 

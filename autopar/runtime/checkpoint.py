@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from autopar.contract.errors import AutoparError
+from autopar.contract.plan import Plan
 
 log = logging.getLogger(__name__)
 _STEP = re.compile(r"step-(\d+)")
@@ -162,13 +163,13 @@ def _discard(path: Path) -> None:
     shutil.rmtree(trash, ignore_errors=True)
 
 
-def layout(plan: Any) -> str:
+def layout(plan: Plan) -> str:
     """What makes two plans run alike (stages, placements, microbatches, schedule, gradient
     handling), without what only describes them (estimates, costs, how the search went)."""
     stages = [{"layers": s.layers, "submesh": s.submesh, "logical_mesh": s.logical_mesh, "params": s.params,
                "ops": s.ops, "recompute": s.recompute} for s in plan.stages]
     return json.dumps({"stages": stages, "num_microbatches": plan.num_microbatches, "schedule": plan.schedule,
-                       "dp_gradient": plan.dp_gradient, "batch": plan.batch}, sort_keys=True, default=list)
+                       "dp_gradient": plan.dp_gradient, "batch": plan.batch}, sort_keys=True, default=str)
 
 
 def is_step(path: str | Path) -> bool:

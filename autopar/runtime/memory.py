@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_leaves
 
 from autopar.contract import schedules
 from autopar.contract.errors import AutoparError
+from autopar.contract.plan import Plan
 from autopar.contract.units import human_bytes
 
 CATEGORIES = ("parameters", "gradients", "optimizer", "activations", "temporaries")
@@ -153,7 +154,7 @@ def hold_to(pm: Any, limit: float) -> None:
     pm.step = first
 
 
-def _overflow(rank: int, index: int, measured: dict[str, int], plan: Any, limit: float) -> str:
+def _overflow(rank: int, index: int, measured: dict[str, int], plan: Plan, limit: float) -> str:
     """What overflowed, against the plan's prediction for the stage, in one message."""
 
     cost = plan.stages[index].cost

@@ -20,6 +20,8 @@ from torch import nn
 from autopar.contract.compression import carries_momentum, parse
 from autopar.contract.errors import AutoparError
 from autopar.contract.export import first_tensor
+from autopar.contract.placements import Shard
+from autopar.contract.plan import Plan
 from autopar.runtime.breakdown import phase
 from autopar.runtime.buffers import AveragedBuffers, persistent
 from autopar.runtime.comm_count import CollectiveBytes
@@ -45,9 +47,9 @@ def refuse_failing(module: nn.Module, inputs: tuple) -> None:
         raise UnsupportedPlan(f"the runtime cannot run this model under the plan: {failed}")
 
 
-def zero3(plan: Any) -> bool:
+def zero3(plan: Plan) -> bool:
     """Parameters sharded over the data axis (S(0) there): FSDP2 runs it."""
-    return any(p[0] == "S(0)" for s in plan.stages for p in s.params.values())
+    return any(p[0] == Shard(0) for s in plan.stages for p in s.params.values())
 
 
 def shard_data_axis(module: nn.Module, mesh: Any, precision: str | None) -> None:
@@ -67,7 +69,7 @@ def shard_data_axis(module: nn.Module, mesh: Any, precision: str | None) -> None
     fully_shard(module, mesh=mesh, **fsdp_policy(precision))
 
 
-def check_batch(inputs: Any, plan: Any, dp: int | None = None) -> None:
+def check_batch(inputs: Any, plan: Plan, dp: int | None = None) -> None:
     """The batch a step gets must be the one the plan was made for (it fixes the shapes): the
     global batch, or with `dp` a data-parallel slice of it (`step(..., local=True)`)."""
 
@@ -83,7 +85,7 @@ def check_batch(inputs: Any, plan: Any, dp: int | None = None) -> None:
                            f"plan's batch {plan.batch} is {plan.batch // dp}: pass that many, or the global batch")
 
 
-def data_sync(params: list[nn.Parameter], group: dist.ProcessGroup, plan: Any) -> Any:
+def data_sync(params: list[nn.Parameter], group: dist.ProcessGroup, plan: Plan) -> Any:
     """The data-parallel synchroniser the plan's `dp_gradient` asks for: bucketed all-reduce,
     through a compressor, or delayed averaging. `AUTOPAR_EMULATE_LINK="latency_s[,bytes_per_s]"`
     makes its results wait as on a slower link (benchmarks; `EmulatedLink`)."""
@@ -114,7 +116,7 @@ def data_sync(params: list[nn.Parameter], group: dist.ProcessGroup, plan: Any) -
     return GradSync(params, group, compressed=compressed, link=link)
 
 
-def check_optimizer(optimizer: torch.optim.Optimizer, plan: Any) -> None:
+def check_optimizer(optimizer: torch.optim.Optimizer, plan: Plan) -> None:
     """A compressor that carries the momentum (DGC's momentum correction, 1-bit SGD's compressed
     momentum) and an optimizer with its own would apply it twice."""
     text = (plan.dp_gradient or {}).get("compression")
@@ -178,7 +180,7 @@ def _split(batch: Any, parts: int, index: int) -> Any:
 class ParallelModel:
     """The model under a plan: `step(inputs, target)` takes the global batch on every rank."""
 
-    def __init__(self, model: nn.Module, plan: Any, loss_fn: Callable, optimizer: Callable,
+    def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable, optimizer: Callable,
                  example_inputs: tuple = (), device: torch.device | None = None,
                  max_grad_norm: float | None = None) -> None:
         from torch.distributed.device_mesh import init_device_mesh

@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor, Replicate
 from autopar.contract import schedules
 from autopar.contract.errors import AutoparError
 from autopar.contract.export import first_tensor
+from autopar.contract.plan import Plan
 from autopar.contract.precision import retyped
 from autopar.runtime.breakdown import phase
 from autopar.runtime.buffers import AveragedBuffers
@@ -66,7 +67,7 @@ class _Groups:
     equal sizes chain position j of every stage into a pipeline group; stages of different sizes
     have none (`runtime.fan_out` sends to global ranks)."""
 
-    def __init__(self, plan: Any, device_type: str) -> None:
+    def __init__(self, plan: Plan, device_type: str) -> None:
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
         self.sizes = [s.devices for s in plan.stages]
@@ -124,7 +125,7 @@ class SyncingStage(PipelineStage):
 class PipelineModel:
     """`step(inputs, target)`: the global batch on every rank; the global mean loss back."""
 
-    def __init__(self, model: nn.Module, plan: Any, loss_fn: Callable, optimizer: Callable,
+    def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable, optimizer: Callable,
                  example_inputs: tuple, device: torch.device | None = None,
                  max_grad_norm: float | None = None) -> None:
         self.plan, self.loss_fn, self.forward = plan, loss_fn, model.forward

@@ -32,7 +32,9 @@ from torch.distributed.tensor import (
     distribute_tensor,
 )
 
+from autopar.contract import placements as planned
 from autopar.contract.export import WRAPPER_PREFIX
+from autopar.contract.plan import Plan, StagePlan
 from autopar.runtime.buffers import persistent
 from autopar.runtime.cross_mesh import gather_batch, slice_batch
 from autopar.runtime.recompute import Segment, checkpointed, segments
@@ -58,18 +60,17 @@ def _split_rows(value: Any) -> bool:
     return isinstance(value, DTensor) and value.placements[0] == Shard(0)
 
 
-def placement(text: str) -> Placement:
-    if text == "R":
-        return Replicate()
-    if text == "P":
-        return Partial()
-    return Shard(int(text[2:-1]))
+def dtensor_placement(p: planned.Placement) -> Placement:
+    """The plan's placement as DTensor's own class."""
+    if isinstance(p, planned.Shard):
+        return Shard(p.dim)
+    return Partial() if isinstance(p, planned.Partial) else Replicate()
 
 
-def _reduced(value: DTensor, want: str) -> bool:
+def _reduced(value: DTensor, want: Placement) -> bool:
     """A partial sum the plan expects that DTensor already reduced (its `contiguous` does): the value
     is right as it is, and DTensor refuses to turn it back into partial sums."""
-    return want == "P" and isinstance(value.placements[0], Replicate)
+    return isinstance(want, Partial) and isinstance(value.placements[0], Replicate)
 
 
 def _same(have: Placement, want: Placement) -> bool:
@@ -78,7 +79,8 @@ def _same(have: Placement, want: Placement) -> bool:
     return have == want
 
 
-def shard_parameters(model: nn.Module, params: dict[str, list[str]], mesh: DeviceMesh, only: set[str]) -> None:
+def shard_parameters(model: nn.Module, params: dict[str, list[planned.Placement]], mesh: DeviceMesh,
+                     only: set[str]) -> None:
     """Replace the parameters of `model` named in `only` by DTensors with their plan placement on
     the tensor axis (every alias of a tied weight points to the one new parameter)."""
     aliases: dict[int, list[str]] = {}
@@ -88,8 +90,8 @@ def shard_parameters(model: nn.Module, params: dict[str, list[str]], mesh: Devic
         if not only.intersection(names):
             continue
         p = model.get_parameter(names[0])
-        spec = next((params[n][1] for n in names if n in params), "R")
-        new = nn.Parameter(distribute_tensor(p.detach(), mesh, [placement(spec)]), requires_grad=p.requires_grad)
+        spec = next((params[n][1] for n in names if n in params), planned.Replicate())
+        new = nn.Parameter(distribute_tensor(p.detach(), mesh, [dtensor_placement(spec)]), requires_grad=p.requires_grad)
         if new.requires_grad:  # registered first: the gradient synchroniser's hooks see the fixed gradient
             new.register_post_accumulate_grad_hook(_grad_like_param)
         for name in names:
@@ -150,7 +152,7 @@ class Part:
     outputs: list[str]
 
 
-def cut(graph: fx.Graph, plan: Any, user_inputs: list[str], output: str) -> list[Part]:
+def cut(graph: fx.Graph, plan: Plan, user_inputs: list[str], output: str) -> list[Part]:
     """Split the exported graph at the plan's stage boundaries (its layers name their nodes).
 
     Nodes no layer lists (getitem, export's checks) join the stage of their latest input, or of
@@ -204,7 +206,7 @@ class ShardedGraph(nn.Module):
     the units it recomputes when the plan says so (`runtime.recompute`); with `units` each layer's
     own parameters live in a submodule of `units`, the unit of FSDP2 under ZeRO-3 (`_homes`)."""
 
-    def __init__(self, model: nn.Module, stage: Any, mesh: DeviceMesh | None, ep: Any, part: Part | None = None,
+    def __init__(self, model: nn.Module, stage: StagePlan, mesh: DeviceMesh | None, ep: Any, part: Part | None = None,
                  layers: list[list[str]] | None = None, units: bool = False) -> None:
         super().__init__()
         self.mesh, self.stage = mesh, stage
@@ -248,9 +250,9 @@ class ShardedGraph(nn.Module):
         for node in self.graph.nodes:  # submodules of higher-order ops (a rotary cache's no_grad block)
             if node.op == "get_attr":
                 self.fixed[node] = operator.attrgetter(node.target)(ep.graph_module)
-        want = stage.ops.get(output.name, ["R", "R"])[1]
+        want = stage.ops[output.name][1] if output.name in stage.ops else planned.Replicate()
         # split by batch (inputs carry it in dim 0): the loss runs per shard
-        self.output_shard = part is None and mesh is not None and want == "S(0)"
+        self.output_shard = part is None and mesh is not None and want == planned.Shard(0)
         self.unplanned: set[str] = set()  # ops whose output DTensor placed otherwise than the plan
         # at a boundary with a stage of another logical mesh: position -> (batch dim, dp group)
         self.slice_inputs: dict[int, tuple[int | None, Any]] = {}
@@ -338,7 +340,9 @@ class ShardedGraph(nn.Module):
 
     def _placements(self, node: fx.Node, env: dict) -> str:
         got = [getattr(env.get(i), "placements", "plain") for i in node.all_input_nodes]
-        return f"(inputs {got}, needs {self.stage.needs.get(node.name)}, output {self.stage.ops.get(node.name)})"
+        needs, out = self.stage.needs.get(node.name), self.stage.ops.get(node.name)
+        return (f"(inputs {got}, needs {needs and [p and str(p) for p in needs]}, "
+                f"output {out and [str(p) for p in out]})")
 
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """This part's parameters, whole (gathered over the tensor and data axes), by the model's names.
@@ -361,12 +365,15 @@ class ShardedGraph(nn.Module):
         if node.target in _CHECKS and any(isinstance(env[i], DTensor) for i in node.all_input_nodes):
             return None  # export's metadata checks (global shapes, already checked when exporting)
         needs = self.stage.needs.get(node.name) or []
-        want = self.stage.ops[node.name][1] if node.name in self.stage.ops else None  # None: as DTensor places it
-        if isinstance(node.target, torch._ops.HigherOrderOperator) and want in (None, "R"):
+        # None: as DTensor places it
+        want = dtensor_placement(self.stage.ops[node.name][1]) if node.name in self.stage.ops else None
+        if isinstance(node.target, torch._ops.HigherOrderOperator) and (want is None or want.is_replicate()):
             return self._replicated(node, env)
         inputs = node.all_input_nodes
-        need = {inp: needs[i] for i, inp in enumerate(inputs) if i < len(needs) and needs[i] is not None}
-        split = want not in (None, "R") or any(p != "R" for p in need.values()) or any(isinstance(env[i], DTensor) for i in inputs)
+        need = {inp: dtensor_placement(needs[i]) for i, inp in enumerate(inputs)
+                if i < len(needs) and needs[i] is not None}
+        split = (want is not None and not want.is_replicate()) or any(not p.is_replicate() for p in need.values()) \
+            or any(isinstance(env[i], DTensor) for i in inputs)
         if not split:
             return node.target(*fx.node.map_arg(node.args, env.__getitem__), **fx.node.map_arg(node.kwargs, env.__getitem__))
 
@@ -378,8 +385,8 @@ class ShardedGraph(nn.Module):
                 if inp not in wrapped:
                     wrapped[inp] = DTensor.from_local(value, self.mesh, [Replicate()], run_check=False)
                 value = wrapped[inp]
-            if inp in need and not _same(value.placements[0], placement(need[inp])) and not _reduced(value, need[inp]):
-                value = value.redistribute(self.mesh, [placement(need[inp])])
+            if inp in need and not _same(value.placements[0], need[inp]) and not _reduced(value, need[inp]):
+                value = value.redistribute(self.mesh, [need[inp]])
             return value
 
         args = fx.node.map_arg(node.args, arg)
@@ -398,10 +405,10 @@ class ShardedGraph(nn.Module):
         if isinstance(out, torch.Tensor) and not isinstance(out, DTensor):  # created by the op (arange, masks)
             out = DTensor.from_local(out, self.mesh, [Replicate()], run_check=False)
         if isinstance(out, DTensor):
-            if want is not None and not _same(out.placements[0], placement(want)):
+            if want is not None and not _same(out.placements[0], want):
                 self.unplanned.add(node.name)
                 if not _reduced(out, want):
-                    out = out.redistribute(self.mesh, [placement(want)])
+                    out = out.redistribute(self.mesh, [want])
             if isinstance(out.placements[0], Replicate):
                 out = out.to_local()
         return out
@@ -443,16 +450,16 @@ class ShardedGraph(nn.Module):
         rows = torch.cat([mine.new_zeros(start, mine.shape[1]), mine, mine.new_zeros(x.shape[0] - end, mine.shape[1])])
         return DTensor.from_local(rows, self.mesh, [Partial()], run_check=False)
 
-    def _run_local(self, node: fx.Node, args: tuple, kwargs: dict, want: str | None) -> Any:
+    def _run_local(self, node: fx.Node, args: tuple, kwargs: dict, want: Placement | None) -> Any:
         """An op without a (correct) DTensor rule, on each rank's shards: valid when the plan splits
         it along a dimension it computes independently (batch, heads, a convolution's output
         channels) or along one it sums over (input channels: `P`). A replicated input's gradient
         is then a partial sum over the ranks; a convolution's bias joins one rank's partial sum."""
-        if want is None or want == "R" and any(
+        if want is None or want.is_replicate() and any(
                 isinstance(a, DTensor) and not isinstance(a.placements[0], Replicate) for a in args):
             raise NotImplementedError(f"{node.target} has no DTensor sharding rule and the plan splits it "
                                       f"as {want}: it cannot run on local shards")
-        if want == "P" and node.target not in _CONV and not _grouped(node.target):
+        if want.is_partial() and node.target not in _CONV and not _grouped(node.target):
             raise NotImplementedError(f"{node.target} has no DTensor sharding rule for a partial result")
         if _grouped(node.target) and _split_rows(args[1]):
             return self._local_experts(node.target, *args[:3])
@@ -460,13 +467,13 @@ class ShardedGraph(nn.Module):
         def local(a: Any) -> Any:
             if not isinstance(a, DTensor):
                 return a
-            if isinstance(a.placements[0], Replicate) and want != "R":
+            if isinstance(a.placements[0], Replicate) and not want.is_replicate():
                 return a.to_local(grad_placements=[Partial()])
             return a.to_local()
 
         local_args = [local(a) for a in args]
-        if (want == "P" and node.target in _CONV and len(local_args) > 2 and local_args[2] is not None
+        if (want.is_partial() and node.target in _CONV and len(local_args) > 2 and local_args[2] is not None
                 and self.mesh.get_local_rank() != 0):
             local_args[2] = local_args[2] * 0  # the bias once in the sum (its gradient: zero here)
         out = node.target(*local_args, **kwargs)
-        return DTensor.from_local(out, self.mesh, [placement(want)], run_check=False)
+        return DTensor.from_local(out, self.mesh, [want], run_check=False)
