@@ -25,9 +25,9 @@ from autopar.contract.units import human_bytes
 from autopar.contract.workload import Workload
 from autopar.cost_models import get_cluster
 from autopar.planner.capture import capture
-from autopar.planner.intra_op import REPLICATED_GRADIENTS
 from autopar.planner.manual import Layout, manual_plan, manual_search
 from autopar.planner.search import Search, plan_auto, plan_compressed
+from autopar.planner.strategy_costs import REPLICATED_GRADIENTS
 from autopar.planner.tune import candidates, choose
 from autopar.runtime import default_backend, local_device
 from autopar.runtime.backend import keep_to_loopback

@@ -126,7 +126,7 @@ class Flipper(nn.Module):
 
 def test_unknown_op_runs_replicated_with_one_warning(caplog):
     graph = capture(Flipper(), torch.randn(64, 64))
-    with caplog.at_level(logging.WARNING, logger="autopar.planner.intra_op"):
+    with caplog.at_level(logging.WARNING, logger="autopar.planner.stage_graph"):
         r = shard_stage(graph, HOST, (1, 8), (1, 8))
         shard_stage(graph, HOST, (1, 8), (2, 4))
     warnings = [rec for rec in caplog.records if "flip" in rec.getMessage()]

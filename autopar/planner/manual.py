@@ -17,10 +17,10 @@ from autopar.contract.plan import Plan
 from autopar.planner import rules as L
 from autopar.planner.graph import OpNode
 from autopar.planner.inter_op import microbatch_counts
-from autopar.planner.intra_op import Rule
 from autopar.planner.layering import Layer
 from autopar.planner.search import Search, assemble
 from autopar.planner.stage_costs import StageCosts
+from autopar.planner.strategy_costs import Rule
 
 
 def megatron_letters(sig: L.Signature, node: OpNode, batch: set[str]) -> set[str | None]:

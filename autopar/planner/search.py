@@ -24,11 +24,12 @@ from autopar.planner.capture import capture
 from autopar.planner.graph import OpGraph
 from autopar.planner.ilp import InfeasibleError
 from autopar.planner.inter_op import INF, microbatch_counts, stage_dp, submesh_shapes
-from autopar.planner.intra_op import REPLICATED_GRADIENTS, Rule, best_sharding, gathered_bytes, logical_meshes
+from autopar.planner.intra_op import best_sharding, logical_meshes
 from autopar.planner.layering import Layer, cluster_layers
 from autopar.planner.placement import shard_dim
 from autopar.planner.precision import with_precision
 from autopar.planner.stage_costs import StageCosts, StageOption, gathered_peak
+from autopar.planner.strategy_costs import REPLICATED_GRADIENTS, Rule, gathered_bytes
 
 RESERVE = 0.1  # of device memory kept for the allocator, workspaces and fragmentation
 DP_TOLERANCE = 0.01  # the stage DP's total is within 1 % of its optimum (stage_dp's t_max grid)

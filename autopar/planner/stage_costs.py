@@ -26,17 +26,10 @@ from autopar.cost_models.comm import all_reduce_time
 from autopar.cost_models.compression import dense_time, sync_time
 from autopar.planner.graph import OpGraph
 from autopar.planner.ilp import InfeasibleError
-from autopar.planner.intra_op import (
-    BUCKET_BYTES,
-    DTYPE_BYTES,
-    Rule,
-    StageSharding,
-    buckets,
-    layer_hash,
-    logical_meshes,
-    shard_stage,
-)
+from autopar.planner.intra_op import BUCKET_BYTES, StageSharding, buckets, logical_meshes, shard_stage
 from autopar.planner.layering import cut_bytes
+from autopar.planner.stage_graph import layer_hash
+from autopar.planner.strategy_costs import DTYPE_BYTES, Rule
 
 COLUMNS = 20  # of `StageCosts.range_sums`
 LOSS_PASSES, LOSS_OPS = 5, 6  # cross-entropy's passes over its input's size, and its ops (forward and backward)
