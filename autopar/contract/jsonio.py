@@ -41,6 +41,18 @@ def read_json(path: str | Path, what: str) -> Any:
     return loads(text, f"{what} {path}")
 
 
+def load_file(path: str | Path, what: str, error: type[Exception]) -> Any:
+    """`read_json`, every failure one `error` whose message names the file and what went wrong."""
+    try:
+        return read_json(path, what)
+    except FileNotFoundError:
+        raise error(f"{what} {path} does not exist") from None
+    except ValueError as exc:
+        raise error(str(exc)) from None
+    except OSError as exc:
+        raise error(f"cannot read {what} {path}: {exc.strerror or exc}") from None
+
+
 def loads(text: str, source: str) -> Any:
     """`json.loads`, strictly (see the module)."""
     try:

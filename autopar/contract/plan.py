@@ -19,7 +19,7 @@ from typing import Any
 from autopar.contract import schedules
 from autopar.contract.compression import parse
 from autopar.contract.errors import AutoparError
-from autopar.contract.jsonio import loads, read_json, write_json
+from autopar.contract.jsonio import load_file, loads, write_json
 from autopar.contract.limits import MAX_BATCH, MAX_DEVICES, MAX_MICROBATCHES
 from autopar.contract.placements import Partial, Placement, Shard, is_placement, placed, spelled
 from autopar.contract.units import human_time, printable, span
@@ -94,15 +94,7 @@ class Plan:
 
     @staticmethod
     def load(path: str | Path) -> Plan:
-        try:
-            data = read_json(path, "plan file")
-        except FileNotFoundError:
-            raise PlanError(f"plan file {path} does not exist") from None
-        except ValueError as exc:
-            raise PlanError(str(exc)) from None
-        except OSError as exc:
-            raise PlanError(f"cannot read plan file {path}: {exc.strerror or exc}") from None
-        return _parse(data, str(path))
+        return _parse(load_file(path, "plan file", PlanError), str(path))
 
     @staticmethod
     def from_json(text: str, source: str = "plan") -> Plan:

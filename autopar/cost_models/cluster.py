@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.contract.errors import ClusterSpecError
-from autopar.contract.jsonio import read_json, write_json
+from autopar.contract.jsonio import load_file, write_json
 from autopar.contract.limits import MAX_DEVICES, MAX_DEVICES_PER_HOST, MAX_MEMORY_BYTES
 
 GB = 1e9
@@ -102,15 +102,7 @@ class ClusterSpec:
 
     @staticmethod
     def load(path: str | Path) -> ClusterSpec:
-        try:
-            data = read_json(path, "cluster file")
-        except FileNotFoundError:
-            raise ClusterSpecError(f"cluster file {path} does not exist") from None
-        except ValueError as exc:
-            raise ClusterSpecError(str(exc)) from None
-        except OSError as exc:
-            raise ClusterSpecError(f"cannot read cluster file {path}: {exc.strerror or exc}") from None
-        return _parse_cluster(data, str(path))
+        return _parse_cluster(load_file(path, "cluster file", ClusterSpecError), str(path))
 
 
 def _parse_cluster(data: Any, source: str) -> ClusterSpec:
