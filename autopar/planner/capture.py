@@ -30,7 +30,7 @@ def capture(
     """Export `model` on `example_inputs` and annotate every op with its costs.
 
     With `replicate`, a model whose blocks repeat (GPT-3's 96 identical layers) is exported with
-    three periods of blocks and the rest is copied from the last one (`autopar.replicate`): the
+    three periods of blocks and the rest is copied from the last one (`autopar.planner.replicate`): the
     same graph, node names included, at a fraction of the tracing time.
     """
     args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)

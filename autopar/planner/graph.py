@@ -41,11 +41,11 @@ class OpNode:
     layer: str = ""  # layer hint: module path up to the first ModuleList index, e.g. "h.3"
     is_view: bool = False  # aliases its input: moves no data, costs nothing
     requires_grad: bool = False  # its output is differentiated in backward
-    # under mixed precision (`autopar.precision`): bytes of the 16-bit copies autocast makes of its
+    # under mixed precision (`autopar.planner.precision`): bytes of the 16-bit copies autocast makes of its
     # activation inputs and saves for backward, and whether it copies the weights it reads
     cast_bytes: int = 0
     casts: bool = False
-    # what backward keeps of it (`autopar.saved`): its outputs it saves, and bytes saved that are no
+    # what backward keeps of it (`autopar.planner.saved`): its outputs it saves, and bytes saved that are no
     # op's output; None: unknown, every output counts
     saved_outputs: frozenset[int] | None = None
     saved_hidden: int = 0

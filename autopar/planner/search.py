@@ -72,7 +72,7 @@ class Search:
               choices: dict | None = None, pin: bool = False) -> Search:
         """`compression`: price the data axis's gradient averaging through this compressor (and keep
         gradients replicated there, which compressors need: no ZeRO-3). `precision` ("bf16",
-        "fp16"): price mixed-precision training (`autopar.precision`); a graph retyped for it keeps it.
+        "fp16"): price mixed-precision training (`autopar.planner.precision`); a graph retyped for it keeps it.
         `choices` / `pin`: `StageCosts`'s record of the shardings chosen, or the shardings to price again."""
         spec = parse(compression) if compression else None
         if spec is not None:

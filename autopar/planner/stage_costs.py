@@ -98,7 +98,7 @@ class StageCosts:
     world: int = 1  # ranks of the job: the loss is all-reduced over all of them every step
     # the strategies each solve chose, by (rule, precision, atom structure, submesh, logical mesh,
     # variant): filled as solves go, or with `pin` read instead of solving (the same shardings
-    # priced on another cluster: `cost_models.fit`)
+    # priced on another cluster: `autopar.fit`)
     choices: dict | None = None
     pin: bool = False
 

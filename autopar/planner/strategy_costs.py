@@ -58,7 +58,7 @@ class Evaluation:
     grad_sync: float = 0.0
     state_memory: float = 0.0
     activation_memory: float = 0.0
-    weight_copies: float = 0.0  # 16-bit copies of weights autocast makes, per microbatch (`autopar.precision`)
+    weight_copies: float = 0.0  # 16-bit copies of weights autocast makes, per microbatch (`autopar.planner.precision`)
     gathered: float = 0.0  # ZeRO-3: the whole parameters and their gradients during the step (FSDP2)
     zero_gather: float = 0.0  # ZeRO-3's all-gathers' bytes (forward and backward), part of `comm`: per microbatch
     zero_scatter: float = 0.0  # ZeRO-3's gradient reduce-scatter, again for every microbatch

@@ -1,4 +1,4 @@
-"""Run a one-stage Plan's training step on torch.distributed (pipelines: runtime/pipeline.py).
+"""Run a one-stage Plan's training step on torch.distributed (pipelines: `runtime.pipeline`).
 
 Ranks form a (dp, tp) mesh, tp innermost (a tensor-parallel group shares a host, as the planner
 assumes). The global batch is cut into this rank's data-parallel slice and into the plan's

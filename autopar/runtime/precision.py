@@ -1,4 +1,4 @@
-"""Mixed-precision training the way the plan priced it (`autopar.precision`): torch's AMP.
+"""Mixed-precision training the way the plan priced it (`autopar.planner.precision`): torch's AMP.
 
 Parameters, gradients and optimizer state stay fp32 (the parameters are the master copy the
 optimizer steps); the forward and the loss run under `torch.autocast`, which computes in 16 bits
