@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from ortools.linear_solver import pywraplp
 
 from autopar.contract.errors import AutoparError
 
@@ -89,8 +90,6 @@ class Solution:
 def solve(problem: Problem, time_limit_s: float = 30.0) -> Solution:
     """Solve with HiGHS through OR-Tools' linear solver; at the time limit, the best of its
     incumbent (if any) and `heuristic`, with the gap to the best lower bound known."""
-    from ortools.linear_solver import pywraplp
-
     least = problem.least_memory()
     if least > problem.memory_limit:
         raise InfeasibleError(
@@ -136,8 +135,6 @@ def solve(problem: Problem, time_limit_s: float = 30.0) -> Solution:
 
 def _model(problem: Problem, time_limit_s: float, integer: bool) -> tuple[Any, list[list[Any]], Any]:
     """The HiGHS model (binary strategy variables, or their LP relaxation), its variables, its objective."""
-    from ortools.linear_solver import pywraplp
-
     solver = pywraplp.Solver.CreateSolver("HIGHS")
     solver.SuppressOutput()
     # the limit goes to HiGHS in seconds: OR-Tools' SetTimeLimit rounds to whole ms, and 0 ms means none.
@@ -163,8 +160,6 @@ def _model(problem: Problem, time_limit_s: float, integer: bool) -> tuple[Any, l
 def _relaxation(problem: Problem, time_limit_s: float) -> float:
     """The LP relaxation's optimum, a lower bound (tight for this formulation: see the module
     docstring), or -inf when it does not finish within the limit either."""
-    from ortools.linear_solver import pywraplp
-
     solver, _, objective = _model(problem, time_limit_s, integer=False)
     return objective.Value() if solver.Solve() == pywraplp.Solver.OPTIMAL else -np.inf
 
