@@ -92,3 +92,18 @@ def axis_link(cluster: ClusterSpec, logical: tuple[int, ...], axis: int, submesh
 
 def p2p_link(cluster: ClusterSpec, same_host: bool) -> Link:
     return cluster.intra_host if same_host else cluster.inter_host
+
+
+def exposed_time(sync: float | np.ndarray, backward: float | np.ndarray, link: Link) -> float | np.ndarray:
+    """What a gradient synchronisation of `sync` seconds adds after a backward of `backward` seconds
+    running beside it: the link's `overlap` of it hides."""
+    return np.maximum(0.0, sync - link.overlap * backward)
+
+
+def stage_send_link(cluster: ClusterSpec, submesh: tuple[int, int]) -> Link:
+    """The link a pipeline stage on `submesh` sends its boundary over: inside a host when the
+    stage does not fill it, else the host's NIC, shared by the host's devices."""
+    if submesh[0] == 1 and submesh[1] < cluster.devices_per_host:
+        return cluster.intra_host
+    return Link(bandwidth=cluster.inter_host.bandwidth / min(submesh[1], cluster.devices_per_host),
+                latency=cluster.inter_host.latency)

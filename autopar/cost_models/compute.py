@@ -4,7 +4,11 @@ matmul falls short of the peak."""
 
 from __future__ import annotations
 
+import numpy as np
+
 from autopar.cost_models.cluster import DeviceSpec
+
+LOSS_PASSES, LOSS_OPS = 5, 6  # cross-entropy's passes over its input's size, and its ops (forward and backward)
 
 
 def fixed_time(device: DeviceSpec, dtype: str = "float32", ops: int = 0, matmuls: int = 0,
@@ -31,3 +35,12 @@ def optimizer_time(elements: float, tensors: float, device: DeviceSpec, dtensors
     `device.optimizer_ops` dispatches per tensor (torch's single-tensor loop on CPU; 0 when fused)."""
     return (elements * device.optimizer_bytes / device.memory_bandwidth
             + device.optimizer_ops * (tensors * device.op_overhead_s + dtensors * device.sharded_op_overhead_s))
+
+
+def loss_time(loss_bytes: float | np.ndarray, device: DeviceSpec) -> float | np.ndarray:
+    """The loss on one microbatch's output (its fp32 bytes on this rank, 0 off the last stage),
+    forward and backward: cross-entropy's passes over logits-sized tensors (log-softmax read and
+    written, the gradient's softmax read and written, the incoming logits read) and its few ops.
+    The captured graph ends at the model's output: the planner prices the loss with this alone."""
+    return LOSS_PASSES * loss_bytes / device.memory_bandwidth \
+        + np.where(np.asarray(loss_bytes) > 0, fixed_time(device, ops=LOSS_OPS), 0.0)

@@ -21,9 +21,10 @@ import numpy as np
 
 from autopar.contract.compression import Spec
 from autopar.contract.precision import PRECISIONS
-from autopar.cost_models import ClusterSpec, Link, axis_link, fixed_time, optimizer_time, p2p_time
-from autopar.cost_models.comm import all_reduce_time
+from autopar.cost_models import ClusterSpec, axis_link, optimizer_time, p2p_time
+from autopar.cost_models.comm import all_reduce_time, exposed_time, stage_send_link
 from autopar.cost_models.compression import dense_time, sync_time
+from autopar.cost_models.compute import loss_time
 from autopar.planner.graph import OpGraph
 from autopar.planner.ilp import InfeasibleError
 from autopar.planner.intra_op import BUCKET_BYTES, StageSharding, buckets, logical_meshes, shard_stage
@@ -32,9 +33,6 @@ from autopar.planner.stage_graph import layer_hash
 from autopar.planner.strategy_costs import DTYPE_BYTES, Rule
 
 COLUMNS = 20  # of `StageCosts.range_sums`
-LOSS_PASSES, LOSS_OPS = 5, 6  # cross-entropy's passes over its input's size, and its ops (forward and backward)
-
-
 def gathered_peak(per_layer: np.ndarray, precision: str | None, loss: float = 0.0,
                   acts: np.ndarray | None = None) -> float:
     """The transient of a one-stage plan whose parameters FSDP2 gathers a layer at a time
@@ -143,12 +141,7 @@ class StageCosts:
         return self._per_byte[key]
 
     def loss_time(self, loss):
-        """The loss on one microbatch's output (`loss`: its fp32 bytes on this rank, 0 off the last
-        stage), forward and backward: cross-entropy's passes over logits-sized tensors (log-softmax
-        read and written, the gradient's softmax read and written, the incoming logits read) and
-        its few ops. The captured graph ends at the model's output: this is the only place it is priced."""
-        return LOSS_PASSES * loss / self.cluster.device.memory_bandwidth \
-            + np.where(np.asarray(loss) > 0, fixed_time(self.cluster.device, ops=LOSS_OPS), 0.0)
+        return loss_time(loss, self.cluster.device)
 
     def exposed_sync(self, sync, backward, submesh: tuple[int, int], lm: tuple[int, int], trainable):
         """The part of a stage's gradient synchronisation its last backward (`backward`, one
@@ -156,7 +149,7 @@ class StageCosts:
         after backward (its rounds depend on the data): nothing hides, and it adds its own cost."""
         if self.compression is not None and lm[0] > 1:
             return sync + self.compressed_per_byte(submesh, lm) * trainable
-        return np.maximum(0.0, sync - axis_link(self.cluster, lm, 0, submesh).overlap * backward)
+        return exposed_time(sync, backward, axis_link(self.cluster, lm, 0, submesh))
 
     def atom(self, k: int, submesh: tuple[int, int], logical: tuple[int, int], lean: bool) -> StageSharding | None:
         key = (self.hashes[k], submesh, logical, lean)
@@ -296,7 +289,7 @@ class StageCosts:
         fwd, bwd = fwd + self.loss_time(loss) / 2, bwd + self.loss_time(loss) / 2
         sync = self.exposed_sync(sync, bwd, submesh, lm, trainable)
         cut_after = np.array([self.cut[b - 1] if 0 < b < len(self.atoms) else 0.0 for b in bounds])
-        link = self._send_link(submesh)
+        link = stage_send_link(self.cluster, submesh)
         send = np.where(cut_after > 0, p2p_time(cut_after / (lm[0] * lm[1] * m), link), 0.0)[None, :] \
             * np.ones_like(acts)
         time = fwd + bwd + send
@@ -378,7 +371,7 @@ class StageCosts:
         last = atoms[1] - 1
         send = 0.0
         if last < len(self.atoms) - 1 and self.cut[last] > 0:  # each rank sends its slice (Megatron's scatter)
-            send = p2p_time(self.cut[last] / (lm[0] * lm[1] * m), self._send_link(submesh))
+            send = p2p_time(self.cut[last] / (lm[0] * lm[1] * m), stage_send_link(self.cluster, submesh))
         return StageOption(lm, lean, rc, fwd, bwd, send, sync, states, acts, transient, grads, averaged,
                            float(self.optimizer_s(elements, tensors, dtensors)))
 
@@ -421,10 +414,3 @@ class StageCosts:
                     if len(inside) > 1:
                         excess[i, j] += sum(inside) - max(inside)
         return excess
-
-    def _send_link(self, submesh: tuple[int, int]) -> Link:
-        """Stages meet inside a host when theirs is not full; otherwise the host NIC, shared."""
-        c = self.cluster
-        if submesh[0] == 1 and submesh[1] < c.devices_per_host:
-            return c.intra_host
-        return Link(bandwidth=c.inter_host.bandwidth / min(submesh[1], c.devices_per_host), latency=c.inter_host.latency)
