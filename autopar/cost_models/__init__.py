@@ -1,5 +1,5 @@
 """Cost models shared by the planner passes, the simulator and `autopar compare`: pure functions
-of sizes and a `ClusterSpec`."""
+of sizes and a `ClusterSpec`, reading `autopar.contract` only and loading no torch."""
 
 from autopar.cost_models.cluster import ClusterSpec, DeviceSpec, Link
 from autopar.cost_models.comm import Collective, axis_link, collective_time, p2p_link, p2p_time

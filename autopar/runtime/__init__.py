@@ -1,4 +1,5 @@
-"""Runtime: executes a Plan on torch.distributed. Depends on the Plan alone, never on planner internals."""
+"""Runtime: executes a Plan on torch.distributed. Reads `autopar.contract` only, never the planner
+(`tests/test_architecture.py` checks it)."""
 
 from autopar.runtime.backend import default_backend, local_device
 
