@@ -152,7 +152,7 @@ class Method:
 def method(label: str, spec: str | None, lr: float) -> Method:
     """Dense (spec None) or a compressor, with the optimizer it needs: none of its own momentum where
     the compressor carries it (DGC, 1-bit SGD); signSGD at lr/100, its update is a ±1 vote."""
-    from autopar.cost_models.compression import carries_momentum, parse
+    from autopar.contract.compression import carries_momentum, parse
 
     if spec is None:
         return Method(label, lr=lr)
