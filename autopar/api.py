@@ -80,7 +80,6 @@ def parallelize(
     measured fastest is kept; `plan.search["tuned"]` holds every candidate's predicted and measured
     step time. The model's weights are left as they were.
     """
-
     precision = parse_precision(mixed_precision)
 
     if compression not in (None, "auto"):
@@ -124,7 +123,6 @@ def parallelize(
     if mixed_precision is not None:
         resolved.check_precision(precision)
     if memory_limit is not None and resolved.estimate is not None and resolved.estimate.peak_memory_bytes > memory_limit:
-
         raise AutoparError(f"the plan {resolved.name} predicts {human_bytes(resolved.estimate.peak_memory_bytes)} per "
                            f"device, over the memory limit of {human_bytes(memory_limit)}: plan with the limit "
                            "(autopar plan --memory-limit), or pass no plan and let the search keep to it")
@@ -147,17 +145,14 @@ def parallelize(
     _start_equal(model.to(device))
     try:
         if len(resolved.stages) > 1:
-
             pm = PipelineModel(model, resolved, loss_fn, optimizer, args, device=device, max_grad_norm=max_grad_norm)
         else:
             pm = ParallelModel(model, resolved, loss_fn, optimizer, args, device=device, max_grad_norm=max_grad_norm)
     except UnsupportedPlan as exc:
         raise AutoparError(str(exc)) from None
     if timeout is not None:
-
         set_timeouts(timeout)  # every group, the model's too; not before: rank 0 may plan for minutes
     if memory_limit is not None:
-
         hold_to(pm, memory_limit)
     _BUILT.add(pm)
     return pm
@@ -190,7 +185,6 @@ def _resolve(plan, model, args, batch, graph, cluster, mesh, compression, delay,
 
 
 def _search(model, args, batch, graph, cluster, mesh, delay, precision, memory_limit):
-
     spec = get_cluster(cluster or "cpu-local")
     if cluster is None:  # more local ranks than cores: they share them
         spec = spec.with_ranks(mesh[1])
@@ -201,7 +195,6 @@ def _search(model, args, batch, graph, cluster, mesh, delay, precision, memory_l
 
 
 def _candidates(model, args, batch, graph, cluster, mesh, precision, memory_limit, k: int) -> list[Plan]:
-
     search = _search(model, args, batch, graph, cluster, mesh, None, precision, memory_limit)
     return candidates(search, k)
 

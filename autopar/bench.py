@@ -39,6 +39,7 @@ from autopar.runtime.memory import measured_step
 
 log = logging.getLogger(__name__)
 
+
 def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, precision: str | None = None,
                     choices: dict | None = None, pin: bool = False) -> list[Any]:
     """The searched plan first, then every valid hand-written layout × microbatch count (in
@@ -82,7 +83,7 @@ def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans
         w = load_workload(model, batch=batch, device="cpu", dtype=torch.float32)
         plan = Plan.from_json(text)
         pm = parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=plan,
-                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), mixed_precision=plan.precision or "fp32")
+                         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), mixed_precision=plan.precision or "fp32")
         gen = torch.Generator().manual_seed(1)
         median = time_steps(pm, lambda: w.make_batch(w.batch, gen), warmup, steps)
         parts = None
@@ -136,7 +137,6 @@ def predicted_breakdown(plan: Plan) -> list[dict[str, float]]:
     simulator's replay (durations as replayed: ranks sharing cores run slower): forward and
     backward of all microbatches, the exposed data-axis synchronisation, the optimizer, and the
     time the pipeline leaves the stage idle or sending."""
-
     sim = replay(plan)
     out = []
     for k, stage in enumerate(plan.stages):
@@ -186,7 +186,6 @@ def tune_locally(search: Search, model: str, k: int, batch: int | None, steps: i
                  progress: Any = None) -> Plan:
     """`autopar plan --tune K`: the candidates run on this machine's ranks (one per device of the
     mesh), the zoo model's synthetic batches, one warm-up and `steps` timed steps each."""
-
     hosts, per_host = search.mesh
     if hosts != 1:
         raise AutoparError(f"--tune runs the candidates on this machine's ranks; the mesh {hosts}x{per_host} spans "

@@ -150,14 +150,13 @@ def runtime_overheads(device: torch.device, world: int, model: str = "gpt-tiny",
     timing added to the step), per op the planner counts (each graph node forward, and again in
     backward), is the overhead; the tensor axis's collectives' time in place (waiting for the
     slowest rank included) gives their latency there."""
-
     out = {}
     for axis, layout in (("dp", f"{world},1,1,1"), ("tp", f"1,{world},1,1")):
         torch.manual_seed(0)
         w = load_workload(model, batch=4 * world, device=device.type, dtype=torch.float32)
         nodes = sum(1 for n in capture(w.model, w.example_inputs) if n.op != "input")
         pm = parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=layout,
-                                 optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
+                         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
         gen = torch.Generator().manual_seed(1)
         plain = time_steps(pm, lambda: w.make_batch(w.batch, gen), warmup=2, steps=steps)
         parts = []
@@ -187,7 +186,7 @@ def _ring(kind: str, n: int) -> tuple[float, float]:
 def fit_link(links: dict[int, dict[str, Any]], cores: int) -> tuple[float, float]:
     """α and β of the ring formulas over every measured group size, collective and message size,
     with the ranks of a group sharing `cores` (a group larger than the cores takes n / cores as
-    long: `cost_models.comm.shared`): least squares on relative error, so that the small
+    long, as the simulator's `Hosts` shares cores): least squares on relative error, so that the small
     messages of the tensor axis weigh as much as the large ones of gradient buckets."""
     rows, times = [], []
     for n, fits in links.items():
@@ -234,7 +233,6 @@ def _rank(rank: int, world: int, port: int, out: str, backend: str) -> None:
 
 def calibrate(nproc: int, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
     """Measurements of `nproc` local ranks (at least 2 for the links)."""
-
     backend = default_backend()
     with tempfile.TemporaryDirectory() as tmp, local_store() as port:
         out = os.path.join(tmp, "calibration.pt")
@@ -252,7 +250,6 @@ def host_cores(nproc: int) -> int:
 
 def cluster_spec(measured: dict[str, Any], nproc: int, name: str = "cpu-local") -> Any:
     """The ClusterSpec of what was measured: one host of `nproc` devices."""
-
     dev = measured["device"]
     cores = host_cores(nproc)
     alpha, beta = fit_link(measured["links"], cores)

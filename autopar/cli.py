@@ -37,7 +37,6 @@ DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.
 
 
 def cmd_clusters(args: argparse.Namespace, out: Console) -> Any:
-
     clusters = [PRESETS[name]() for name in PRESETS] + [ClusterSpec.load(path) for path in args.files]
     if args.json:
         return {"clusters": [c.to_dict() for c in clusters], "calibration_file": str(calibration_file())}
@@ -61,7 +60,6 @@ def cmd_clusters(args: argparse.Namespace, out: Console) -> Any:
 
 
 def cmd_inspect(args: argparse.Namespace, out: Console) -> Any:
-
     with Console(stderr=True).status(f"capturing {escape(printable(args.model))} …", spinner="dots"):
         workload = load_workload(args.model, batch=args.batch, dtype=DTYPES.get(args.dtype))
         report = inspect_workload(workload)
@@ -90,7 +88,6 @@ def cmd_inspect(args: argparse.Namespace, out: Console) -> Any:
 
 
 def _search(args: argparse.Namespace):
-
     for flag, value, most in (("--time-limit", args.time_limit, MAX_SECONDS),
                               ("--memory-limit", args.memory_limit, MAX_MEMORY_BYTES / 2**30)):
         if value is not None and not 0 < value <= most:
@@ -169,7 +166,6 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
 
 
 def cmd_show(args: argparse.Namespace, out: Console) -> Any:
-
     _check_out("--png", args.png)
     plan = Plan.load(args.plan)
     if args.png:
@@ -198,7 +194,6 @@ def _picture(plan, path: str) -> None:
 
 
 def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
-
     bar, step = _progress(f"comparing layouts for {args.model}")
     with bar:
         step("capturing")

@@ -57,7 +57,6 @@ class TrainJob:
         return given if given.is_dir() or self.checkpoint_dir is None else Path(self.checkpoint_dir) / given
 
     def check(self) -> None:
-
         check_counts(self.nproc, self.steps, self.checkpoint_every, self.delay)
         if self.checkpoint_every < 0:
             raise AutoparError(f"--checkpoint-every must be ≥ 0 steps, got {self.checkpoint_every}")
@@ -66,7 +65,6 @@ class TrainJob:
         if self.checkpoint_dir:
             _check_writable_dir(Path(self.checkpoint_dir))
         if self.resume_from is not None:
-
             path = self.resume_path()
             problem = ("no such checkpoint folder" if not path.is_dir() else
                        "not a step-N folder `autopar train` wrote" if not is_step(path) else verify(path))
@@ -78,7 +76,6 @@ class TrainJob:
             raise AutoparError(f"--timeout must be a positive number of seconds, got {self.timeout_s} "
                                f"(at most {MAX_SECONDS:g})")
         if self.checkpoint_dir and not self.resume and self.resume_from is None:
-
             found = latest(self.checkpoint_dir)
             if found is not None:
                 raise AutoparError(f"{self.checkpoint_dir} already holds checkpoints (up to {found.name}): pass "
@@ -87,7 +84,6 @@ class TrainJob:
 
 def _check_writable_dir(path: Path) -> None:
     """A checkpoint folder the job can create and write, said before anything runs."""
-
     existing = next((p for p in (path, *path.parents) if p.exists()), None)
     if path.exists() and not path.is_dir():
         raise AutoparError(f"--checkpoint-dir {path} is a file, not a folder: pass a folder (it is created if missing)")
@@ -112,9 +108,9 @@ def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
             raise AutoparError(f"{job.model} has no loss and synthetic batches: return (model, inputs, loss_fn, "
                                "make_batch) from your model function")
         pm = parallelize(w.model, None, w.example_inputs, loss_fn=w.loss_fn, plan=job.plan,
-                                 cluster=job.cluster, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
-                                 compression=job.compression, delay=job.delay, timeout=job.timeout_s,
-                                 mixed_precision=job.mixed_precision, memory_limit=job.memory_limit)
+                         cluster=job.cluster, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                         compression=job.compression, delay=job.delay, timeout=job.timeout_s,
+                         mixed_precision=job.mixed_precision, memory_limit=job.memory_limit)
         rank = dist.get_rank()
         gen = torch.Generator().manual_seed(1)  # the same global batches on every rank
         start, losses, resumed_from, exact = 0, [], None, True
@@ -217,7 +213,6 @@ def launch(job: TrainJob, quiet: bool = True) -> dict[str, Any]:
                 raise AutoparError(given) from None
             message = failures.blame(exc.failures, seen, job.steps)
             if job.checkpoint_dir:
-
                 found = checkpoint.latest(job.checkpoint_dir)
                 message += (f"; the latest checkpoint is {found}: run again with --resume" if found
                             else "; no checkpoint was written yet")

@@ -205,6 +205,28 @@ def test_a_tensor_parallel_plan_round_trips_with_what_each_op_needs(tmp_path):
     assert Plan.from_json(plan.to_json()).to_json() == plan.to_json() == path.read_text()
 
 
+def test_placements_written_as_text_are_typed_before_the_runtime_sees_them(tmp_path):
+    """A plan edited in Python with the file's spelling ("S(0)") runs as the typed plan would:
+    the check every run makes types them, or names what is not a placement."""
+    from autopar.contract.plan import Plan, PlanError
+    from autopar.planner.capture import capture
+
+    w = load_workload("gpt-tiny", batch=8)
+    path = tmp_path / "plan.json"
+    assert main(["plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x2", "--manual", "2,1,1", "--out", str(path)]) == 0
+    plan = Plan.load(path)
+    graph = capture(w.model, w.example_inputs)
+    shapes = {n: tuple(p.shape) for n, p in w.model.named_parameters(remove_duplicate=False)}
+    stage = plan.stages[0]
+    stage.params = {f: ["S(0)", str(p[1])] for f, p in stage.params.items()}
+    plan.check_placements(graph, shapes)
+    assert all(p == [Shard(0), R] for p in stage.params.values())
+    stage.params = {f: ["S(0)", "X"] for f in stage.params}
+    with pytest.raises(PlanError, match="not a placement: 'X'"):
+        plan.check_placements(graph, shapes)
+
+
+
 def test_json_stdout_survives_native_code_printing_to_it(capfd, monkeypatch):
     import os
 

@@ -42,7 +42,7 @@ def test_transfers_and_gradient_sync_add_up():
     assert {e.kind for e in synced.events} == {"F", "B", "send", "sync"}
 
 
-def test_schedule_order_is_complete():
+def test_every_schedule_orders_every_action_once():
     for schedule in ("1f1b", "gpipe"):
         for s in range(4):
             order = schedules.order(schedule, 4, s, 6)

@@ -48,9 +48,11 @@ def parse_placement(text: str) -> Placement:
     return Partial() if text == "P" else Shard(int(text[2:-1]))
 
 
-def placed(table: dict[str, list[str | None]]) -> dict[str, list[Placement | None]]:
-    """A table of spelled placements (what the planner's passes compute with) as typed ones."""
-    return {key: [None if p is None else parse_placement(p) for p in value] for key, value in table.items()}
+def placed(table: dict[str, list]) -> dict[str, list[Placement | None]]:
+    """A table of placements typed, whether given typed or spelled ("S(0)": what the planner's
+    passes compute with, and what a hand edit may write); ValueError for anything else."""
+    return {key: [p if p is None or isinstance(p, (Replicate, Shard, Partial)) else parse_placement(p)
+                  for p in value] for key, value in table.items()}
 
 
 def spelled(table: dict[str, list[Placement | None]]) -> dict[str, list[str | None]]:

@@ -117,10 +117,15 @@ class Plan:
     def check_placements(self, graph: Any, param_shapes: dict[str, tuple[int, ...]]) -> None:
         """What a hand-edited plan of the right model can still get wrong: a placement beyond its
         tensor's dimensions, a partial sum stored as a parameter, a parameter placed nowhere or one
-        the model lacks, an op that is not in the graph or sits in two stages."""
-        placed, owner = set(), {}
+        the model lacks, an op that is not in the graph or sits in two stages. Placements a caller
+        wrote as text ("S(0)") are typed here, so the runtime only ever sees typed ones."""
+        covered, owner = set(), {}
         for i, s in enumerate(self.stages):
             where = f"stages[{i}]"
+            try:
+                s.params, s.ops, s.needs = placed(s.params), placed(s.ops), placed(s.needs)
+            except ValueError as exc:
+                raise PlanError(f"{where}: {exc}") from None
             for fqn, placement in s.params.items():
                 if fqn not in param_shapes:
                     raise PlanError(f"{where}.params names {fqn!r}, which the model does not have")
@@ -128,7 +133,7 @@ class Plan:
                     raise PlanError(f"{where}.params[{fqn!r}] is {_spell(placement)}: a stored parameter is never a partial "
                                     "sum (P); use R or S(d)")
                 _within(placement, len(param_shapes[fqn]), f"{where}.params[{fqn!r}]")
-                placed.add(fqn)
+                covered.add(fqn)
             for name, placement in s.ops.items():
                 if name in owner:
                     raise PlanError(f"{where}.ops[{name!r}]: the op is in stages[{owner[name]}] too")
@@ -145,7 +150,7 @@ class Plan:
                     if placement is not None and k < len(inputs):
                         _within([placement], len(inputs[k].shape), f"{where}.needs[{name!r}][{k}]")
         used = {fqn for node in graph for fqn in node.params}
-        missing = sorted(used - placed)
+        missing = sorted(used - covered)
         if missing:
             raise PlanError(f"the plan places no {', '.join(missing[:3])}{' …' if len(missing) > 3 else ''} "
                             f"({len(missing)} of the model's {len(used)} parameters): re-plan, or add them to a stage")
@@ -257,7 +262,6 @@ def _parse(data: Any, source: str) -> Plan:
     if gradient.get("zero_stage", 0) not in (0, 1, 2, 3):
         raise PlanError(f"{source}: dp_gradient.zero_stage must be 0, 1, 2 or 3, got {gradient.get('zero_stage')!r}")
     if gradient.get("compression") is not None:
-
         try:
             parse(str(gradient["compression"]))
         except AutoparError as exc:

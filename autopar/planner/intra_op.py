@@ -106,7 +106,7 @@ def shard_stage(
         c = stage.cls[a]
         problem.node_costs[var[c]] += np.array([e.time for e in evals[c]])
         # ZeRO-3's gathered parameters are not summed: FSDP2 gathers a layer at a time (`gathered`
-        # is priced per stage: `StageCosts.gathered_per_layer`, `planner.plan_single_stage`)
+        # is priced per stage: `search._gathered_per_layer`, `search.plan_single_stage`)
         problem.node_memory[var[c]] += np.array([e.state_memory + e.activation_memory + e.weight_copies
                                                  for e in evals[c]])
     for name, cost in output_costs(stage, evals).items():

@@ -33,10 +33,12 @@ from autopar.planner.stage_graph import layer_hash
 from autopar.planner.strategy_costs import DTYPE_BYTES, Rule
 
 COLUMNS = 20  # of `StageCosts.range_sums`
+
+
 def gathered_peak(per_layer: np.ndarray, precision: str | None, loss: float = 0.0,
                   acts: np.ndarray | None = None) -> float:
     """The transient of a one-stage plan whose parameters FSDP2 gathers a layer at a time
-    (ZeRO-3): during layer l's backward, its gathered bytes (`intra_op.gathered_bytes`,
+    (ZeRO-3): during layer l's backward, its gathered bytes (`strategy_costs.gathered_bytes`,
     `per_layer`) and the parameters of layer l - 1, gathered ahead (backward prefetch: width of
     the 2·width + 4 bytes), while the activations of the layers after l are freed already
     (`acts`, per layer; None: none counted as freed). `loss`: the loss's backward (its two

@@ -27,7 +27,6 @@ def layout_key(plan: Plan) -> tuple:
 def candidates(search: Search, k: int) -> list[Plan]:
     """The `k` fastest predicted plans of distinct layouts (fitting ones first): the search's, its
     best with each number of stages and each microbatch count, and every hand-written layout."""
-
     if k < 1:
         raise AutoparError(f"--tune {k}: give the number of plans to measure, at least 1")
     plans = [plan_auto(search)]

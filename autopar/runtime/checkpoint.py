@@ -44,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from autopar.contract.errors import AutoparError
+from autopar.contract.placements import spelled
 from autopar.contract.plan import Plan
 
 log = logging.getLogger(__name__)
@@ -75,7 +76,6 @@ def agreed_latest(directory: str | Path) -> Path | None:
 
 def agreed_verified(path: str | Path) -> Path:
     """`path` once rank 0 has verified it (every rank raises the same error when it fails)."""
-
     problem = [verify(path) if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(problem, src=0)
     if problem[0] is not None:
@@ -166,10 +166,10 @@ def _discard(path: Path) -> None:
 def layout(plan: Plan) -> str:
     """What makes two plans run alike (stages, placements, microbatches, schedule, gradient
     handling), without what only describes them (estimates, costs, how the search went)."""
-    stages = [{"layers": s.layers, "submesh": s.submesh, "logical_mesh": s.logical_mesh, "params": s.params,
-               "ops": s.ops, "recompute": s.recompute} for s in plan.stages]
+    stages = [{"layers": s.layers, "submesh": s.submesh, "logical_mesh": s.logical_mesh, "params": spelled(s.params),
+               "ops": spelled(s.ops), "recompute": s.recompute} for s in plan.stages]
     return json.dumps({"stages": stages, "num_microbatches": plan.num_microbatches, "schedule": plan.schedule,
-                       "dp_gradient": plan.dp_gradient, "batch": plan.batch}, sort_keys=True, default=str)
+                       "dp_gradient": plan.dp_gradient, "batch": plan.batch}, sort_keys=True)
 
 
 def is_step(path: str | Path) -> bool:
@@ -216,7 +216,6 @@ def save(pm: Any, directory: str | Path, step: int, trainer: dict[str, Any] | No
     generator's state, the losses so far, an LR scheduler's state: anything torch.save takes) is
     kept beside it, and each rank's random state and synchroniser state (error feedback, delayed
     gradients) too. Keeps the `keep` checkpoints of the highest steps."""
-
     root = Path(directory)
     final, partial = root / f"step-{step}", root / f"step-{step}.partial"
     rank = dist.get_rank()
@@ -267,7 +266,6 @@ def load(pm: Any, path: str | Path, verified: bool = False) -> dict[str, Any]:
     before rank 0 has checked every file against the manifest (`verified`: `latest` already did)."""
     path = Path(path)
     if not (path / ".metadata").is_file():
-
         raise AutoparError(f"{path} is not a complete autopar checkpoint (no .metadata): "
                            "pass a step-N directory that `autopar train --checkpoint-dir` wrote")
     if not verified:
@@ -314,7 +312,6 @@ def load(pm: Any, path: str | Path, verified: bool = False) -> dict[str, Any]:
 def _load_plain(path: Path) -> Any:
     """torch.load of tensors and plain values only: a pickle that would build anything else (run
     code) is refused with the file's name."""
-
     try:
         return torch.load(path, weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -324,7 +321,6 @@ def _load_plain(path: Path) -> Any:
 
 def _check_fits(state: dict[str, Any], saved: dict[str, Any], path: Path) -> None:
     """One clear message for a checkpoint of another model, instead of DCP's error from deep inside."""
-
     params = [k for k in state if k.startswith("model.")]
     missing = [k.removeprefix("model.") for k in params if k not in saved]
     if missing:

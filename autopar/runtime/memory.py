@@ -156,7 +156,6 @@ def hold_to(pm: Any, limit: float) -> None:
 
 def _overflow(rank: int, index: int, measured: dict[str, int], plan: Plan, limit: float) -> str:
     """What overflowed, against the plan's prediction for the stage, in one message."""
-
     cost = plan.stages[index].cost
     states, transient = cost.get("state_bytes", 0.0), cost.get("transient_bytes", 0.0)
     acts = cost.get("activation_bytes_per_microbatch", 0.0) * schedules.in_flight(

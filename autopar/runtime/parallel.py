@@ -72,7 +72,6 @@ def shard_data_axis(module: nn.Module, mesh: Any, precision: str | None) -> None
 def check_batch(inputs: Any, plan: Plan, dp: int | None = None) -> None:
     """The batch a step gets must be the one the plan was made for (it fixes the shapes): the
     global batch, or with `dp` a data-parallel slice of it (`step(..., local=True)`)."""
-
     first = next((t for t in (inputs if isinstance(inputs, (tuple, list)) else (inputs,))
                   if isinstance(t, torch.Tensor)), None)
     if first is None:
@@ -111,7 +110,6 @@ def data_sync(params: list[nn.Parameter], group: dist.ProcessGroup, plan: Plan) 
         return DelayedSync(params, group, int(gradient["delay"]), link=link)
     compressed = None
     if gradient.get("compression"):
-
         compressed = Compressed(gradient["compression"], group)
     return GradSync(params, group, compressed=compressed, link=link)
 

@@ -249,7 +249,6 @@ class PipelineModel:
     def step(self, inputs: Any, target: torch.Tensor, local: bool = False) -> float:
         inputs, target = on_device(positional(self.forward, inputs), self.device), target.to(self.device)
         if local and len({s.logical_mesh[0] for s in self.plan.stages}) > 1:
-
             raise AutoparError("step(local=True) needs the same data-parallel size on every stage; this plan's "
                                   f"are {[s.logical_mesh[0] for s in self.plan.stages]}: pass the global batch")
         check_batch(inputs, self.plan, self.dp if local else None)

@@ -64,7 +64,11 @@ def dtensor_placement(p: planned.Placement) -> Placement:
     """The plan's placement as DTensor's own class."""
     if isinstance(p, planned.Shard):
         return Shard(p.dim)
-    return Partial() if isinstance(p, planned.Partial) else Replicate()
+    if isinstance(p, planned.Partial):
+        return Partial()
+    if isinstance(p, planned.Replicate):
+        return Replicate()
+    raise TypeError(f"not a plan placement: {p!r} (Plan.check_placements types placements written as text)")
 
 
 def _reduced(value: DTensor, want: Placement) -> bool:
