@@ -134,3 +134,20 @@ def test_train_resumes_from_its_checkpoint_on_the_same_trajectory_and_under_anot
 def test_bad_train_options_are_one_message(tmp_path, argv, message):
     proc = _train("mlp-tiny", "--nproc", "2", *[a.format(tmp=tmp_path) for a in argv])
     assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_blame_names_the_killed_rank_when_the_ranks_it_took_down_are_seen_gone_in_the_same_poll():
+    """The launcher SIGTERMs rank 0 right after rank 1 is killed; a busy machine can note both gone
+    in one poll, rank 0 first. The killed rank is the cause."""
+    import signal as signals
+    from types import SimpleNamespace
+
+    from autopar.runtime.failures import Watched, blame
+
+    where = {"pid": 1, "step": 2, "phase": "step"}
+    killed = SimpleNamespace(exitcode=-signals.SIGKILL, signal_name=lambda: "SIGKILL")
+    seen = {0: Watched(where=where, died_at=7), 1: Watched(where=where, died_at=7)}
+    assert blame({1: killed}, seen, 5).startswith("rank 1 was killed by SIGKILL at step 2 of 5")
+    # a rank seen gone a poll earlier, without a word, is still the first cause
+    seen[0].died_at = 6
+    assert blame({1: killed}, seen, 5).startswith("rank 0 died at step 2 of 5")

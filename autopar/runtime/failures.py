@@ -128,11 +128,12 @@ def _process_state(pid: int) -> str:
 
 @dataclasses.dataclass
 class Watched:
-    """What `reaping` saw of one rank: its last progress, when its process was first seen gone,
+    """What `reaping` saw of one rank: its last progress, the poll in which its process was first
+    seen gone (a poll, not a time: ranks noted gone in one poll went together, in no known order),
     whether it was seen stopped."""
 
     where: dict[str, Any] | None = None
-    died_at: float | None = None
+    died_at: int | None = None
     stopped: bool = False
 
 
@@ -159,7 +160,7 @@ def reaping(directory: str | Path, nproc: int, grace_s: float, seen: dict[int, W
                     state = _process_state(w.where["pid"])
                     w.stopped |= state == "stopped"
                     if state == "dead":  # its last words (an error it recorded on the way out)
-                        w.died_at, w.where = time.time(), progress(directory, r) or w.where
+                        w.died_at, w.where = tick, progress(directory, r) or w.where
             if failed_at is None and any((w.where or {}).get("error") for w in seen.values()):
                 failed_at = time.time()
             if failed_at is not None and time.time() > failed_at + grace_s:
@@ -183,15 +184,18 @@ def blame(failed: dict[int, Any], seen: dict[int, Watched], steps: int) -> str:
     """One line: which rank died (or froze), how, and at which step. torchelastic reports the first
     rank it saw exit, which may be one whose collectives failed because of another, or one it
     stopped itself; the causes come first: a frozen rank, the first rank gone without a word, a
-    signalled one, a rank's own error, before ranks that only lost a peer."""
+    signalled one, a rank's own error, before ranks that only lost a peer. Of ranks seen gone in the
+    same poll, one the launcher saw killed by a signal goes first: the others are the ranks it
+    stopped after it."""
     def error(r: int) -> str | None:
         return (seen[r].where or {}).get("error") if r in seen else None
 
     frozen = [r for r, w in seen.items() if w.stopped]
-    silent = sorted((w.died_at, r) for r, w in seen.items() if w.died_at is not None and not error(r))
     signalled = [r for r, f in failed.items() if f.exitcode < 0 and not error(r)]
+    silent = sorted((w.died_at, r not in signalled, r) for r, w in seen.items()
+                    if w.died_at is not None and not error(r))
     own = [r for r in failed if error(r) and "another rank died or stopped responding" not in error(r)]
-    rank = (frozen or [r for _, r in silent[:1]] or signalled or own or sorted(failed))[0]
+    rank = (frozen or [r for *_, r in silent[:1]] or signalled or own or sorted(failed))[0]
     w = seen[rank].where if rank in seen else None
     if rank in frozen:
         how = "stopped responding (its process is stopped)"
