@@ -42,11 +42,20 @@ def test_transfers_and_gradient_sync_add_up():
     assert {e.kind for e in synced.events} == {"F", "B", "send", "sync"}
 
 
-def test_every_schedule_orders_every_action_once():
-    for schedule in ("1f1b", "gpipe"):
-        for s in range(4):
-            order = schedules.order(schedule, 4, s, 6)
-            assert sorted(order) == sorted([("F", i) for i in range(6)] + [("B", i) for i in range(6)])
+@pytest.mark.parametrize("schedule, virtual", [("1f1b", 1), ("gpipe", 1), ("interleaved-1f1b", 1),
+                                              ("interleaved-1f1b", 3), ("interleaved-zb", 2), ("zbv", 2)])
+def test_every_schedule_orders_every_action_once(schedule, virtual):
+    """Each rank runs every action of each of its stages once; a split backward's parts in order."""
+    p, m = 4, 8
+    backward = ["I", "W"] if schedules.splits_backward(schedule) else ["B"]
+    where = schedules.stage_ranks(schedule, p, virtual)
+    for r in range(p):
+        order = schedules.order(schedule, p, r, m, virtual)
+        expected = [(k, s, i) for s in range(p * virtual) if where[s] == r for k in ["F", *backward] for i in range(m)]
+        assert sorted(order) == sorted(expected)
+        for s, i in {(s, i) for _, s, i in order}:
+            kinds = [k for k, s2, i2 in order if (s2, i2) == (s, i)]
+            assert kinds == ["F", *backward]
     with pytest.raises(ValueError, match="unknown schedule"):
         schedules.order("zb", 2, 0, 2)
 

@@ -1,13 +1,16 @@
-"""Replay a pipeline schedule event by event: step time, bubble, per-stage peak memory.
+"""Replay a pipeline schedule action by action: step time, bubble, per-stage peak memory.
 
-Each stage runs its actions in schedule order ("2F0": stage 2, forward, microbatch 0, as in
-torch.distributed.pipelining): a forward waits for the previous stage's forward of the same
-microbatch plus the point-to-point transfer; a backward waits for the next stage's backward.
-Transfers overlap compute (sends are asynchronous). The data-parallel gradient reduction of a
-stage ends the step for that stage: the part of it that its link's `overlap` does not hide behind
-the last backward runs after it (the callers price that part). On a host with more ranks than
-cores (`Hosts`), stages computing at once share the cores. The bubble fraction is the idle share of all stages' time until the last
-backward ends: pipeline fill and drain, and also waiting caused by unequal stages.
+Each device group (a pipeline rank) runs its actions in the schedule's order, one at a time
+("2F0": stage 2, forward, microbatch 0, as in torch.distributed.pipelining); a group holds one
+stage, or v of them with interleaved and V-shaped schedules. A forward waits for the previous
+stage's forward of the same microbatch plus the point-to-point transfer; a backward (or, split,
+its input-gradient part "I") waits for the next stage's; a weight-gradient part "W" waits for
+its own "I". Transfers overlap compute (sends are asynchronous) and cost nothing between stages of
+one group. The data-parallel gradient reduction of a group ends the step for it: the part of it
+that its link's `overlap` does not hide behind the last backward runs after it (the callers price
+that part). On a host with more ranks than cores (`Hosts`), groups computing at once share the
+cores. The bubble fraction is the idle share of all groups' time until the last backward ends:
+pipeline fill and drain, and also waiting caused by unequal stages.
 """
 
 from __future__ import annotations
@@ -29,30 +32,30 @@ class StageTimes:
     grad_bytes: float = 0.0  # the part of state_bytes the step's first backward allocates (gradients)
     sync_bytes: float = 0.0  # held at the end of backward: flat copies of the gradients being averaged
     optimizer_s: float = 0.0  # once per step, after the gradient synchronisation
+    weight_s: float = 0.0  # the part of backward_s that computes weight gradients (a split backward's "W")
 
 
 @dataclass(frozen=True)
 class Event:
     stage: int
-    kind: str  # "F", "B", "send", "sync"
+    kind: str  # "F", "B", "I", "W", "send", "sync"
     microbatch: int
     start: float
     end: float
-
-
+    rank: int = 0  # the device group that ran it
 
 
 @dataclass(frozen=True)
 class Hosts:
-    """Where the stages' ranks run, when more ranks than cores share a host: stage s holds the
-    devices after those of the stages before it, laid host by host."""
+    """Where the groups' ranks run, when more ranks than cores share a host: group r holds the
+    devices after those of the groups before it, laid host by host."""
 
-    devices: tuple[int, ...]  # per stage
+    devices: tuple[int, ...]  # per device group
     devices_per_host: int
     cores_per_host: int
 
     def rates(self, running: list[int]) -> dict[int, float]:
-        """The speed of each running stage: its ranks share their hosts' cores with every rank
+        """The speed of each running group: its ranks share their hosts' cores with every rank
         computing there (processor sharing: `cores / busy ranks`, at most 1)."""
         busy: dict[int, int] = {}
         spans = {}
@@ -70,94 +73,114 @@ class Hosts:
 class Simulation:
     step_time_s: float
     bubble_fraction: float
-    peak_memory_bytes: list[float]
+    peak_memory_bytes: list[float]  # per stage: the peak of the group holding it
     events: list[Event] = field(default_factory=list)
     hosts: Hosts | None = None
 
 
-def simulate(stages: list[StageTimes], num_microbatches: int, schedule: str = "1f1b", hosts: Hosts | None = None
-             ) -> Simulation:
-    """Replays the schedule; with `hosts`, stages computing at the same time on an oversubscribed
-    host slow each other down (their work is fixed, their speed `Hosts.rates`)."""
-    n = len(stages)
-    orders = [schedules.order(schedule, n, s, num_microbatches) for s in range(n)]
-    # every stage ends with its exposed gradient synchronisation (what `overlap` of it does not hide
+def simulate(stages: list[StageTimes], num_microbatches: int, schedule: str = "1f1b", hosts: Hosts | None = None,
+             virtual: int = 1) -> Simulation:
+    """Replays the schedule over `len(stages) / virtual` device groups; with `hosts`, groups
+    computing at the same time on an oversubscribed host slow each other down (their work is
+    fixed, their speed `Hosts.rates`)."""
+    n, m = len(stages), num_microbatches
+    p = n // virtual
+    where = schedules.stage_ranks(schedule, p, virtual)
+    # every group ends with its exposed gradient synchronisation (what `overlap` of it does not hide
     # behind its last backward: grad_sync_s holds that share) and its optimizer step, on its cores too
-    orders = [o + [("S", -1)] for o in orders]
-    done: dict[tuple[str, int, int], float] = {}  # (kind, stage, microbatch) -> end time
-    pos = [0] * n
+    orders = [schedules.order(schedule, p, r, m, virtual) + [("S", -1, -1)] for r in range(p)]
+    mine = [[s for s in range(n) if where[s] == r] for r in range(p)]
+    done: dict[tuple[str, int, int], float] = {}  # ("F" | "G" (input gradient) | "W", stage, microbatch) -> end
+    pos = [0] * p
     events: list[Event] = []
     in_flight = [0] * n
     backward_done = [False] * n  # gradients exist from the end of a stage's first backward on
-    peak = [st.state_bytes - st.grad_bytes for st in stages]
-    running: dict[int, list] = {}  # stage -> [kind, microbatch, start, work left]
+    peak = [sum(stages[s].state_bytes - stages[s].grad_bytes for s in group) for group in mine]
+    running: dict[int, list] = {}  # group -> [kind, stage, microbatch, start, work left]
     now = 0.0
+
+    def work(kind: str, r: int, s: int) -> float:
+        st = stages[s]
+        if kind == "S":
+            return sum(stages[k].grad_sync_s + stages[k].optimizer_s for k in mine[r])
+        return {"F": st.forward_s, "B": st.backward_s, "I": st.backward_s - st.weight_s, "W": st.weight_s}[kind]
+
+    def held(r: int) -> float:
+        return sum(stages[s].state_bytes - (0.0 if backward_done[s] else stages[s].grad_bytes)
+                   + in_flight[s] * stages[s].activation_bytes for s in mine[r])
+
     while True:
         waiting = []
-        for s in range(n):
-            if s in running or pos[s] == len(orders[s]):
+        for r in range(p):
+            if r in running or pos[r] == len(orders[r]):
                 continue
-            kind, mb = orders[s][pos[s]]
-            ready = _ready(kind, s, mb, n, stages, done)
+            kind, s, mb = orders[r][pos[r]]
+            ready = _ready(kind, s, mb, stages, where, done)
             if ready is None:
                 continue
             if ready > now:
                 waiting.append(ready)
                 continue
-            st = stages[s]
-            work = {"F": st.forward_s, "B": st.backward_s, "S": st.grad_sync_s + st.optimizer_s}[kind]
-            running[s] = [kind, mb, now, work]
-            held = st.state_bytes - (0.0 if backward_done[s] else st.grad_bytes)
+            running[r] = [kind, s, mb, now, work(kind, r, s)]
             if kind == "F":
                 in_flight[s] += 1
-                peak[s] = max(peak[s], held + in_flight[s] * st.activation_bytes)
-            elif kind == "B":
-                peak[s] = max(peak[s], held + in_flight[s] * st.activation_bytes + st.transient_bytes)
-                in_flight[s] -= 1
+                peak[r] = max(peak[r], held(r))
+            elif kind in "BI":
+                peak[r] = max(peak[r], held(r) + stages[s].transient_bytes)
                 backward_done[s] = True
+                in_flight[s] -= kind == "B"
+            elif kind == "W":
+                in_flight[s] -= 1
         if not running:
             if not waiting:
                 break
             now = min(waiting)
             continue
         rates = hosts.rates(sorted(running)) if hosts is not None else dict.fromkeys(running, 1.0)
-        step = min([left / rates[s] for s, (_, _, _, left) in running.items()] + [w - now for w in waiting])
+        step = min([left / rates[r] for r, (*_, left) in running.items()] + [w - now for w in waiting])
         now += step
-        for s in list(running):
-            kind, mb, start, left = running[s]
-            left -= step * rates[s]
+        for r in list(running):
+            kind, s, mb, start, left = running[r]
+            left -= step * rates[r]
             if left > 1e-12 * max(1.0, now):
-                running[s][3] = left
+                running[r][4] = left
                 continue
-            del running[s]
-            done[(kind, s, mb)] = now
-            pos[s] += 1
-            if kind != "S" or now > start:
-                events.append(Event(s, {"S": "sync"}.get(kind, kind), mb, start, now))
-            if kind == "F" and s + 1 < n:
-                events.append(Event(s, "send", mb, now, now + stages[s].send_s))
-    if any(p < len(o) for p, o in zip(pos, orders)):
+            del running[r]
+            done[("G" if kind in "BI" else kind, s, mb)] = now
+            pos[r] += 1
+            if kind == "S":
+                if now > start:
+                    events.append(Event(mine[r][0], "sync", -1, start, now, r))
+                continue
+            events.append(Event(s, kind, mb, start, now, r))
+            if kind == "F" and s + 1 < n and where[s + 1] != r:
+                events.append(Event(s, "send", mb, now, now + stages[s].send_s, r))
+    if any(k < len(o) for k, o in zip(pos, orders)):
         raise RuntimeError("schedule deadlocked")  # a bug in a schedule's order, never the user's input
-    peak = [max(p, st.state_bytes + st.sync_bytes) for p, st in zip(peak, stages)]
-    pipeline_end = max(e.end for e in events if e.kind in ("F", "B"))
-    busy = sum(e.end - e.start for e in events if e.kind in ("F", "B"))
-    bubble = 1.0 - busy / (n * pipeline_end) if pipeline_end > 0 else 0.0
-    return Simulation(max(done.values()), max(0.0, bubble), peak, events, hosts)
+    peak = [max(peak[r], sum(stages[s].state_bytes + stages[s].sync_bytes for s in mine[r])) for r in range(p)]
+    compute = [e for e in events if e.kind in ("F", "B", "I", "W")]
+    pipeline_end = max(e.end for e in compute)
+    busy = sum(e.end - e.start for e in compute)
+    bubble = 1.0 - busy / (p * pipeline_end) if pipeline_end > 0 else 0.0
+    end = max([now] + [e.end for e in events])
+    return Simulation(end, max(0.0, bubble), [peak[where[s]] for s in range(n)], events, hosts)
 
 
-def _ready(kind: str, s: int, mb: int, n: int, stages: list[StageTimes], done: dict) -> float | None:
+def _ready(kind: str, s: int, mb: int, stages: list[StageTimes], where: list[int], done: dict) -> float | None:
     """When the inputs of an action have arrived, or None if they have not been produced yet."""
     if kind == "S":
-        return max(t for (k, st, _), t in done.items() if k == "B" and st == s)
+        return 0.0  # a group's last action: everything before it has ended
+    if kind == "W":
+        return done.get(("G", s, mb))
     if kind == "F":
         if s == 0:
             return 0.0
         prev = done.get(("F", s - 1, mb))
-        return None if prev is None else prev + stages[s - 1].send_s
+        return None if prev is None else prev + (stages[s - 1].send_s if where[s - 1] != where[s] else 0.0)
     own = done.get(("F", s, mb))
     if own is None:
         return None
-    if s == n - 1:
+    if s == len(stages) - 1:
         return own
-    nxt = done.get(("B", s + 1, mb))
-    return None if nxt is None else max(own, nxt + stages[s].send_s)
+    nxt = done.get(("G", s + 1, mb))
+    return None if nxt is None else max(own, nxt + (stages[s].send_s if where[s + 1] != where[s] else 0.0))

@@ -114,7 +114,7 @@ class Search:
         """Microbatches a stage with s stages from the end holds (the DP does not know the
         pipeline's length: with fewer microbatches than the deepest one it may build, the schedule
         may run its fallback, 1F1B GPipe's order, in which every stage holds all of them)."""
-        return schedules.runs(self.schedule, depth, m).in_flight(s, 0, m)
+        return schedules.in_flight(schedules.runs(self.schedule, depth, m).name, s, 0, m)
 
 
     def times(self, shapes: list[tuple[int, int]], m: int, depth: int) -> tuple[np.ndarray, dict]:

@@ -56,7 +56,7 @@ class FanOutSchedule:
         self.module, self.stage, self.m, self.loss_fn = module, stage, m, loss_fn
         self.first, self.last = stage == 0, stage == len(sizes) - 1
         self.peers = peers(sizes, dist.get_rank())
-        self.order = [(kind == "F", i) for kind, i in schedules.order(schedule, len(sizes), stage, m)]
+        self.order = [(kind == "F", i) for kind, _, i in schedules.order(schedule, len(sizes), stage, m)]
         self.inputs, self.outputs = inputs, outputs
         self.sync: Any = None  # GradSync: its buckets launch during the last backward
 
