@@ -141,6 +141,9 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
         if args.stages is not None and not 1 <= args.stages <= min(len(search.layers), search.cluster.num_devices):
             raise AutoparError(f"--stages {args.stages}: {args.model} has {len(search.layers)} layers and the mesh "
                                f"{search.cluster.num_devices} devices; choose 1 to {min(len(search.layers), search.cluster.num_devices)}")
+        if args.virtual is not None and (not args.manual or not 1 <= args.virtual <= len(search.layers)):
+            raise AutoparError(f"--virtual {args.virtual}: the stages per device group of a --manual layout, 1 to "
+                               f"{len(search.layers)} (the search chooses it itself)")
         if args.tune is not None:
             if args.manual or args.compression or args.stages:
                 raise AutoparError("--tune measures the best predicted layouts of the free search: leave out "
@@ -149,7 +152,7 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
 
             plan = tune_locally(search, args.model, args.tune, args.batch, progress=step)
         elif args.manual:
-            layout = Layout.parse(args.manual, args.recompute)
+            layout = Layout.parse(args.manual, args.recompute, args.virtual or 1)
             plan = plan_compressed(search, args.compression, lambda s: manual_plan(manual_search(s), layout), step)
         else:
             plan = plan_compressed(search, args.compression, lambda s: plan_auto(s, stages=args.stages, progress=step),
@@ -483,6 +486,8 @@ def _parser() -> argparse.ArgumentParser:
     planning(p)
     p.add_argument("--stages", type=int, help="exactly this many pipeline stages (default: searched)")
     p.add_argument("--manual", metavar="DP,TP,PP[,MB]", help="evaluate a hand-written Megatron-style layout")
+    p.add_argument("--virtual", type=int, metavar="V", help="with --manual: V stages per device group (pp·V stages; "
+                   "interleaved-1f1b, interleaved-zb or zbv, which needs 2)")
     p.add_argument("--compression", metavar="SPEC|auto",
                    help="price the data axis's gradient averaging through a compressor (e.g. dgc:0.999, "
                         "powersgd:4), or 'auto': weigh none, fp16, powersgd:4 and dgc:0.999 and keep the fastest")

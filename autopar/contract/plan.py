@@ -1,4 +1,9 @@
-"""The Plan: the one contract between the planner and the runtime (`"schema": "autopar.plan/1"`).
+"""The Plan: the one contract between the planner and the runtime (`"schema": "autopar.plan/2"`).
+
+Schema 2 adds `virtual`, the stages each device group holds (interleaved and V-shaped schedules):
+`stages` lists all p·v stages in model order and the schedule says which group holds each
+(`schedules.stage_ranks`); a stage's submesh is its group's. Schema 1 files (one stage per group)
+load as plans with `virtual` 1.
 
 Keyed by stable strings only (parameter FQNs, exported node names, layer names), so a plan
 written by the planner, by the hand-written 3D generator or by a person runs the same way, and
@@ -24,7 +29,8 @@ from autopar.contract.limits import MAX_BATCH, MAX_DEVICES, MAX_MICROBATCHES
 from autopar.contract.placements import Partial, Placement, Shard, is_placement, placed, spelled
 from autopar.contract.units import human_time, printable, span
 
-SCHEMA = "autopar.plan/1"
+SCHEMA = "autopar.plan/2"
+SCHEMAS = ("autopar.plan/1", SCHEMA)  # what loads
 
 
 class PlanError(AutoparError):
@@ -69,6 +75,7 @@ class Plan:
     stages: list[StagePlan]
     num_microbatches: int
     schedule: str = "1f1b"
+    virtual: int = 1  # stages per device group (the schedule places them)
     precision: str | None = None  # mixed precision it was priced for ("bf16", "fp16"); None: the model's dtype
     dp_gradient: dict[str, Any] = field(default_factory=lambda: {"zero_stage": 0, "compression": None, "delay": 0})
     estimate: Estimate | None = None
@@ -162,18 +169,35 @@ class Plan:
                 f"re-plan with `autopar plan {self.model}`")
 
     @property
+    def groups(self) -> int:
+        """Device groups of the pipeline (its ranks, in torch's words)."""
+        return len(self.stages) // self.virtual
+
+    @property
+    def stage_ranks(self) -> list[int]:
+        """The device group of each stage."""
+        return schedules.stage_ranks(self.schedule, self.groups, self.virtual)
+
+    @property
+    def group_devices(self) -> list[int]:
+        """Devices of each group (its first stage's submesh: every schedule places stage r on group r)."""
+        return [s.devices for s in self.stages[:self.groups]]
+
+    @property
     def num_devices(self) -> int:
-        return sum(s.devices for s in self.stages)
+        return sum(self.group_devices)
 
     def summary(self) -> str:
         """A few readable lines: stages, meshes, microbatches, prediction."""
         lines = [f"{printable(self.name)} plan for {printable(self.model)} (batch {self.batch}) on {printable(self.cluster)} "
                  f"{self.mesh[0]}x{self.mesh[1]}: {len(self.stages)} stage(s), {self.num_microbatches} "
-                 f"microbatch(es), {self.schedule}" + (f", mixed precision {self.precision}" if self.precision else "")]
+                 f"microbatch(es), {self.schedule}" + (f" with {self.virtual} stages per device group" if self.virtual > 1
+                                                       else "") + (f", mixed precision {self.precision}" if self.precision else "")]
         for i, s in enumerate(self.stages):
             names = [printable(self.layers[k]["name"]) for k in range(*s.layers)]
+            group = f" (device group {self.stage_ranks[i]})" if self.virtual > 1 else ""
             lines.append(f"  stage {i}: layers {s.layers[0]}–{s.layers[1] - 1} ({span(names)}) on {s.submesh[0]}x{s.submesh[1]} "
-                         f"devices as dp {s.logical_mesh[0]} × tp {s.logical_mesh[1]}"
+                         f"devices{group} as dp {s.logical_mesh[0]} × tp {s.logical_mesh[1]}"
                          + (", recomputing activations" if s.recompute else ""))
         if self.estimate:
             e = self.estimate
@@ -187,8 +211,9 @@ def _parse(data: Any, source: str) -> Plan:
     """Build a Plan from JSON data, naming the first thing that is wrong."""
     if not isinstance(data, dict):
         raise PlanError(f"{source}: expected a JSON object, got {type(data).__name__}")
-    if data.get("schema") != SCHEMA:
-        raise PlanError(f"{source}: schema {data.get('schema')!r} is not {SCHEMA!r}; re-plan with this version of autopar")
+    if data.get("schema") not in SCHEMAS:
+        raise PlanError(f"{source}: schema {data.get('schema')!r} is not one of {', '.join(SCHEMAS)}; re-plan with this "
+                        "version of autopar")
 
     def need(obj: dict, key: str, kind: type | tuple, where: str = "") -> Any:
         value = obj.get(key)
@@ -255,9 +280,22 @@ def _parse(data: Any, source: str) -> Plan:
         expected = s.layers[1]
     if expected != len(layers):
         raise PlanError(f"{source}: the stages cover {expected} of {len(layers)} layers")
-    if sum(s.devices for s in stages) != mesh[0] * mesh[1]:
-        raise PlanError(f"{source}: the stages use {sum(s.devices for s in stages)} devices, the mesh "
-                        f"{mesh[0]}x{mesh[1]} has {mesh[0] * mesh[1]}")
+    schedule = need(data, "schedule", str)
+    if schedule not in schedules.SCHEDULES:
+        raise PlanError(f"{source}: schedule must be one of {', '.join(schedules.SCHEDULES)}, got {schedule!r}")
+    virtual = need(data, "virtual", int) if data["schema"] != "autopar.plan/1" else 1
+    if virtual < 1 or len(stages) % virtual:
+        raise PlanError(f"{source}: virtual must be a number of stages per device group that divides the "
+                        f"{len(stages)} stages, got {virtual}")
+    groups = len(stages) // virtual
+    where = schedules.stage_ranks(schedule, groups, virtual)
+    for i, s in enumerate(stages):
+        if s.submesh != stages[where[i]].submesh:
+            raise PlanError(f"{source}: stages[{i}] runs on device group {where[i]} ({schedule}, {virtual} stages per "
+                            f"group), whose submesh is {list(stages[where[i]].submesh)}, not {list(s.submesh)}")
+    used = sum(s.devices for s in stages[:groups])
+    if used != mesh[0] * mesh[1]:
+        raise PlanError(f"{source}: the stages use {used} devices, the mesh {mesh[0]}x{mesh[1]} has {mesh[0] * mesh[1]}")
     gradient = need(data, "dp_gradient", dict)
     if gradient.get("zero_stage", 0) not in (0, 1, 2, 3):
         raise PlanError(f"{source}: dp_gradient.zero_stage must be 0, 1, 2 or 3, got {gradient.get('zero_stage')!r}")
@@ -269,9 +307,6 @@ def _parse(data: Any, source: str) -> Plan:
     delay = gradient.get("delay", 0)
     if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
         raise PlanError(f"{source}: dp_gradient.delay must be a number of steps ≥ 0, got {delay!r}")
-    schedule = need(data, "schedule", str)
-    if schedule not in schedules.SCHEDULES:
-        raise PlanError(f"{source}: schedule must be one of {', '.join(schedules.SCHEDULES)}, got {schedule!r}")
     precision = data.get("precision")
     if precision not in (None, "bf16", "fp16"):
         raise PlanError(f"{source}: precision must be \"bf16\", \"fp16\" or null (the model's dtype), got {precision!r}")
@@ -282,6 +317,9 @@ def _parse(data: Any, source: str) -> Plan:
                         f"{MAX_MICROBATCHES}")
     if mb < 1 or batch % mb:
         raise PlanError(f"{source}: num_microbatches {mb} must be at least 1 and divide the batch {batch}")
+    wrong = schedules.problem(schedule, groups, mb, virtual)
+    if wrong:
+        raise PlanError(f"{source}: {wrong}")
     est = data.get("estimate")
     estimate = None
     if est is not None:
@@ -295,7 +333,7 @@ def _parse(data: Any, source: str) -> Plan:
     return Plan(
         model=need(data, "model", str), graph_hash=need(data, "graph_hash", str), batch=batch,
         cluster=need(data, "cluster", str), mesh=mesh, layers=layers, stages=stages,
-        num_microbatches=mb, schedule=schedule, precision=precision, dp_gradient=gradient, estimate=estimate,
+        num_microbatches=mb, schedule=schedule, virtual=virtual, precision=precision, dp_gradient=gradient, estimate=estimate,
         search=data.get("search") or {}, name=str(data.get("name", "auto")))
 
 

@@ -1,7 +1,8 @@
 """Hand-written 3D layouts, the way Megatron-LM lays a model out, as Plans (and DeepSpeed-MoE's).
 
 (dp, tp, pp, microbatches): transformer blocks split evenly over pp stages (embedding on the
-first, output layer on the last), tensor parallelism inside a host with Megatron's column- and
+first, output layer on the last; with v stages per device group, over pp·v stages, Megatron-LM's
+interleaved layout), tensor parallelism inside a host with Megatron's column- and
 row-parallel linears, vocabulary-parallel embeddings and attention split by heads, data
 parallelism outermost, no ZeRO. The sharding is the intra-op ILP constrained to those choices,
 so it is priced, simulated and run exactly like a searched plan.
@@ -12,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
+from autopar.contract import schedules
 from autopar.contract.errors import AutoparError
 from autopar.contract.plan import Plan
 from autopar.planner import rules as L
@@ -65,21 +67,23 @@ class Layout:
     pp: int
     num_microbatches: int | None = None
     recompute: bool = False
+    virtual: int = 1  # stages per device group
 
     @property
     def name(self) -> str:
         mb = f",{self.num_microbatches}" if self.num_microbatches else ""
-        return f"megatron-{self.dp},{self.tp},{self.pp}{mb}" + ("+recompute" if self.recompute else "")
+        return (f"megatron-{self.dp},{self.tp},{self.pp}{mb}" + (f"+v{self.virtual}" if self.virtual > 1 else "")
+                + ("+recompute" if self.recompute else ""))
 
     @staticmethod
-    def parse(text: str, recompute: bool = False) -> Layout:
+    def parse(text: str, recompute: bool = False, virtual: int = 1) -> Layout:
         try:
             parts = [int(p) for p in text.split(",")]
         except ValueError:
             parts = []
         if len(parts) not in (3, 4) or any(p < 1 for p in parts):
             raise AutoparError(f"malformed layout {text!r}: write DP,TP,PP or DP,TP,PP,MICROBATCHES, e.g. 2,4,8,64")
-        return Layout(*parts[:3], parts[3] if len(parts) == 4 else None, recompute)
+        return Layout(*parts[:3], parts[3] if len(parts) == 4 else None, recompute, virtual)
 
 
 def manual_search(search: Search, zero3: bool = False) -> Search:
@@ -92,7 +96,7 @@ def manual_search(search: Search, zero3: bool = False) -> Search:
     costs = StageCosts(search.graph, search.cluster, rule, c.time_limit_s, c.compression, world=c.world,
                        choices=c.choices, pin=c.pin)
     return Search(search.workload, search.cluster, search.mesh, search.graph, layers, costs,
-                  search.memory_limit, search.schedule)
+                  search.memory_limit, search.schedule, search.virtual)
 
 
 def blocks(search: Search) -> list[int]:
@@ -135,14 +139,16 @@ def check(search: Search, layout: Layout) -> str | None:
         return f"tensor parallelism {layout.tp} must divide the {per_host} devices of a host"
     if (layout.dp * layout.tp) % per_host and per_host % (layout.dp * layout.tp):
         return f"a stage's {layout.dp * layout.tp} devices must tile hosts of {per_host}"
-    if len(block) % layout.pp:
-        return f"{len(block)} blocks do not split evenly into {layout.pp} stages"
+    stages = layout.pp * layout.virtual
+    if len(block) % stages:
+        return f"{len(block)} blocks do not split evenly into {stages} stages"
     batch = search.workload.batch
     if batch % layout.dp:
         return f"data parallelism {layout.dp} does not divide the batch {batch}"
     if layout.num_microbatches and (batch % layout.num_microbatches or (batch // layout.num_microbatches) % layout.dp):
         return f"batch {batch} does not split into {layout.num_microbatches} microbatches of a multiple of {layout.dp}"
-    return None
+    # without a microbatch count, only counts the schedule runs are tried (one round: any runs)
+    return schedules.problem(search.schedule, layout.pp, layout.num_microbatches or layout.pp, layout.virtual)
 
 
 def manual_plan(search: Search, layout: Layout) -> Plan:
@@ -154,18 +160,21 @@ def manual_plan(search: Search, layout: Layout) -> Plan:
     hosts, per_host = search.mesh
     size = layout.dp * layout.tp
     shape = (1, size) if size <= per_host else (size // per_host, per_host)
+    if layout.virtual != search.virtual:
+        search = dataclasses.replace(search, virtual=layout.virtual)
     block = blocks(search)
-    per_stage = len(block) // layout.pp
-    cuts = [0] + [block[per_stage * s] for s in range(1, layout.pp)] + [len(search.layers)]
+    stages = layout.pp * layout.virtual
+    per_stage = len(block) // stages
+    cuts = [0] + [block[per_stage * s] for s in range(1, stages)] + [len(search.layers)]
     counts = [layout.num_microbatches] if layout.num_microbatches else [
-        m for m in microbatch_counts(search.workload.batch) if (search.workload.batch // m) % layout.dp == 0]
+        m for m in microbatch_counts(search.workload.batch) if (search.workload.batch // m) % layout.dp == 0
+        and not schedules.problem(search.schedule, layout.pp, m, layout.virtual)]
     best = None
     for m in counts:
         chosen = []
         for s, (i, j) in enumerate(zip(cuts, cuts[1:])):
-            table = search.stage_table(i, j, shape, m, layout.pp - s, logical=[(layout.dp, layout.tp)],
-                                       recompute=(layout.recompute,))
-            option = table[layout.pp - s] or _unconstrained(search, i, j, shape, m, layout)
+            option = search.fastest(i, j, shape, m, *search.budget(s, stages, m), logical=[(layout.dp, layout.tp)],
+                                    recompute=(layout.recompute,)) or _unconstrained(search, i, j, shape, m, layout)
             chosen.append(((i, j), shape, option))
         if any(opt is None for _, _, opt in chosen):
             continue

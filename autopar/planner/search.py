@@ -61,13 +61,14 @@ class Search:
     costs: StageCosts
     memory_limit: float
     schedule: str = "1f1b"
+    virtual: int = 1  # stages per device group
 
     def __post_init__(self) -> None:
         self.costs.layer_starts = [layer.atoms[0] for layer in self.layers]  # what a recomputing stage checkpoints
 
     @staticmethod
     def start(workload: Workload, cluster: ClusterSpec, mesh: tuple[int, int], *, memory_limit: float | None = None,
-              schedule: str = "1f1b", rule: Rule | None = None, time_limit_s: float = 30.0,
+              schedule: str = "1f1b", virtual: int = 1, rule: Rule | None = None, time_limit_s: float = 30.0,
               graph: OpGraph | None = None, compression: str | None = None, precision: str | None = None,
               choices: dict | None = None, pin: bool = False) -> Search:
         """`compression`: price the data axis's gradient averaging through this compressor (and keep
@@ -86,12 +87,12 @@ class Search:
         limit = cluster.device.memory_bytes * (1 - RESERVE) if memory_limit is None else memory_limit
         return Search(workload, cluster, mesh, graph, cluster_layers(graph),
                       StageCosts(graph, cluster, rule, time_limit_s, spec, world=mesh[0] * mesh[1], choices=choices,
-                                 pin=pin), limit, schedule)
+                                 pin=pin), limit, schedule, virtual)
 
     def compressed(self, compression: str | None) -> Search:
         """The same search with the data axis priced through `compression` (None: dense)."""
         return Search.start(self.workload, self.cluster, self.mesh, memory_limit=self.memory_limit,
-                            schedule=self.schedule, rule=self.costs.rule if self.costs.rule is not REPLICATED_GRADIENTS
+                            schedule=self.schedule, virtual=self.virtual, rule=self.costs.rule if self.costs.rule is not REPLICATED_GRADIENTS
                             else None, time_limit_s=self.costs.time_limit_s, graph=self.graph, compression=compression)
 
     def atoms(self, i: int, j: int) -> tuple[int, int]:
@@ -102,20 +103,37 @@ class Search:
                     ) -> list[StageOption | None]:
         """For s = 1 … depth stages from the end: the fastest way to run layers [i, j) on `shape`
         that fits with the microbatches that stage keeps in flight (index 0 unused)."""
-        # the gradient reduction overlaps the last backward (as the simulator replays it)
-        opts = sorted(self.costs.options(self.atoms(i, j), shape, m, logical, recompute),
-                      key=lambda o: (o.time + (o.grad_sync_s + o.optimizer_s) / m, o.lean, o.recompute))
         table: list[StageOption | None] = [None] * (depth + 1)
         for s in range(1, depth + 1):
-            table[s] = next((o for o in opts if o.memory(self.in_flight(s, m, depth)) <= self.memory_limit), None)
+            table[s] = self.fastest(i, j, shape, m, self.in_flight(s, m, depth), self.memory_limit, logical, recompute)
         return table
+
+    def fastest(self, i: int, j: int, shape: tuple[int, int], m: int, in_flight: int, limit: float,
+                logical: list[tuple[int, int]] | None = None, recompute: tuple[bool, ...] = (False, True),
+                ) -> StageOption | None:
+        """The fastest way to run layers [i, j) on `shape` within `limit` bytes with `in_flight`
+        microbatches' activations held (the gradient reduction overlaps the last backward, as the
+        simulator replays it)."""
+        opts = sorted(self.costs.options(self.atoms(i, j), shape, m, logical, recompute),
+                      key=lambda o: (o.time + (o.grad_sync_s + o.optimizer_s) / m, o.lean, o.recompute))
+        return next((o for o in opts if o.memory(in_flight) <= limit), None)
+
+    def budget(self, index: int, stages: int, m: int) -> tuple[int, float]:
+        """(microbatches in flight, bytes) that stage `index` of `stages` may hold: with v stages
+        per device group, a v-th of the group's memory and of the microbatch-stages its rank keeps
+        (an even split: the simulator then replays the group's real peak)."""
+        if self.virtual == 1:
+            return self.in_flight(stages - index, m, stages), self.memory_limit
+        groups = stages // self.virtual
+        rank = schedules.stage_ranks(self.schedule, groups, self.virtual)[index]
+        chunks = schedules.in_flight(self.schedule, groups, rank, m, self.virtual)
+        return -(-chunks // self.virtual), self.memory_limit / self.virtual
 
     def in_flight(self, s: int, m: int, depth: int) -> int:
         """Microbatches a stage with s stages from the end holds (the DP does not know the
         pipeline's length: with fewer microbatches than the deepest one it may build, the schedule
         may run its fallback, 1F1B GPipe's order, in which every stage holds all of them)."""
         return schedules.in_flight(schedules.runs(self.schedule, depth, m).name, s, 0, m)
-
 
     def times(self, shapes: list[tuple[int, int]], m: int, depth: int) -> tuple[np.ndarray, dict]:
         """times[s, i, j, k] of `stage_table` for every range and shape at once (vectorised), and
@@ -312,14 +330,16 @@ def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int]
         stages.append(StagePlan(
             layers=(i, j), submesh=shape, logical_mesh=opt.logical_mesh, params=placed(dict(sorted(params.items()))),
             ops=placed(ops), needs=placed(needs), recompute=opt.recompute,
-            cost={"forward_s": opt.forward_s, "backward_s": opt.backward_s, "send_s": opt.send_s,
+            cost={"forward_s": opt.forward_s, "backward_s": opt.backward_s, "weight_s": opt.weight_s, "send_s": opt.send_s,
                   "grad_sync_s": opt.grad_sync_s, "optimizer_s": opt.optimizer_s, "state_bytes": opt.state_bytes,
                   **_memory_costs(opt.activation_bytes, opt.transient_bytes, opt.grad_bytes, opt.sync_bytes)}))
         times.append(stage_times(stages[-1].cost))
         gap = search.costs.gap(search.atoms(i, j), shape, opt.logical_mesh, opt.lean)
         if gap is not None:
             limited.append({"stage": idx, "layers": [i, j], "gap": gap})
-    sim = simulate(times, m, search.schedule, hosts(search.cluster, [s.devices for s in stages]))
+    groups = len(stages) // search.virtual
+    sim = simulate(times, m, search.schedule, hosts(search.cluster, [s.devices for s in stages[:groups]]),
+                   search.virtual)
     return _plan(search, stages, sim, m, name, {"method": name, **_time_limited(limited)})
 
 
@@ -334,8 +354,9 @@ def hosts(cluster: ClusterSpec, devices: list[int]) -> Hosts | None:
 def replay(plan: Plan) -> Simulation:
     """The simulation a plan's estimate came from, from the plan alone."""
     shared = plan.search.get("hosts")
-    where = Hosts(tuple(s.devices for s in plan.stages), *shared) if shared else None
-    return simulate([stage_times(s.cost) for s in plan.stages], plan.num_microbatches, plan.schedule, where)
+    where = Hosts(tuple(plan.group_devices), *shared) if shared else None
+    return simulate([stage_times(s.cost) for s in plan.stages], plan.num_microbatches, plan.schedule, where,
+                    plan.virtual)
 
 
 def _gathered_per_layer(search: Search, params: dict[str, list[str]], tp: int) -> np.ndarray:
@@ -363,7 +384,7 @@ def _memory_costs(acts: float, transient: float, grads: float, averaged: float) 
 def stage_times(cost: dict[str, float]) -> StageTimes:
     """The simulator's view of a plan stage, from the costs it carries (older plans lack some: 0)."""
     c = {k: cost.get(k, 0.0) for k in ("forward_s", "backward_s", "send_s", "grad_sync_s", "optimizer_s",
-                                       "state_bytes", "transient_bytes", "grad_bytes", "sync_bytes")}
+                                       "state_bytes", "transient_bytes", "grad_bytes", "sync_bytes", "weight_s")}
     return StageTimes(**c, activation_bytes=cost.get("activation_bytes_per_microbatch", 0.0))
 
 
@@ -374,7 +395,7 @@ def _time_limited(stages: list[dict]) -> dict:
 
 
 def _plan(search: Search, stages: list[StagePlan], sim, m: int, name: str, info: dict) -> Plan:
-    devices = sum(s.devices for s in stages)
+    devices = sum(s.devices for s in stages[:len(stages) // search.virtual])
     model_flops = search.graph.flops_fwd + search.graph.flops_bwd
     peak = float(max(sim.peak_memory_bytes))
     for stage, stage_peak in zip(stages, sim.peak_memory_bytes):  # what a rank of the stage should measure
@@ -387,7 +408,7 @@ def _plan(search: Search, stages: list[StagePlan], sim, m: int, name: str, info:
         model=search.workload.name, graph_hash=search.graph.fingerprint(), batch=search.workload.batch,
         cluster=search.cluster.name, mesh=search.mesh,
         layers=[{"name": layer.name, "nodes": list(layer.nodes)} for layer in search.layers],
-        stages=stages, num_microbatches=m, schedule=search.schedule, precision=search.graph.precision,
+        stages=stages, num_microbatches=m, schedule=search.schedule, virtual=search.virtual, precision=search.graph.precision,
         dp_gradient={"zero_stage": 3 if zero else 0,
                      "compression": search.costs.compression.canonical() if search.costs.compression else None,
                      "delay": 0},

@@ -69,6 +69,7 @@ class StageOption:
     grad_bytes: float = 0.0  # the gradients' part of state_bytes (absent until the step's first backward)
     sync_bytes: float = 0.0  # flat copies of the gradients the data axis averages, at the end of backward
     optimizer_s: float = 0.0  # once per step, after the gradients are averaged (and the loss's all-reduce)
+    weight_s: float = 0.0  # the weight-gradient part of backward_s (what a zero-bubble schedule runs apart)
 
     def memory(self, in_flight: int) -> float:
         """The peak with `in_flight` microbatches' activations held (an upper bound: the simulator
@@ -344,6 +345,9 @@ class StageCosts:
         comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
         if trainable:  # one bucket latency per 25 MB of the stage's weights (byte-weighted over its atoms)
             sync += weighted_latency / trainable * buckets(trainable)
+        # a linear layer's backward computes its input's and its weight's gradients at equal cost
+        # (Qi et al. price T_W = T_B): the weights' half of the computation, none of its collectives
+        weight = bwd / m / 2
         # autocast copies the weights once per microbatch and keeps them until its backward
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m + copies
         fwd, bwd = fwd + fixed_f * (1 - 1 / m), bwd + fixed_b * (1 - 1 / m)  # every microbatch issues every op
@@ -375,7 +379,7 @@ class StageCosts:
         if last < len(self.atoms) - 1 and self.cut[last] > 0:  # each rank sends its slice (Megatron's scatter)
             send = p2p_time(self.cut[last] / (lm[0] * lm[1] * m), stage_send_link(self.cluster, submesh))
         return StageOption(lm, lean, rc, fwd, bwd, send, sync, states, acts, transient, grads, averaged,
-                           float(self.optimizer_s(elements, tensors, dtensors)))
+                           float(self.optimizer_s(elements, tensors, dtensors)), weight)
 
     def optimizer_s(self, elements, tensors, dtensors):
         """The optimizer's step on a stage's shard of the weights, and the all-reduce of the loss

@@ -4,9 +4,10 @@ runs the schedule.
 The model is exported at the shape one rank runs (a microbatch of its data-parallel slice) and
 cut at the plan's stage boundaries: the plan's layers name their nodes, so a stage may begin
 anywhere between layers, module boundary or not (`sharded_graph.cut`). Each rank builds only its
-own stage (`ShardedGraph`, with the plan's tensor-axis placements when tp > 1) and hands it to a
-`PipelineStage`; `Schedule1F1B` / `ScheduleGPipe` run the microbatches (stages of different
-device counts: `runtime.fan_out`, the same orders). Each stage splits its devices by its own
+own stages (`ShardedGraph`, with the plan's tensor-axis placements when tp > 1) and hands each to
+a `PipelineStage`; torch's class for the plan's schedule runs the microbatches (`Schedule1F1B`,
+`ScheduleGPipe`; with v stages per rank `ScheduleInterleaved1F1B`, `ScheduleInterleavedZeroBubble`,
+`ScheduleZBVZeroBubble`; stages of different device counts: `runtime.fan_out`, the same orders). Each stage splits its devices by its own
 logical mesh (`_Groups`; boundaries between different ones are bridged by `runtime.cross_mesh`). After the schedule, gradients are averaged over the stage's data-parallel group
 (`GradSync`, its buckets launched during the last microbatch's backward), and weights
 used by several stages (a GPT's tied embedding and output layer) get the sum of their copies'
@@ -25,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.pipelining as pipelining
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor, Replicate
 
 from autopar.contract import schedules
@@ -59,29 +61,35 @@ from autopar.runtime.sharded_graph import ShardedGraph, cut
 
 
 class _Groups:
-    """Where this rank sits and the process groups it needs. Stage s holds the ranks from
-    offsets[s] on; position j of a stage is data-parallel index j // tp and tensor index j % tp of
-    its logical mesh. With one logical mesh throughout this is a (pp, dp, tp) DeviceMesh;
-    otherwise the groups are made one by one (every rank creates every group, in order) and the
-    boundaries between stages of different meshes are bridged (`runtime.cross_mesh`). Stages of
-    equal sizes chain position j of every stage into a pipeline group; stages of different sizes
-    have none (`runtime.fan_out` sends to global ranks)."""
+    """Where this rank sits and the process groups it needs. Device group r (the pipeline's rank r,
+    in torch's words) holds the ranks from offsets[r] on, and the plan's stages the schedule puts
+    there (`stages`: one, or v of them with an interleaved or V-shaped schedule); position j of a
+    group is data-parallel index j // tp and tensor index j % tp of its logical mesh. With one
+    logical mesh throughout this is a (pp, dp, tp) DeviceMesh; otherwise the groups are made one by
+    one (every rank creates every group, in order) and the boundaries between stages of different
+    meshes are bridged (`runtime.cross_mesh`). Groups of equal sizes chain position j of every
+    group into a pipeline group; groups of different sizes have none (`runtime.fan_out` sends to
+    global ranks)."""
 
     def __init__(self, plan: Plan, device_type: str) -> None:
         from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-        self.sizes = [s.devices for s in plan.stages]
+        self.sizes = plan.group_devices
         self.offsets = list(itertools.accumulate([0, *self.sizes]))
         rank = dist.get_rank()
-        self.stage = next(s for s in range(len(self.sizes)) if rank < self.offsets[s + 1])
+        self.stage = next(r for r in range(len(self.sizes)) if rank < self.offsets[r + 1])  # this device group
+        self.stages = [s for s, r in enumerate(plan.stage_ranks) if r == self.stage]
         j = rank - self.offsets[self.stage]
         dp, tp = plan.stages[self.stage].logical_mesh
         self.dp_rank = j // tp
         meshes = [tuple(s.logical_mesh) for s in plan.stages]
+        if plan.virtual > 1 and (len(set(meshes)) > 1 or len(set(self.sizes)) > 1):
+            raise UnsupportedPlan(f"{plan.schedule} with {plan.virtual} stages per device group runs stages of one "
+                                  f"size and logical mesh; this plan's are {[list(m) for m in meshes]}: re-plan")
         self.bridged_before = self.stage > 0 and meshes[self.stage - 1] != meshes[self.stage]
         self.bridged_after = self.stage < len(meshes) - 1 and meshes[self.stage + 1] != meshes[self.stage]
         if len(set(meshes)) == 1:
-            mesh = init_device_mesh(device_type, (len(meshes), dp, tp), mesh_dim_names=("pp", "dp", "tp"))
+            mesh = init_device_mesh(device_type, (len(self.sizes), dp, tp), mesh_dim_names=("pp", "dp", "tp"))
             self.pp_group, self.dp_group = mesh.get_group("pp"), mesh.get_group("dp")
             self.dp_mesh, self.tp_mesh = mesh["dp"], (mesh["tp"] if tp > 1 else None)
             return
@@ -105,11 +113,31 @@ class _Groups:
         self.tp_mesh = DeviceMesh.from_group(tp_group, device_type) if tp > 1 else None
 
 
+class LocalStages(nn.Module):
+    """The stages one rank holds under an interleaved or V-shaped schedule, as one module for the
+    optimizer, the gradient synchroniser and checkpoints. They are cut from one model, so a weight
+    two of them use (a GPT's tied embedding and output layer on the first rank of a V) is one
+    parameter, whose gradient sums both uses."""
+
+    def __init__(self, parts: list[ShardedGraph]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+        self.state_buffers = {k: v for part in parts for k, v in part.state_buffers.items()}
+
+    def model_names(self) -> dict[str, str]:
+        return {n: n.rpartition(".")[2].replace("__", ".") for n, _ in self.named_parameters()}
+
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        return {k: v for part in self.parts for k, v in part.full_state_dict().items()}
+
+
 class SyncingStage(PipelineStage):
-    """A PipelineStage that lets the gradient synchroniser launch its buckets while the last
-    microbatch's backward still runs (the schedule says which backward is the last)."""
+    """A PipelineStage that lets the gradient synchroniser launch its buckets while the rank's last
+    backward still runs (the schedule says which backward is a stage's last; of several stages on
+    a rank, the first one's comes last)."""
 
     sync: GradSync | None = None
+    launches: bool = True  # whether this stage's last backward is the rank's last
 
     def forward_one_chunk(self, *args, **kwargs):
         with phase("forward"):
@@ -117,9 +145,13 @@ class SyncingStage(PipelineStage):
 
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward: bool = False):
         if self.sync is not None:
-            self.sync.sync = last_backward
+            self.sync.sync = last_backward and self.launches
         with phase("backward"):
             return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+
+    def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False):
+        with phase("backward"):  # the weights' part of a split backward (its gradients are written, not hooked)
+            return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
 
 
 class PipelineModel:
@@ -134,6 +166,7 @@ class PipelineModel:
         device = self.device = device or torch.device("cpu")
         g = _Groups(plan, device.type)
         self.stage_index, self.dp_rank, self.pp_group, self.dp_group = g.stage, g.dp_rank, g.pp_group, g.dp_group
+        self.local = g.stages  # the plan's stages this rank runs
         self.dp, self.tp = plan.stages[self.stage_index].logical_mesh
         self.data_parallel_rank, self.data_parallel_size = self.dp_rank, self.dp  # this stage's
         micro = tuple(_split(_split(example_inputs, self.dp, 0), self.m, 0))
@@ -144,13 +177,18 @@ class PipelineModel:
         if g.bridged_before or g.bridged_after:  # a second export (before sharding) tells batch dimensions
             twice = export_as_planned(model, tuple(torch.cat([x, x]) if isinstance(x, torch.Tensor) else x
                                                    for x in micro), tuple(example_inputs))
-        stage_plan = plan.stages[self.stage_index]
         sharded = zero3(plan) and self.dp > 1  # the stage shards its parameters over the data axis (FSDP2)
-        self.module = ShardedGraph(model, stage_plan, g.tp_mesh, ep, part,
-                                   layers=[plan.layers[k]["nodes"] for k in range(*stage_plan.layers)], units=sharded)
-        self.trained = self.module  # what the optimizer steps (and checkpoints save), by model names
         self.precision = mixed_precision(plan.precision, device)
-        self.module.forward = self.precision.autocasting(self.module.forward)
+        modules = []
+        for s in self.local:  # one model: a weight two local stages use is one parameter
+            module = ShardedGraph(model, plan.stages[s], g.tp_mesh, ep, parts[s],
+                                  layers=[plan.layers[k]["nodes"] for k in range(*plan.stages[s].layers)], units=sharded)
+            module.forward = self.precision.autocasting(module.forward)
+            module.copy_views = schedules.splits_backward(plan.schedule) and s < self.pp - 1
+            modules.append(module)
+        self.modules = modules
+        self.module = modules[0] if len(modules) == 1 else LocalStages(modules)
+        self.trained = self.module  # what the optimizer steps (and checkpoints save), by model names
         if plan.precision is not None:  # what crosses a boundary has the dtype autocast gives it
 
             values = {n.name: n.meta.get("val") for n in retyped(ep.graph, plan.precision, device.type).nodes}
@@ -176,7 +214,7 @@ class PipelineModel:
                            .requires_grad_(grad and example[n].is_floating_point()))
             return tuple(out)
 
-        kind = schedule_class(plan.schedule, self.pp, self.m)
+        kind = schedule_class(plan.schedule, plan.groups, self.m, plan.virtual)
         # the loss, not the gradients, carries the 1/m of the microbatch mean: the synchroniser reads
         # the gradients during the last backward, before the schedule could scale them
         def loss_m(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -184,64 +222,89 @@ class PipelineModel:
                 loss = loss_fn(out, target) / self.m
             return self.precision.scale(loss)  # fp16: the schedule's backward starts from the scaled loss
 
-        inputs = like(part.inputs, self.stage_index > 0, g.bridged_before)
-        outputs = like(part.outputs, True, g.bridged_after)
-        refuse_failing(self.module, tuple(micro) if self.stage_index == 0 else inputs)
+        received = [like(parts[s].inputs, s > 0, g.bridged_before) for s in self.local]
+        sent = [like(parts[s].outputs, True, g.bridged_after) for s in self.local]
+        for s, module, inputs in zip(self.local, modules, received):
+            refuse_failing(module, tuple(micro) if s == 0 else inputs)
         fan = (1, 1)  # ranks this one sends activations to, and input gradients to
         if g.pp_group is None:  # stages of different sizes: a rank may send to several
-            stage = FanOutSchedule(self.module, self.stage_index, g.sizes, self.m, loss_m, plan.schedule, inputs, outputs)
-            self.schedule = stage
+            if schedules.splits_backward(plan.schedule):
+                raise UnsupportedPlan(f"{plan.schedule} splits backward, which stages of different sizes "
+                                      f"({g.sizes} devices) do not run: re-plan with --schedule 1f1b")
+            stage = FanOutSchedule(self.module, self.stage_index, g.sizes, self.m, loss_m, plan.schedule,
+                                   received[0], sent[0])
+            self.schedule, stages = stage, [stage]
             fan = (len(stage.peers.act_to), len(stage.peers.grad_to))
         else:
-            stage = SyncingStage(self.module, self.stage_index, self.pp, device, input_args=inputs,
-                                 output_args=outputs, group=self.pp_group)
-            self.schedule = kind(stage, self.m, loss_fn=loss_m, scale_grads=False)
+            stages = [SyncingStage(module, s, self.pp, device, input_args=inputs, output_args=outputs,
+                                   group=self.pp_group) for s, module, inputs, outputs in zip(self.local, modules, received, sent)]
+            for stage in stages[1:]:
+                stage.launches = False  # the rank's last backward is its first stage's
+            if issubclass(kind, PipelineScheduleSingle):
+                self.schedule = kind(stages[0], self.m, loss_fn=loss_m, scale_grads=False)
+            else:
+                self.schedule = kind(stages, self.m, loss_fn=loss_m, scale_grads=False)
         self.sync = None
         if sharded:
-            shard_data_axis(self.module, g.dp_mesh, plan.precision)
+            for module in modules:
+                shard_data_axis(module, g.dp_mesh, plan.precision)
         elif self.dp > 1:
             self.sync = data_sync(list(self.module.parameters()), self.dp_group, plan)
-        stage.sync = self.sync  # buckets launch during the last microbatch's backward
+        for stage in stages:
+            stage.sync = self.sync  # buckets launch during the rank's last backward
         self.state_buffers = self.module.state_buffers
         self.buffer_sync = AveragedBuffers(self.state_buffers, self.dp_group) if self.dp > 1 else None
         self.tied = self._tied_groups(g)
-        self._offsets, self._sizes, self._received = g.offsets, g.sizes, inputs
+        self._offsets, self._sizes, self._received = g.offsets, g.sizes, received
         self.optimizer = optimizer(list(self.module.parameters()))
         check_optimizer(self.optimizer, plan)
-        nbytes = [sum(t.numel() * t.element_size() for t in ts if t.is_floating_point() or not grad)
-                  for ts, grad in ((outputs, False), (inputs, True))]
-        pp = self.m * ((self.stage_index < self.pp - 1) * fan[0] * nbytes[0] + (self.stage_index > 0) * fan[1] * nbytes[1])
+        where = plan.stage_ranks  # values between two stages of this rank do not cross the network
+        nbytes = [sum(t.numel() * t.element_size() for ts in group for t in ts if t.is_floating_point() or not grad)
+                  for group, grad in (([o for s, o in zip(self.local, sent)
+                                        if s < self.pp - 1 and where[s + 1] != g.stage], False),
+                                      ([i for s, i in zip(self.local, received) if s > 0 and where[s - 1] != g.stage],
+                                       True))]
+        pp = self.m * (fan[0] * nbytes[0] + fan[1] * nbytes[1])
         self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [pp, pp]}  # pp: activations out, their gradients back
         self.overlapped = 0  # gradient buckets of the last step launched during backward
 
-    def _tied_groups(self, g: _Groups) -> list[tuple[nn.Parameter, dist.ProcessGroup, int | None]]:
-        """For each weight several stages use: this rank's copy, the group that sums the copies'
-        gradients (every rank creates every group, in order), and None when every copy is placed
-        alike on stages of one logical mesh (a group per position: local shards add up as they are),
-        else this stage's size (one group of all their ranks, each adding its whole gradient / size)."""
+    def _tied_groups(self, g: _Groups) -> list[tuple[nn.Parameter, dist.ProcessGroup | None, int | None]]:
+        """For each weight stages of several device groups use: this rank's copy, the group that
+        sums the copies' gradients (every rank creates every group, in order), and None when every
+        copy is placed alike on stages of one logical mesh (a group per position: local shards add
+        up as they are), else this stage's size (one group of all their ranks, each adding its whole
+        gradient / size). Stages of one rank share the parameter itself (`LocalStages`)."""
+        where = self.plan.stage_ranks
+        held = {s: {} for s in self.local}
+        for s, module in zip(self.local, self.modules):
+            names = module.model_names()
+            held[s] = {names[n]: str(getattr(p, "placements", "")) for n, p in module.named_parameters()}
+        per_rank: list[dict[int, dict[str, str]]] = [None] * dist.get_world_size()
+        dist.all_gather_object(per_rank, held)
+        holders = [per_rank[g.offsets[where[s]]][s] for s in range(self.pp)]
+        # weights a lower stage of another rank holds too: checkpoints save them from that stage alone
+        lowest = {}
+        for s in self.local:
+            for n in holders[s]:
+                lowest.setdefault(n, s)
+        self.copies = {n for n, s in lowest.items() if any(n in holders[k] and where[k] != g.stage for k in range(s))}
         names = self.module.model_names()
-        placed = {names[n]: str(getattr(p, "placements", "")) for n, p in self.module.named_parameters()}
-        per_rank: list[dict[str, str]] = [None] * dist.get_world_size()
-        dist.all_gather_object(per_rank, placed)
-        holders = [per_rank[g.offsets[s]] for s in range(self.pp)]
-        # weights a lower stage holds too: checkpoints save them from that stage alone
-        self.copies = {n for n in holders[self.stage_index]
-                       if any(n in holders[s] for s in range(self.stage_index))}
         by_model = {model: here for here, model in names.items()}
         out = []
         for name in sorted({n for h in holders for n in h}):
             stages = [s for s in range(self.pp) if name in holders[s]]
-            if len(stages) < 2:
+            ranks = sorted({where[s] for s in stages})
+            if len(ranks) < 2:
                 continue
             if len({holders[s][name] for s in stages}) == 1 and len({self.plan.stages[s].logical_mesh for s in stages}) == 1:
-                groups = [[g.offsets[s] + j for s in stages] for j in range(g.sizes[stages[0]])]
+                groups = [[g.offsets[r] + j for r in ranks] for j in range(g.sizes[ranks[0]])]
                 share = None
             else:
-                groups = [[r for s in stages for r in range(g.offsets[s], g.offsets[s + 1])]]
+                groups = [[k for r in ranks for k in range(g.offsets[r], g.offsets[r + 1])]]
                 share = g.sizes[self.stage_index]
-            for ranks in groups:
-                group = dist.new_group(ranks)
-                if dist.get_rank() in ranks:
+            for members in groups:
+                group = dist.new_group(members)
+                if dist.get_rank() in members:
                     out.append((self.module.get_parameter(by_model[name]), group, share))
         return out
 
@@ -259,18 +322,16 @@ class PipelineModel:
         if self.buffer_sync is not None:
             self.buffer_sync.before_step()
         losses: list[torch.Tensor] = []
-        first, last = self.stage_index == 0, self.stage_index == self.pp - 1
-        if first and last:
+        first, last = 0 in self.local, self.pp - 1 in self.local
+        if self.pp == 1:
             raise UnsupportedPlan("a one-stage plan runs without the pipeline")
         counter = CollectiveBytes() if self.tp > 1 else contextlib.nullcontext()
         with counter, phase("schedule"):  # the tensor axis's collectives, issued by DTensor
-            if first:
-                self.schedule.step(*args)
-            elif last:  # the outputs (logits of every microbatch) are not kept: only the losses
+            ends = {}  # the first stage takes the inputs, the last the target (one rank of a V holds both)
+            if last:  # the outputs (logits of every microbatch) are not kept: only the losses
                 kept = {"return_outputs": False} if not isinstance(self.schedule, FanOutSchedule) else {}
-                self.schedule.step(target=local_target, losses=losses, **kept)
-            else:
-                self.schedule.step()
+                ends = {"target": local_target, "losses": losses, **kept}
+            self.schedule.step(*(args if first else ()), **ends)
         if self.tp > 1:
             self._bytes["tp"] = [counter.nbytes, counter.nbytes]
         if self.sync:  # before the tied sum: finish() writes the averages back
@@ -328,19 +389,28 @@ class PipelineModel:
         inputs = on_device(positional(self.forward, inputs), self.device)
         check_batch(inputs, self.plan)
         args = tuple(x for x in self._local(inputs) if isinstance(x, torch.Tensor))
-        first, last = self.stage_index == 0, self.stage_index == self.pp - 1
-        to = peers(self._sizes, dist.get_rank())
+        where, here = self.plan.stage_ranks, self.stage_index
+        to = peers(self._sizes, dist.get_rank())  # one stage per group (of any sizes)
+        j = dist.get_rank() - self._offsets[here]  # several: equal groups, position j talks to position j
         outs, sends = [], []
         with evaluating(self.state_buffers, self.device):
             for i in range(self.m):
-                xs = tuple(a.tensor_split(self.m)[i] for a in args) if first else receive(self._received, to.act_from)
-                out = self.module(*xs)  # in the plan's precision
-                if last:
-                    outs.append(first_tensor(out).cpu())
-                else:
-                    sends += send(out if isinstance(out, tuple) else (out,), to.act_to)
+                for s, module, like in zip(self.local, self.modules, self._received):
+                    if s == 0:
+                        xs = tuple(a.tensor_split(self.m)[i] for a in args)
+                    elif where[s - 1] != here:
+                        xs = receive(like, to.act_from if self.plan.virtual == 1 else self._offsets[where[s - 1]] + j)
+                    out = module(*xs)  # in the plan's precision
+                    if s == self.pp - 1:
+                        outs.append(first_tensor(out).cpu())
+                    elif where[s + 1] == here:
+                        xs = out if isinstance(out, tuple) else (out,)
+                    else:
+                        sends += send(out if isinstance(out, tuple) else (out,),
+                                      to.act_to if self.plan.virtual == 1 else [self._offsets[where[s + 1]] + j])
             for work, _ in sends:
                 work.wait()
+        last = self.pp - 1 in self.local
         held: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(held, (self.dp_rank, outs) if last else None)  # tensor-parallel ranks: the same
         by_slice = dict(h for h in held if h is not None)
@@ -362,7 +432,7 @@ class PipelineModel:
         return []
 
 
-def schedule_class(name: str, num_stages: int, num_microbatches: int) -> type:
+def schedule_class(name: str, groups: int, num_microbatches: int, virtual: int = 1) -> type:
     """torch's class for the registry's schedule, or for its fallback where torch's refuses the
     microbatch count (Schedule1F1B: fewer microbatches than stages)."""
-    return getattr(pipelining, schedules.runs(name, num_stages, num_microbatches).torch_class)
+    return getattr(pipelining, schedules.runs(name, groups, num_microbatches, virtual).torch_class)

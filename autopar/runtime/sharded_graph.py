@@ -86,7 +86,8 @@ def _same(have: Placement, want: Placement) -> bool:
 def shard_parameters(model: nn.Module, params: dict[str, list[planned.Placement]], mesh: DeviceMesh,
                      only: set[str]) -> None:
     """Replace the parameters of `model` named in `only` by DTensors with their plan placement on
-    the tensor axis (every alias of a tied weight points to the one new parameter)."""
+    the tensor axis (every alias of a tied weight points to the one new parameter). One placed for
+    another stage of this rank already is left as it is: both stages use that parameter."""
     aliases: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         aliases.setdefault(id(p), []).append(name)
@@ -94,6 +95,8 @@ def shard_parameters(model: nn.Module, params: dict[str, list[planned.Placement]
         if not only.intersection(names):
             continue
         p = model.get_parameter(names[0])
+        if isinstance(p, DTensor):
+            continue
         spec = next((params[n][1] for n in names if n in params), planned.Replicate())
         new = nn.Parameter(distribute_tensor(p.detach(), mesh, [dtensor_placement(spec)]), requires_grad=p.requires_grad)
         if new.requires_grad:  # registered first: the gradient synchroniser's hooks see the fixed gradient
@@ -261,6 +264,7 @@ class ShardedGraph(nn.Module):
         # at a boundary with a stage of another logical mesh: position -> (batch dim, dp group)
         self.slice_inputs: dict[int, tuple[int | None, Any]] = {}
         self.gather_outputs: dict[int, tuple[int | None, Any]] = {}
+        self.copy_views = False  # outputs that are views leave as copies (`forward`)
         given = set(self.fixed) | set(params)
         self.segments = segments(self.nodes, layers or [], set(self.outputs) | set(self.updates), given)
         self.units = nn.ModuleList()  # with `units`: a module per layer holding its own parameters
@@ -321,9 +325,11 @@ class ShardedGraph(nn.Module):
             for node, buffer in self.updates.items():
                 buffer.copy_(env[node].full_tensor() if isinstance(env[node], DTensor) else env[node])
         # values crossing to the next stage are sent as they lie in memory: an expanded mask (stride 0)
-        # or a transposed activation is copied into one block first (gloo and NCCL send contiguous ones)
+        # or a transposed activation is copied into one block first (gloo and NCCL send contiguous ones),
+        # and with `copy_views` a view too (a split backward detaches the outputs in place, which a view refuses)
         outs = [self._plain(env[n]) for n in self.outputs]
-        outs = [x.contiguous() if isinstance(x, torch.Tensor) else x for x in outs]
+        outs = [(x.clone() if self.copy_views and x._is_view() else x.contiguous()) if isinstance(x, torch.Tensor)
+                else x for x in outs]
         outs = [gather_batch(x, *self.gather_outputs[i]) if i in self.gather_outputs else x for i, x in enumerate(outs)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 

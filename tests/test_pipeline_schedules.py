@@ -1,0 +1,58 @@
+"""Interleaved and zero-bubble schedules (torch's classes, several stages per rank) on 4 gloo ranks:
+losses and final parameters equal single-process training, for families `transformers` ships."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+import autopar
+from tests.distributed import shared_ranks
+from tests.test_families import _assert_same_training, _optimizer, _setup, _single
+
+WORLD = 4
+# (schedule, layout DP,TP,PP,MB, stages per device group)
+SCHEDULES = {
+    "interleaved-1f1b": ("interleaved-1f1b", "1,1,4,4", 1),
+    "interleaved-1f1b-v2": ("interleaved-1f1b", "2,1,2,4", 2),
+    "interleaved-1f1b-tp": ("interleaved-1f1b", "1,2,2,4", 2),
+    "zb-h1": ("interleaved-zb", "1,1,4,4", 1),
+    "interleaved-zb-v2": ("interleaved-zb", "2,1,2,4", 2),
+    "zbv": ("zbv", "1,2,2,4", 2),
+}
+FAMILIES = ["gpt2", "llama", "bert"]
+
+
+def _plan(w, key):
+    from autopar.cost_models import get_cluster
+    from autopar.planner.manual import Layout, manual_plan, manual_search
+    from autopar.planner.search import Search
+
+    schedule, layout, virtual = SCHEDULES[key]
+    cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=WORLD)
+    search = Search.start(w, cluster, (1, WORLD), schedule=schedule)
+    return manual_plan(manual_search(search), Layout.parse(layout, virtual=virtual))
+
+
+def _parallel(rank, world, name, key):
+    w, batches = _setup(name)
+    plan = _plan(w, key)
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
+                             plan=plan)
+    losses = [pm.step(inputs, target) for inputs, target in batches]
+    return losses, pm.full_state_dict(), (plan.schedule, plan.virtual, len(plan.stages), type(pm.schedule).__name__)
+
+
+CASES = [(name, key) for name in FAMILIES for key in SCHEDULES]
+
+
+@pytest.mark.parametrize("name, key", CASES)
+def test_schedule_trains_like_one_process(tmp_path, name, key):
+    losses, params = _single(name)
+    schedule, layout, virtual = SCHEDULES[key]
+    for got_losses, got_params, (planned, v, stages, ran) in shared_ranks(_parallel, WORLD, CASES, (name, key), tmp_path):
+        assert (planned, v, stages) == (schedule, virtual, int(layout.split(",")[2]) * virtual)
+        assert ran == {"interleaved-1f1b": "ScheduleInterleaved1F1B", "interleaved-zb": "ScheduleInterleavedZeroBubble",
+                       "zbv": "ScheduleZBVZeroBubble"}[schedule]
+        _assert_same_training(got_losses, got_params, losses, params)
