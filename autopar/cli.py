@@ -475,7 +475,9 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--cluster", default="cpu-local", help="preset name or cluster JSON file (default cpu-local)")
         p.add_argument("--mesh", required=True, help="HOSTSxDEVICES, e.g. 8x8")
         p.add_argument("--batch", type=int, help="global batch (default: the model's suite default)")
-        p.add_argument("--schedule", choices=list(schedules.SCHEDULES), default="1f1b", help="pipeline schedule")
+        p.add_argument("--schedule", choices=["auto", *schedules.SCHEDULES], default="auto",
+                       help="pipeline schedule (default auto: the search weighs 1f1b, interleaved-zb, interleaved-1f1b "
+                            "and zbv; a --manual layout runs 1f1b unless told)")
         p.add_argument("--recompute", action="store_true",
                        help="hand-written layouts recompute activations (compare: only those that do)")
         p.add_argument("--memory-limit", type=float, help="GiB per device a plan may use (default: 90%% of memory)")

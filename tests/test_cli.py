@@ -108,7 +108,7 @@ def test_plan_json_out_file_and_show(capsys, tmp_path):
     plan = run_json(capsys, "plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x4", "--out", str(out))
     saved = json.loads(out.read_text())
     assert saved == {k: v for k, v in plan.items() if k != "planning_time_s"} and plan["planning_time_s"] > 0
-    assert saved["schema"] == "autopar.plan/1"
+    assert saved["schema"] == "autopar.plan/2"
     stage = saved["stages"][0]
     assert stage["layers"][0] == 0 and saved["stages"][-1]["layers"][1] == len(saved["layers"])
     assert sum(s["submesh"][0] * s["submesh"][1] for s in saved["stages"]) == 4

@@ -123,3 +123,89 @@ def test_interleaving_holds_more_activations_and_zero_bubble_holds_them_longer()
     assert schedules.in_flight("1f1b", p, 0, m) == p
     assert schedules.in_flight("interleaved-1f1b", p, 0, m, 2) == p + 2 * (p - 1) + 1  # (v-1)·p + 2(p-1) + 1 chunks
     assert [schedules.in_flight("interleaved-zb", p, r, m) for r in range(p)] == [p] * p
+
+
+def _two_stages() -> Plan:
+    from autopar.planner.manual import Layout, manual_plan, manual_search
+
+    search = Search.start(load_workload("gpt-tiny", batch=8), get_cluster("a100-dgx").with_mesh(1, 2), (1, 2))
+    return manual_plan(manual_search(search), Layout(1, 1, 2, 4))
+
+
+def test_schema_1_plans_load_with_one_stage_per_group_and_schema_2_round_trips(tmp_path):
+    plan = _two_stages()
+    data = plan.to_dict()
+    assert data["schema"] == "autopar.plan/2" and data["virtual"] == 1
+    old = {k: v for k, v in data.items() if k != "virtual"} | {"schema": "autopar.plan/1"}
+    loaded = Plan.from_json(json.dumps(old))
+    assert loaded.virtual == 1 and loaded.stage_ranks == [0, 1]
+    assert Plan.from_json(plan.to_json()).to_json() == plan.to_json()
+
+
+@pytest.mark.parametrize("edit, message", [
+    ({"virtual": 3}, "virtual must be a number of stages per device group that divides the 2 stages"),
+    ({"virtual": 2, "schedule": "1f1b"}, "schedule 1f1b runs 1 stage per device group, not 2"),
+    ({"virtual": 2, "schedule": "zbv", "num_microbatches": 4}, "the stages use 1 devices, the mesh 1x2 has 2"),
+])
+def test_a_plan_whose_virtual_stages_do_not_add_up_is_refused(edit, message):
+    data = _two_stages().to_dict() | edit
+    with pytest.raises(Exception, match=message):
+        Plan.from_json(json.dumps(data))
+
+
+def test_a_stage_on_another_groups_submesh_is_refused():
+    data = _two_stages().to_dict()
+    data["stages"] = data["stages"] + [dict(data["stages"][1], layers=[data["stages"][1]["layers"][1], 0])]
+    data |= {"virtual": 2, "schedule": "interleaved-1f1b"}
+    with pytest.raises(Exception, match="stages must cover the layers in order"):
+        Plan.from_json(json.dumps(data))
+
+
+def test_balanced_cuts_find_the_least_bottleneck_then_the_least_total():
+    import itertools
+
+    import numpy as np
+
+    from autopar.planner.search import balanced_cuts
+
+    rng = np.random.default_rng(0)
+    for _ in range(30):
+        n, q = int(rng.integers(2, 8)), int(rng.integers(1, 5))
+        w = rng.uniform(0.5, 2.0, n)
+        times = np.full((n + 1, n + 1), np.inf)
+        for i in range(n):
+            for j in range(i + 1, n + 1):
+                times[i, j] = w[i:j].sum() if rng.random() > 0.1 else np.inf  # some ranges do not fit
+        best = min(((max(times[a, b] for a, b in zip(c, c[1:])), sum(times[a, b] for a, b in zip(c, c[1:])))
+                    for inner in itertools.combinations(range(1, n), q - 1) for c in [(0, *inner, n)]),
+                   default=(np.inf, np.inf))
+        cuts = balanced_cuts(times, q)
+        if not np.isfinite(best[0]):
+            assert cuts is None
+            continue
+        got = [times[a, b] for a, b in zip(cuts, cuts[1:])]
+        assert len(got) == q and (max(got), sum(got)) == pytest.approx(best)
+
+
+def test_auto_weighs_every_schedule_and_keeps_the_fastest_that_fits():
+    from autopar.planner.search import replay
+
+    search = Search.start(load_workload("gpt-1.3b", batch=1024), get_cluster("v100-p3"), (1, 4), schedule="auto")
+    plan = plan_auto(search)
+    tried = plan.search["schedules"]
+    assert {"1f1b", "interleaved-zb", "interleaved-1f1b/v2", "interleaved-zb/v2", "zbv/v2"} <= set(tried)
+    fastest = min(t["step_time_s"] for t in tried.values() if t["fits"])
+    assert plan.estimate.step_time_s == fastest and plan.estimate.fits
+    assert tried[plan.schedule + (f"/v{plan.virtual}" if plan.virtual > 1 else "")]["step_time_s"] == fastest
+    assert replay(plan).step_time_s == pytest.approx(plan.estimate.step_time_s)  # the plan alone says it
+    assert len(plan.stages) == plan.groups * plan.virtual and len({s.logical_mesh for s in plan.stages}) == 1
+
+
+def test_virtual_on_the_command_line(capsys):
+    args = ["plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x2", "--batch", "8", "--json"]
+    assert main(args + ["--virtual", "2"]) == 2
+    assert "--virtual 2: the stages per device group of a --manual layout" in capsys.readouterr().err
+    assert main(args + ["--manual", "1,1,2,4", "--virtual", "2", "--schedule", "1f1b"]) == 2
+    assert "2 blocks do not split evenly into 4 stages" in capsys.readouterr().err
+    assert main(args + ["--manual", "1,1,2,4", "--schedule", "interleaved-zb"]) == 0
+    assert json.loads(capsys.readouterr().out)["schedule"] == "interleaved-zb"

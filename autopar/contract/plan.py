@@ -288,6 +288,9 @@ def _parse(data: Any, source: str) -> Plan:
         raise PlanError(f"{source}: virtual must be a number of stages per device group that divides the "
                         f"{len(stages)} stages, got {virtual}")
     groups = len(stages) // virtual
+    wrong = schedules.problem(schedule, groups, groups, virtual)  # one round of microbatches: any count runs
+    if wrong:
+        raise PlanError(f"{source}: {wrong}")
     where = schedules.stage_ranks(schedule, groups, virtual)
     for i, s in enumerate(stages):
         if s.submesh != stages[where[i]].submesh:

@@ -88,7 +88,8 @@ class Layout:
 
 def manual_search(search: Search, zero3: bool = False) -> Search:
     """The same graph and cluster with Megatron's sharding rule (with `zero3`, every weight also
-    sharded over the data axis, as FSDP does); layers are the model's modules."""
+    sharded over the data axis, as FSDP does); layers are the model's modules. A hand-written
+    layout names its schedule: "auto" (the search's) prices it with 1F1B."""
     atoms = search.graph.layer_list
     layers = [Layer(a.name, (i, i + 1), a.nodes, a.flops_fwd + a.flops_bwd) for i, a in enumerate(atoms)]
     rule = dataclasses.replace(MEGATRON, zero=True, zero_only=True) if zero3 else MEGATRON
@@ -96,7 +97,7 @@ def manual_search(search: Search, zero3: bool = False) -> Search:
     costs = StageCosts(search.graph, search.cluster, rule, c.time_limit_s, c.compression, world=c.world,
                        choices=c.choices, pin=c.pin)
     return Search(search.workload, search.cluster, search.mesh, search.graph, layers, costs,
-                  search.memory_limit, search.schedule, search.virtual)
+                  search.memory_limit, "1f1b" if search.schedule == "auto" else search.schedule, search.virtual)
 
 
 def blocks(search: Search) -> list[int]:
@@ -232,7 +233,7 @@ def deepspeed_moe_plan(search: Search) -> Plan:
     devices = hosts * per_host
     costs = StageCosts(search.graph, search.cluster, DEEPSPEED_MOE, search.costs.time_limit_s, world=search.costs.world)
     view = Search(search.workload, search.cluster, search.mesh, search.graph, search.layers, costs,
-                  search.memory_limit, search.schedule)
+                  search.memory_limit)  # one stage: no pipeline schedule
     n, batch = len(view.layers), search.workload.batch
     best = None
     for m in (m for m in microbatch_counts(batch) if (batch // m) % devices == 0):

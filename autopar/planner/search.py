@@ -148,21 +148,28 @@ class Search:
             if not variants:
                 continue
             tables = [self.costs.variant_table(bounds, shape, v, m) for v in variants]
-            time = np.stack([t["time"] for t in tables])
-            key = time + np.stack([t["sync"] + t["optimizer"] for t in tables]) / m  # once per step
             for s in range(1, depth + 1):
                 in_flight = self.in_flight(s, m, depth)
                 if s > 1 and in_flight == self.in_flight(s - 1, m, depth):
                     times[s, :, :, k], picks[(s, k)] = times[s - 1, :, :, k], picks[(s - 1, k)]
                     continue
-                memory = np.stack([t["states"] + np.maximum(in_flight * t["acts"] + t["transient"], t["averaged"])
-                                   for t in tables])
-                masked = np.where(memory <= self.memory_limit, key, INF)
-                best = np.argmin(masked, axis=0)
-                chosen = np.take_along_axis(masked, best[None], axis=0)[0]
-                times[s, :, :, k] = np.where(np.isfinite(chosen) & valid, chosen, INF)
+                chosen, best = _fastest(tables, m, in_flight, self.memory_limit)
+                times[s, :, :, k] = np.where(valid, chosen, INF)
                 picks[(s, k)] = (variants, best)
         return times, picks
+
+    def range_times(self, shape: tuple[int, int], m: int, in_flight: int, limit: float,
+                    logical: list[tuple[int, int]] | None = None) -> tuple[np.ndarray, tuple]:
+        """time[i, j] of the fastest way to run layers [i, j) on `shape` (on one of the `logical`
+        meshes) within `limit` bytes with `in_flight` microbatches held (inf: none fits), and
+        (variants, the pick of each range)."""
+        n = len(self.layers)
+        bounds = np.array([layer.atoms[0] for layer in self.layers] + [self.layers[-1].atoms[1]])
+        variants = self.costs.variants(shape, m, logical)
+        if not variants:
+            return np.full((n + 1, n + 1), INF), (variants, None)
+        chosen, best = _fastest([self.costs.variant_table(bounds, shape, v, m) for v in variants], m, in_flight, limit)
+        return np.where(np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1), chosen, INF), (variants, best)
 
     def option(self, i: int, j: int, shape: tuple[int, int], m: int, variant) -> StageOption:
         lm, lean, rc = variant
@@ -170,11 +177,26 @@ class Search:
         return self.costs.option_for(atoms, shape, lm, lean, rc, self.costs.range_sums(atoms, shape, lm, lean), m)
 
 
+def _fastest(tables: list[dict], m: int, in_flight: int, limit: float) -> tuple[np.ndarray, np.ndarray]:
+    """Over the variants' tables: the time per microbatch of the fastest that fits, and its index."""
+    key = np.stack([t["time"] + (t["sync"] + t["optimizer"]) / m for t in tables])  # sync, optimizer: once per step
+    memory = np.stack([t["states"] + np.maximum(in_flight * t["acts"] + t["transient"], t["averaged"]) for t in tables])
+    masked = np.where(memory <= limit, key, INF)
+    best = np.argmin(masked, axis=0)
+    chosen = np.take_along_axis(masked, best[None], axis=0)[0]
+    return np.where(np.isfinite(chosen), chosen, INF), best
+
+
 def plan_auto(search: Search, *, stages: int | None = None, num_microbatches: int | None = None,
               progress: Callable[[str], None] | None = None) -> Plan:
     """Search stages, submeshes, logical meshes and the microbatch count; the simulator decides.
 
-    One stage is the intra-op pass alone: one ILP over the whole graph per logical mesh."""
+    One stage is the intra-op pass alone: one ILP over the whole graph per logical mesh. With
+    `search.schedule` "auto" the stage DP runs for 1F1B and the other schedules are weighed
+    around its plan (`_other_schedules`)."""
+    schedule = search.schedule
+    if schedule == "auto":
+        search = dataclasses.replace(search, schedule="1f1b")
     if stages == 1 and not num_microbatches:
         return plan_single_stage(search)
     hosts, per_host = search.mesh
@@ -203,12 +225,98 @@ def plan_auto(search: Search, *, stages: int | None = None, num_microbatches: in
         plan = assemble(search, chosen, m, name="auto")
         plan.search["eq2_total_s"] = float(total)
         if best is None or plan.estimate.step_time_s < best.estimate.step_time_s:
-            best = plan
+            best, best_chosen = plan, chosen
     if best is None:
         raise _nothing_fits(search)
     best.search.update({"ilp_solves": search.costs.solves, "cache_hits": search.costs.hits,
                         "microbatch_counts": len(counts)})
+    if schedule == "auto":
+        best = _other_schedules(dataclasses.replace(search, schedule=schedule), best, best_chosen, progress)
     return best
+
+
+AUTO_VIRTUAL = (2, 3, 4)  # stages per device group the schedule search tries (Megatron-LM's runs use 2–4)
+
+
+def _other_schedules(search: Search, base: Plan, chosen: list, progress: Callable[[str], None] | None) -> Plan:
+    """`--schedule auto`: the 1F1B plan of the stage DP against the schedules that run its device
+    groups otherwise, each replayed by the simulator; the fastest that fits wins. Kept small: the
+    DP runs once (for 1F1B); ZB-H1 re-times its stages; interleaved-1f1b, interleaved-zb and zbv
+    cut the layers into p·v balanced stages on the same p groups and microbatch count (v in
+    `AUTO_VIRTUAL`), one simulation each. Only pipelines of one submesh and logical mesh qualify
+    (torch runs these schedules on equal stages)."""
+    tried = {"1f1b": base}
+    p, m = base.groups, base.num_microbatches
+    shape, lm = base.stages[0].submesh, base.stages[0].logical_mesh
+    if p > 1 and all(st.submesh == shape and st.logical_mesh == lm for st in base.stages):
+        if progress:
+            progress("zero-bubble and interleaved schedules")
+        if not schedules.problem("interleaved-zb", p, m):
+            tried["interleaved-zb"] = assemble(dataclasses.replace(search, schedule="interleaved-zb"), chosen, m, "auto")
+        for v in AUTO_VIRTUAL:
+            for name in ("interleaved-1f1b", "interleaved-zb", "zbv"):
+                if p * v <= len(search.layers) and not schedules.problem(name, p, m, v):
+                    plan = _virtual_plan(dataclasses.replace(search, schedule=name, virtual=v), p, shape, lm, m)
+                    if plan is not None:
+                        tried[f"{name}/v{v}"] = plan
+    fits = [plan for plan in tried.values() if plan.estimate.fits] or [base]
+    best = min(fits, key=lambda plan: plan.estimate.step_time_s)
+    best.search.update({k: base.search[k] for k in ("ilp_solves", "cache_hits", "microbatch_counts")})
+    best.search["schedules"] = {k: {"step_time_s": plan.estimate.step_time_s, "fits": plan.estimate.fits}
+                                for k, plan in tried.items()}
+    return best
+
+
+def balanced_cuts(times: np.ndarray, q: int) -> list[int] | None:
+    """Layer boundaries [0, …, n] of q contiguous stages (times[i, j]: layers [i, j), inf where it
+    does not fit) with the least slowest stage, then the least total (None: no q stages fit).
+    The slowest stage is found by bisection over the distinct times, each a reachability DP."""
+    n = times.shape[0] - 1
+    if q > n:
+        return None
+    values = np.unique(times[np.isfinite(times)])
+
+    def reach(cap: float) -> np.ndarray:  # total[c, j]: least total of layers [0, j) as c stages under cap
+        allowed = np.where(times <= cap, times, INF)
+        total = np.full((q + 1, n + 1), INF)
+        total[0, 0] = 0.0
+        for c in range(1, q + 1):
+            total[c] = np.min(total[c - 1][:, None] + allowed, axis=0)
+        return total
+
+    lo, hi = 0, len(values) - 1
+    if hi < 0 or not np.isfinite(reach(values[hi])[q, n]):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if np.isfinite(reach(values[mid])[q, n]):
+            hi = mid
+        else:
+            lo = mid + 1
+    cap = values[lo]
+    total = reach(cap)
+    allowed = np.where(times <= cap, times, INF)
+    cuts, j = [n], n
+    for c in range(q, 0, -1):  # walk back: a stage [i, j) that the best total of c − 1 stages reaches
+        i = int(np.argmin(total[c - 1] + allowed[:, j]))
+        cuts.append(i)
+        j = i
+    return cuts[::-1]
+
+
+def _virtual_plan(search: Search, p: int, shape: tuple[int, int], lm: tuple[int, int], m: int) -> Plan | None:
+    """The layers cut into p·v stages of the least bottleneck (then the least total) on p groups
+    of `shape`, each stage within its share of its group's memory (`Search.budget`)."""
+    q = p * search.virtual
+    in_flight, limit = max((search.budget(s, q, m) for s in range(q)), key=lambda b: b[0])
+    times, (variants, picks) = search.range_times(shape, m, in_flight, limit, [lm])  # torch's schedules: one mesh
+    if not variants:
+        return None
+    cuts = balanced_cuts(times, q)
+    if cuts is None:
+        return None
+    chosen = [((i, j), shape, search.option(i, j, shape, m, variants[picks[i, j]])) for i, j in zip(cuts, cuts[1:])]
+    return assemble(search, chosen, m, "auto")
 
 
 def plan_compressed(search: Search, compression: str | None, make: Callable[[Search], Plan],
