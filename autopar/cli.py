@@ -222,14 +222,16 @@ def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
               "mesh": list(search.mesh),
               "auto": {"stages": [{"layers": list(s.layers), "submesh": list(s.submesh),
                                    "logical_mesh": list(s.logical_mesh), "recompute": s.recompute} for s in auto.stages],
-                       "num_microbatches": auto.num_microbatches, "schedule": auto.schedule, **_estimate(auto)},
+                       "num_microbatches": auto.num_microbatches, "schedule": auto.schedule, "virtual": auto.virtual,
+                       **_estimate(auto)},
               "manual": manual}
     if args.json:
         return result
     table = Table(title=f"{args.model} (batch {result['batch']}) on {printable(result['cluster'])} {args.mesh}: predicted")
     for col in ("layout", "dp", "tp", "pp", "microbatches", "step time", "TFLOP/s per device", "memory", "fits"):
         table.add_column(col, justify="left" if col == "layout" else "right")
-    rows = [{"name": "auto (" + ", ".join(f"{s.submesh[0]}x{s.submesh[1]}" for s in auto.stages) + ")",
+    rows = [{"name": "auto (" + ", ".join(f"{s.submesh[0]}x{s.submesh[1]}" for s in auto.stages) + f"; {auto.schedule}"
+             + (f" v{auto.virtual}" if auto.virtual > 1 else "") + ")",
              "dp": "", "tp": "", "pp": len(auto.stages), "num_microbatches": auto.num_microbatches,
              **result["auto"]}] + manual
     for r in sorted(rows, key=lambda r: (not r["fits"], r["step_time_s"])):

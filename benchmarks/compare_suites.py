@@ -34,10 +34,11 @@ SUITE = {  # model: (mesh, Alpa measured TFLOP/s per GPU, baseline measured: Meg
 
 def main() -> None:
     models = sys.argv[1:] or list(SUITE)
-    print("| model | GPUs | auto: stages × submesh, microbatches | auto TFLOP/s/GPU | best hand-written (fits) | "
+    print("| model | GPUs | auto: stages × submesh, microbatches, schedule | auto TFLOP/s/GPU | auto before (1F1B only) "
+          "TFLOP/s/GPU | best hand-written (fits) | "
           "its TFLOP/s/GPU | auto ≤ best | auto / deepspeed-moe predicted | Alpa measured | "
           "Megatron-LM / DeepSpeed measured | Alpa / DeepSpeed measured | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for model in track(models, description="compare", transient=True):
         mesh, alpa, baseline = SUITE[model]
         measured = f"{alpa / baseline:.1f}×" if model.startswith("moe") and isinstance(baseline, float) else "–"
@@ -46,8 +47,10 @@ def main() -> None:
             r, wall, _ = run_cli("compare", model, "--cluster", "v100-p3", "--mesh", mesh, "--batch", "1024")
         except RuntimeError as exc:  # the model fits on no layout: say so, with the planner's own words
             why = str(exc).split("error:")[-1].split("MAXRSS")[0].strip()
-            print(f"| {model} | {hosts * per_host} | {why} | – | – | – | – | – | {alpa} | {baseline} | {measured} | – |")
+            print(f"| {model} | {hosts * per_host} | {why} | – | – | – | – | – | – | {alpa} | {baseline} | {measured} | – |")
             continue
+        before, _, _ = run_cli("plan", model, "--cluster", "v100-p3", "--mesh", mesh, "--batch", "1024",
+                               "--schedule", "1f1b")  # the search space before schedules were searched
         fitting = [m for m in r["manual"] if m["fits"]]
         best = min(fitting, key=lambda m: m["step_time_s"]) if fitting else None
         auto = r["auto"]
@@ -55,13 +58,16 @@ def main() -> None:
         ds = next((m for m in r["manual"] if m["name"] == "deepspeed-moe"), None)
         speedup = "–" if ds is None else (f"{ds['step_time_s'] / auto['step_time_s']:.2f}×" if ds["fits"]
                                           else "deepspeed-moe does not fit")
-        print(f"| {model} | {hosts * per_host} | {len(auto['stages'])} stage(s), {auto['num_microbatches']} | "
-              f"{auto['tflops_per_device']:.1f} | {best['name'] if best else 'none fits'} | "
+        chose = (f"{len(auto['stages'])} stage(s), {auto['num_microbatches']}, {auto['schedule']}"
+                 + (f" v{auto['virtual']}" if auto["virtual"] > 1 else ""))
+        was = f"{before['estimate']['tflops_per_device']:.1f}"
+        print(f"| {model} | {hosts * per_host} | {chose} | "
+              f"{auto['tflops_per_device']:.1f} | {was} | {best['name'] if best else 'none fits'} | "
               f"{best['tflops_per_device']:.1f} | {'yes' if ok else 'NO'} | {speedup} | {alpa} | {baseline} | "
               f"{measured} | {wall:.0f} |"
               if best else
-              f"| {model} | {hosts * per_host} | {len(auto['stages'])} stage(s), {auto['num_microbatches']} | "
-              f"{auto['tflops_per_device']:.1f} | none fits | – | yes | {speedup} | {alpa} | {baseline} | "
+              f"| {model} | {hosts * per_host} | {chose} | "
+              f"{auto['tflops_per_device']:.1f} | {was} | none fits | – | yes | {speedup} | {alpa} | {baseline} | "
               f"{measured} | {wall:.0f} |")
 
 
