@@ -7,7 +7,9 @@ over its timed steps, then one more step counts its tensors (`runtime.memory`): 
 the rank that holds most, beside the plan's predicted peak. Layouts differ in (dp, tp, pp) and
 microbatches; each (dp, tp, pp) runs once more recomputing its activations, once more in bf16
 mixed precision (planned for it), and with a data axis once more with ZeRO-3, at its most
-microbatches (`runtime.recompute`, `runtime.precision`, `runtime.parallel.shard_data_axis`).
+microbatches (`runtime.recompute`, `runtime.precision`, `runtime.parallel.shard_data_axis`); with
+a pipeline, once more under each other schedule that fits its blocks (ZB-H1, interleaved 1F1B and
+zero-bubble with 2 stages per rank, ZB-V).
 """
 
 from __future__ import annotations
@@ -66,6 +68,12 @@ def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, pre
             if valid and half is not None:
                 plan = manual_plan(half, valid[-1])
                 plans.append(dataclasses.replace(plan, name=f"{plan.name} bf16"))
+            if valid and pp > 1:  # the other schedules (and 2 stages per rank where the blocks split so)
+                for name, virtual in (("interleaved-zb", 1), ("interleaved-1f1b", 2), ("interleaved-zb", 2), ("zbv", 2)):
+                    layout, other = dataclasses.replace(valid[-1], virtual=virtual), dataclasses.replace(view, schedule=name)
+                    if check(other, layout) is None:
+                        plan = manual_plan(other, layout)
+                        plans.append(dataclasses.replace(plan, name=f"{plan.name} {name}"))
             if valid and valid[-1].dp > 1:  # ZeRO-3 (FSDP2, a unit per layer)
                 plan = manual_plan(sharded, valid[-1])
                 plans.append(dataclasses.replace(plan, name=f"{plan.name} zero3"))

@@ -147,6 +147,7 @@ def _interleaved(p: int, rank: int, m: int, v: int, zero_bubble: bool) -> Order:
     backward = "I" if zero_bubble else "B"
     actions: Order = []
     backward_ops: list[int] = []
+    weights = 0  # weight-gradient parts issued so far
     for op in range(warmup + total):
         if op < total:
             actions.append(("F", s := forward_stage(op), next_of("F", s)))
@@ -154,10 +155,11 @@ def _interleaved(p: int, rank: int, m: int, v: int, zero_bubble: bool) -> Order:
             actions.append((backward, s := backward_stage(op), next_of("B", s)))
             backward_ops.append(op)
             if zero_bubble and op - warmup >= rank:
-                s = backward_stage(backward_ops[sum(done["W"])])
+                s = backward_stage(backward_ops[weights])
                 actions.append(("W", s, next_of("W", s)))
+                weights += 1
     if zero_bubble:
-        for op in backward_ops[sum(done["W"]):]:
+        for op in backward_ops[weights:]:
             s = backward_stage(op)
             actions.append(("W", s, next_of("W", s)))
     return actions

@@ -15,6 +15,7 @@ pipeline fill and drain, and also waiting caused by unequal stages.
 
 from __future__ import annotations
 
+import heapq
 from dataclasses import dataclass, field
 
 from autopar.contract import schedules
@@ -35,7 +36,7 @@ class StageTimes:
     weight_s: float = 0.0  # the part of backward_s that computes weight gradients (a split backward's "W")
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Event:
     stage: int
     kind: str  # "F", "B", "I", "W", "send", "sync"
@@ -90,71 +91,98 @@ def simulate(stages: list[StageTimes], num_microbatches: int, schedule: str = "1
     # behind its last backward: grad_sync_s holds that share) and its optimizer step, on its cores too
     orders = [schedules.order(schedule, p, r, m, virtual) + [("S", -1, -1)] for r in range(p)]
     mine = [[s for s in range(n) if where[s] == r] for r in range(p)]
+    durations = [{"F": st.forward_s, "B": st.backward_s, "I": st.backward_s - st.weight_s, "W": st.weight_s}
+                 for st in stages]
+    finish = [sum(stages[k].grad_sync_s + stages[k].optimizer_s for k in group) for group in mine]
     done: dict[tuple[str, int, int], float] = {}  # ("F" | "G" (input gradient) | "W", stage, microbatch) -> end
     pos = [0] * p
     events: list[Event] = []
-    in_flight = [0] * n
     backward_done = [False] * n  # gradients exist from the end of a stage's first backward on
-    peak = [sum(stages[s].state_bytes - stages[s].grad_bytes for s in group) for group in mine]
+    held = [sum(stages[s].state_bytes - stages[s].grad_bytes for s in group) for group in mine]  # bytes now
+    peak = list(held)
     running: dict[int, list] = {}  # group -> [kind, stage, microbatch, start, work left]
     now = 0.0
 
-    def work(kind: str, r: int, s: int) -> float:
+    def begin(r: int, now: float) -> float:
+        """Start the group's next action (its inputs are in); its work."""
+        kind, s, mb = orders[r][pos[r]]
+        running[r] = [kind, s, mb, now, finish[r] if kind == "S" else durations[s][kind]]
         st = stages[s]
-        if kind == "S":
-            return sum(stages[k].grad_sync_s + stages[k].optimizer_s for k in mine[r])
-        return {"F": st.forward_s, "B": st.backward_s, "I": st.backward_s - st.weight_s, "W": st.weight_s}[kind]
-
-    def held(r: int) -> float:
-        return sum(stages[s].state_bytes - (0.0 if backward_done[s] else stages[s].grad_bytes)
-                   + in_flight[s] * stages[s].activation_bytes for s in mine[r])
-
-    while True:
-        waiting = []
-        for r in range(p):
-            if r in running or pos[r] == len(orders[r]):
-                continue
-            kind, s, mb = orders[r][pos[r]]
-            ready = _ready(kind, s, mb, stages, where, done)
-            if ready is None:
-                continue
-            if ready > now:
-                waiting.append(ready)
-                continue
-            running[r] = [kind, s, mb, now, work(kind, r, s)]
-            if kind == "F":
-                in_flight[s] += 1
-                peak[r] = max(peak[r], held(r))
-            elif kind in "BI":
-                peak[r] = max(peak[r], held(r) + stages[s].transient_bytes)
+        if kind == "F":
+            held[r] += st.activation_bytes
+            peak[r] = max(peak[r], held[r])
+        elif kind == "B" or kind == "I":
+            peak[r] = max(peak[r], held[r] + st.transient_bytes)
+            if not backward_done[s]:  # its gradients, from here on
+                held[r] += st.grad_bytes
                 backward_done[s] = True
-                in_flight[s] -= kind == "B"
-            elif kind == "W":
-                in_flight[s] -= 1
-        if not running:
-            if not waiting:
-                break
-            now = min(waiting)
-            continue
-        rates = hosts.rates(sorted(running)) if hosts is not None else dict.fromkeys(running, 1.0)
-        step = min([left / rates[r] for r, (*_, left) in running.items()] + [w - now for w in waiting])
-        now += step
-        for r in list(running):
-            kind, s, mb, start, left = running[r]
-            left -= step * rates[r]
-            if left > 1e-12 * max(1.0, now):
-                running[r][4] = left
+            if kind == "B":
+                held[r] -= st.activation_bytes
+        elif kind == "W":
+            held[r] -= st.activation_bytes
+        return running[r][4]
+
+    def end(r: int, now: float) -> None:
+        kind, s, mb, start, _ = running.pop(r)
+        done[("G" if kind in "BI" else kind, s, mb)] = now
+        pos[r] += 1
+        if kind == "S":
+            if now > start:
+                events.append(Event(mine[r][0], "sync", -1, start, now, r))
+            return
+        events.append(Event(s, kind, mb, start, now, r))
+        if kind == "F" and s + 1 < n and where[s + 1] != r:
+            events.append(Event(s, "send", mb, now, now + stages[s].send_s, r))
+
+    def ready(r: int) -> float | None:
+        kind, s, mb = orders[r][pos[r]]
+        return _ready(kind, s, mb, stages, where, done)
+
+    if hosts is None:  # every action runs at full speed: its end is known when it starts
+        queue = [(0.0, 0, r) for r in range(p)]  # (time, 1 if an action of r ends then, r)
+        stalled: set[int] = set()  # groups whose next action waits for an input not produced yet
+        now = 0.0
+        while queue:
+            now, ends, r = heapq.heappop(queue)
+            if ends:
+                end(r, now)
+            for q in ([r, *sorted(stalled)] if ends else [r]):
+                if q in running or pos[q] == len(orders[q]):
+                    continue
+                at = ready(q)
+                if at is None:
+                    stalled.add(q)
+                    continue
+                stalled.discard(q)
+                if at > now:
+                    heapq.heappush(queue, (at, 0, q))
+                else:
+                    heapq.heappush(queue, (now + begin(q, now), 1, q))
+    else:
+        while True:
+            waiting = []
+            for r in range(p):
+                if r in running or pos[r] == len(orders[r]):
+                    continue
+                at = ready(r)
+                if at is None:
+                    continue
+                if at > now:
+                    waiting.append(at)
+                    continue
+                begin(r, now)
+            if not running:
+                if not waiting:
+                    break
+                now = min(waiting)
                 continue
-            del running[r]
-            done[("G" if kind in "BI" else kind, s, mb)] = now
-            pos[r] += 1
-            if kind == "S":
-                if now > start:
-                    events.append(Event(mine[r][0], "sync", -1, start, now, r))
-                continue
-            events.append(Event(s, kind, mb, start, now, r))
-            if kind == "F" and s + 1 < n and where[s + 1] != r:
-                events.append(Event(s, "send", mb, now, now + stages[s].send_s, r))
+            rates = hosts.rates(sorted(running))
+            step = min([left / rates[r] for r, (*_, left) in running.items()] + [w - now for w in waiting])
+            now += step
+            for r in list(running):
+                running[r][4] -= step * rates[r]
+                if running[r][4] <= 1e-12 * max(1.0, now):
+                    end(r, now)
     if any(k < len(o) for k, o in zip(pos, orders)):
         raise RuntimeError("schedule deadlocked")  # a bug in a schedule's order, never the user's input
     peak = [max(peak[r], sum(stages[s].state_bytes + stages[s].sync_bytes for s in mine[r])) for r in range(p)]

@@ -253,17 +253,22 @@ def _other_schedules(search: Search, base: Plan, chosen: list, progress: Callabl
             progress("zero-bubble and interleaved schedules")
         if not schedules.problem("interleaved-zb", p, m):
             tried["interleaved-zb"] = assemble(dataclasses.replace(search, schedule="interleaved-zb"), chosen, m, "auto")
+        skipped = {}
         for v in AUTO_VIRTUAL:
             for name in ("interleaved-1f1b", "interleaved-zb", "zbv"):
                 if p * v <= len(search.layers) and not schedules.problem(name, p, m, v):
-                    plan = _virtual_plan(dataclasses.replace(search, schedule=name, virtual=v), p, shape, lm, m)
-                    if plan is not None:
+                    bound = min(plan.estimate.step_time_s for plan in tried.values() if plan.estimate.fits)
+                    plan = _virtual_plan(dataclasses.replace(search, schedule=name, virtual=v), p, shape, lm, m, bound)
+                    if isinstance(plan, Plan):
                         tried[f"{name}/v{v}"] = plan
+                    elif plan is not None:
+                        skipped[f"{name}/v{v}"] = plan
     fits = [plan for plan in tried.values() if plan.estimate.fits] or [base]
     best = min(fits, key=lambda plan: plan.estimate.step_time_s)
     best.search.update({k: base.search[k] for k in ("ilp_solves", "cache_hits", "microbatch_counts")})
     best.search["schedules"] = {k: {"step_time_s": plan.estimate.step_time_s, "fits": plan.estimate.fits}
                                 for k, plan in tried.items()}
+    best.search["schedules"].update({k: {"busiest_group_s": work, "skipped": True} for k, work in skipped.items()})
     return best
 
 
@@ -304,9 +309,12 @@ def balanced_cuts(times: np.ndarray, q: int) -> list[int] | None:
     return cuts[::-1]
 
 
-def _virtual_plan(search: Search, p: int, shape: tuple[int, int], lm: tuple[int, int], m: int) -> Plan | None:
+def _virtual_plan(search: Search, p: int, shape: tuple[int, int], lm: tuple[int, int], m: int, bound: float
+                  ) -> Plan | float | None:
     """The layers cut into p·v stages of the least bottleneck (then the least total) on p groups
-    of `shape`, each stage within its share of its group's memory (`Search.budget`)."""
+    of `shape`, each stage within its share of its group's memory (`Search.budget`); None when no
+    such cut fits. Not simulated when the busiest group's own work (its compute, gradient
+    synchronisation and optimizer) already takes `bound` seconds: that time instead."""
     q = p * search.virtual
     in_flight, limit = max((search.budget(s, q, m) for s in range(q)), key=lambda b: b[0])
     times, (variants, picks) = search.range_times(shape, m, in_flight, limit, [lm])  # torch's schedules: one mesh
@@ -316,6 +324,11 @@ def _virtual_plan(search: Search, p: int, shape: tuple[int, int], lm: tuple[int,
     if cuts is None:
         return None
     chosen = [((i, j), shape, search.option(i, j, shape, m, variants[picks[i, j]])) for i, j in zip(cuts, cuts[1:])]
+    work = [0.0] * p
+    for group, (_, _, opt) in zip(schedules.stage_ranks(search.schedule, p, search.virtual), chosen):
+        work[group] += m * (opt.forward_s + opt.backward_s) + opt.grad_sync_s + opt.optimizer_s
+    if max(work) >= bound:
+        return max(work)
     return assemble(search, chosen, m, "auto")
 
 

@@ -156,10 +156,11 @@ def hold_to(pm: Any, limit: float) -> None:
 
 def _overflow(rank: int, index: int, measured: dict[str, int], plan: Plan, limit: float) -> str:
     """What overflowed, against the plan's prediction for the stage, in one message."""
-    cost = plan.stages[index].cost
-    states, transient = cost.get("state_bytes", 0.0), cost.get("transient_bytes", 0.0)
-    acts = cost.get("activation_bytes_per_microbatch", 0.0) * schedules.in_flight(
-        plan.schedule, len(plan.stages), index, plan.num_microbatches)
+    mine = [s.cost for s, group in zip(plan.stages, plan.stage_ranks) if group == index]  # the group's stages
+    states = sum(c.get("state_bytes", 0.0) for c in mine)
+    transient = max(c.get("transient_bytes", 0.0) for c in mine)
+    per_stage = sum(c.get("activation_bytes_per_microbatch", 0.0) for c in mine) / len(mine)
+    acts = per_stage * schedules.in_flight(plan.schedule, plan.groups, index, plan.num_microbatches, plan.virtual)
     got = {"model states": measured["parameters"] + measured["gradients"] + measured["optimizer"],
            "activations": measured["activations"], "temporaries": measured["temporaries"]}
     predicted = {"model states": states, "activations": acts, "temporaries": transient}
