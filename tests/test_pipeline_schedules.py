@@ -56,3 +56,39 @@ def test_schedule_trains_like_one_process(tmp_path, name, key):
         assert ran == {"interleaved-1f1b": "ScheduleInterleaved1F1B", "interleaved-zb": "ScheduleInterleavedZeroBubble",
                        "zbv": "ScheduleZBVZeroBubble"}[schedule]
         _assert_same_training(got_losses, got_params, losses, params)
+
+
+def _checkpointed(rank, world, name, saved, loaded):
+    """Two steps under `saved`, a checkpoint; a model built from other weights under `loaded` loads it."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    from autopar.runtime import checkpoint
+
+    directory = [tempfile.mkdtemp(prefix="autopar-ckpt-") if rank == 0 else None]
+    dist.broadcast_object_list(directory, src=0)
+    w, batches = _setup(name)
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
+                             plan=_plan(w, saved) if saved in SCHEDULES else saved)
+    for inputs, target in batches:
+        pm.step(inputs, target)
+    path = checkpoint.save(pm, directory[0], 2)
+    before = pm.full_state_dict()
+    other, _ = _setup(name, seed=7)
+    om = autopar.parallelize(other.model, (1, world), other.example_inputs, loss_fn=other.loss_fn,
+                             optimizer=_optimizer, plan=_plan(other, loaded) if loaded in SCHEDULES else loaded)
+    checkpoint.load(om, path)
+    after = om.full_state_dict()
+    return all(torch.equal(after[k], v) for k, v in before.items()) and after.keys() == before.keys()
+
+
+MOVES = [("gpt2", "zbv", "2,1,2,4"), ("gpt2", "1,1,4,4", "interleaved-1f1b-v2")]
+
+
+@pytest.mark.parametrize("name, saved, loaded", MOVES)
+def test_a_checkpoint_moves_between_schedules(tmp_path, name, saved, loaded):
+    """Several stages on a rank (a tied weight on both ends of a V: one parameter) save and load
+    like any plan's stages."""
+    assert all(shared_ranks(_checkpointed, WORLD, MOVES, (name, saved, loaded), tmp_path))
