@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 
 import autopar
+from autopar.contract.placements import Shard
 from tests.distributed import shared_ranks
 from tests.test_families import _assert_same_training, _optimizer, _setup, _single
 
@@ -20,6 +21,8 @@ SCHEDULES = {
     "zb-h1": ("interleaved-zb", "1,1,4,4", 1),
     "interleaved-zb-v2": ("interleaved-zb", "2,1,2,4", 2),
     "zbv": ("zbv", "1,2,2,4", 2),
+    "interleaved-1f1b-zero3": ("interleaved-1f1b", "2,1,2,4", 2),  # every parameter sharded over the data axis
+    "zbv-zero3": ("zbv", "2,1,2,4", 2),
 }
 FAMILIES = ["gpt2", "llama", "bert"]
 
@@ -32,7 +35,11 @@ def _plan(w, key):
     schedule, layout, virtual = SCHEDULES[key]
     cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=WORLD)
     search = Search.start(w, cluster, (1, WORLD), schedule=schedule)
-    return manual_plan(manual_search(search), Layout.parse(layout, virtual=virtual))
+    plan = manual_plan(manual_search(search), Layout.parse(layout, virtual=virtual))
+    if key.endswith("zero3"):
+        for stage in plan.stages:
+            stage.params = {f: [Shard(0), p[1]] for f, p in stage.params.items()}
+    return plan
 
 
 def _parallel(rank, world, name, key):
@@ -44,7 +51,24 @@ def _parallel(rank, world, name, key):
     return losses, pm.full_state_dict(), (plan.schedule, plan.virtual, len(plan.stages), type(pm.schedule).__name__)
 
 
-CASES = [(name, key) for name in FAMILIES for key in SCHEDULES]
+def _refused(rank, world, name, key):
+    w, _ = _setup(name)
+    try:
+        autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
+                            plan=_plan(w, key))
+    except autopar.AutoparError as exc:
+        return str(exc)
+    return None
+
+
+# Llama's output layer has its own weight; GPT-2's and BERT's are tied to the embedding, which ZB-V
+# puts on group 0 twice: ZeRO-3 cannot shard it (below)
+CASES = [(name, key) for name in FAMILIES for key in SCHEDULES if key != "zbv-zero3" or name == "llama"]
+
+
+def test_zero3_refuses_a_weight_two_stages_of_one_group_use(tmp_path):
+    for said in shared_ranks(_refused, WORLD, [("gpt2", "zbv-zero3")], ("gpt2", "zbv-zero3"), tmp_path):
+        assert "transformer.wte.weight is used by two stages of one device group, which FSDP2 cannot shard" in said
 
 
 @pytest.mark.parametrize("name, key", CASES)

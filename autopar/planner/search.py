@@ -329,7 +329,10 @@ def _virtual_plan(search: Search, p: int, shape: tuple[int, int], lm: tuple[int,
         work[group] += m * (opt.forward_s + opt.backward_s) + opt.grad_sync_s + opt.optimizer_s
     if max(work) >= bound:
         return max(work)
-    return assemble(search, chosen, m, "auto")
+    plan = assemble(search, chosen, m, "auto")
+    if plan.dp_gradient["zero_stage"] == 3 and plan.shared_in_a_group():
+        return None  # FSDP2 cannot shard a weight two stages of one group use (the runtime refuses it)
+    return plan
 
 
 def plan_compressed(search: Search, compression: str | None, make: Callable[[Search], Plan],
