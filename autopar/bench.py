@@ -141,26 +141,29 @@ def spearman(a: list[float], b: list[float]) -> float:
 
 
 def predicted_breakdown(plan: Plan) -> list[dict[str, float]]:
-    """Per stage, the plan's prediction in the terms `runtime.breakdown` measures, from the
-    simulator's replay (durations as replayed: ranks sharing cores run slower): forward and
-    backward of all microbatches, the exposed data-axis synchronisation, the optimizer, and the
-    time the pipeline leaves the stage idle or sending."""
+    """Per device group (a stage, or a rank's v stages), the plan's prediction in the terms
+    `runtime.breakdown` measures, from the simulator's replay (durations as replayed: ranks sharing
+    cores run slower): forward and backward of all microbatches (a split backward's two parts
+    together), the exposed data-axis synchronisation, the optimizer, and the time the pipeline
+    leaves the group idle or sending."""
     sim = replay(plan)
     out = []
-    for k, stage in enumerate(plan.stages):
-        mine = [e for e in sim.events if e.stage == k]
+    for group in range(plan.groups):
+        mine = [e for e in sim.events if e.rank == group]
+        costs = [s.cost for s, r in zip(plan.stages, plan.stage_ranks) if r == group]
 
-        def spent(kind: str) -> float:
-            return sum(e.end - e.start for e in mine if e.kind == kind)
+        def spent(*kinds: str) -> float:
+            return sum(e.end - e.start for e in mine if e.kind in kinds)
 
-        sync, optimizer = stage.cost.get("grad_sync_s", 0.0), stage.cost.get("optimizer_s", 0.0)
-        last = max(e.end for e in mine if e.kind == "B")
-        end = max(e.end for e in mine if e.kind in ("B", "sync"))
-        tail = spent("sync")
-        out.append({"step_s": sim.step_time_s, "forward_s": spent("F"), "backward_s": spent("B"),
+        sync = sum(c.get("grad_sync_s", 0.0) for c in costs)
+        optimizer = sum(c.get("optimizer_s", 0.0) for c in costs)
+        last = max(e.end for e in mine if e.kind in ("B", "I", "W"))
+        end = max(e.end for e in mine if e.kind in ("B", "I", "W", "sync"))
+        tail, backward = spent("sync"), spent("B", "I", "W")
+        out.append({"step_s": sim.step_time_s, "forward_s": spent("F"), "backward_s": backward,
                     "dp_sync_s": tail * sync / (sync + optimizer) if sync + optimizer else 0.0,
                     "optimizer_s": tail * optimizer / (sync + optimizer) if sync + optimizer else 0.0,
-                    "pipeline_s": max(0.0, last - spent("F") - spent("B")), "other_s": sim.step_time_s - end})
+                    "pipeline_s": max(0.0, last - spent("F") - backward), "other_s": sim.step_time_s - end})
     return out
 
 
@@ -180,10 +183,10 @@ def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup
              "predicted_step_time_s": p.estimate.step_time_s, "measured_step_time_s": t,
              "predicted_peak_bytes": p.estimate.peak_memory_bytes, "measured_peak_bytes": peak}
             for p, (t, peak, _) in zip(plans, measured)]
-    if breakdown:  # per rank measured; per stage predicted (rank r runs stage `stage_of[r]`)
+    if breakdown:  # per rank measured; per device group predicted (rank r is in group `stage_of[r]`)
         for row, p, (_, _, parts) in zip(rows, plans, measured):
             row["breakdown"] = {"measured": parts, "predicted": predicted_breakdown(p),
-                                "stage_of": [k for k, s in enumerate(p.stages) for _ in range(s.devices)]}
+                                "stage_of": [k for k, n in enumerate(p.group_devices) for _ in range(n)]}
     fastest = min(r["measured_step_time_s"] for r in rows)
     return {"model": model, "nproc": nproc, "batch": batch, "precision": precision, "cluster": cluster.name, "layouts": rows,
             "spearman": spearman([r["predicted_step_time_s"] for r in rows], [r["measured_step_time_s"] for r in rows]),
