@@ -61,14 +61,14 @@ def _refused(rank, world, name, key):
     return None
 
 
-# Llama's output layer has its own weight; GPT-2's and BERT's are tied to the embedding, which ZB-V
-# puts on group 0 twice: ZeRO-3 cannot shard it (below)
-CASES = [(name, key) for name in FAMILIES for key in SCHEDULES if key != "zbv-zero3" or name == "llama"]
+CASES = [(name, key) for name in FAMILIES for key in SCHEDULES if key != "zbv-zero3"]
 
 
-def test_zero3_refuses_a_weight_two_stages_of_one_group_use(tmp_path):
-    for said in shared_ranks(_refused, WORLD, [("gpt2", "zbv-zero3")], ("gpt2", "zbv-zero3"), tmp_path):
-        assert "transformer.wte.weight is used by two stages of one device group, which FSDP2 cannot shard" in said
+def test_zero3_under_a_split_backward_is_refused_with_one_message(tmp_path):
+    """FSDP2 under torch's split backward: Llama's losses come out 6e-5 apart after one step (ZeRO-3
+    under interleaved-1f1b trains equal, above). Refused until it does; the search does not offer it."""
+    for said in shared_ranks(_refused, WORLD, [("llama", "zbv-zero3")], ("llama", "zbv-zero3"), tmp_path):
+        assert "ZeRO-3 with zbv: a split backward under FSDP2 does not yet train as one process does" in said
 
 
 @pytest.mark.parametrize("name, key", CASES)

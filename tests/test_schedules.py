@@ -211,3 +211,18 @@ def test_virtual_on_the_command_line(capsys):
     assert "2 blocks do not split evenly into 4 stages" in capsys.readouterr().err
     assert main(args + ["--manual", "1,1,2,4", "--schedule", "interleaved-zb"]) == 0
     assert json.loads(capsys.readouterr().out)["schedule"] == "interleaved-zb"
+
+
+def test_the_search_offers_zero3_only_with_a_whole_backward():
+    """The runtime refuses ZeRO-3 under a split backward (tests/test_pipeline_schedules.py): such a
+    plan is never a candidate of `--schedule auto`."""
+    import dataclasses
+
+    from autopar.planner.manual import Layout, manual_plan, manual_search
+    from autopar.planner.search import runs
+
+    search = Search.start(load_workload("gpt-tiny", batch=8), get_cluster("a100-dgx").with_mesh(1, 4), (1, 4))
+    sharded = manual_search(search, zero3=True)
+    for schedule, ok in (("1f1b", True), ("interleaved-1f1b", True), ("interleaved-zb", False)):
+        plan = manual_plan(dataclasses.replace(sharded, schedule=schedule), Layout(2, 1, 2, 4))
+        assert plan.dp_gradient["zero_stage"] == 3 and runs(plan) is ok

@@ -183,15 +183,6 @@ class Plan:
         """Devices of each group (its first stage's submesh: every schedule places stage r on group r)."""
         return [s.devices for s in self.stages[:self.groups]]
 
-    def shared_in_a_group(self) -> list[str]:
-        """Parameters two stages of one device group both hold (ZB-V puts a GPT's tied embedding
-        and output layer on group 0): the runtime keeps them as one parameter."""
-        held: dict[tuple[int, str], int] = {}
-        for group, stage in zip(self.stage_ranks, self.stages):
-            for name in stage.params:
-                held[(group, name)] = held.get((group, name), 0) + 1
-        return sorted({name for (_, name), count in held.items() if count > 1})
-
     @property
     def num_devices(self) -> int:
         return sum(self.group_devices)

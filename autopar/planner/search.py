@@ -251,8 +251,9 @@ def _other_schedules(search: Search, base: Plan, chosen: list, progress: Callabl
     if p > 1 and all(st.submesh == shape and st.logical_mesh == lm for st in base.stages):
         if progress:
             progress("zero-bubble and interleaved schedules")
-        if not schedules.problem("interleaved-zb", p, m):
-            tried["interleaved-zb"] = assemble(dataclasses.replace(search, schedule="interleaved-zb"), chosen, m, "auto")
+        zb = assemble(dataclasses.replace(search, schedule="interleaved-zb"), chosen, m, "auto")
+        if not schedules.problem("interleaved-zb", p, m) and runs(zb):
+            tried["interleaved-zb"] = zb
         skipped = {}
         for v in AUTO_VIRTUAL:
             for name in ("interleaved-1f1b", "interleaved-zb", "zbv"):
@@ -330,9 +331,13 @@ def _virtual_plan(search: Search, p: int, shape: tuple[int, int], lm: tuple[int,
     if max(work) >= bound:
         return max(work)
     plan = assemble(search, chosen, m, "auto")
-    if plan.dp_gradient["zero_stage"] == 3 and plan.shared_in_a_group():
-        return None  # FSDP2 cannot shard a weight two stages of one group use (the runtime refuses it)
-    return plan
+    return plan if runs(plan) else None
+
+
+def runs(plan: Plan) -> bool:
+    """Whether the runtime runs the plan's schedule with its ZeRO-3: FSDP2 under a split backward
+    does not yet train as one process does (`runtime/pipeline.py` refuses it)."""
+    return plan.dp_gradient["zero_stage"] != 3 or not schedules.splits_backward(plan.schedule)
 
 
 def plan_compressed(search: Search, compression: str | None, make: Callable[[Search], Plan],
