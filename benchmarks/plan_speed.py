@@ -27,7 +27,8 @@ def main() -> None:
         plan, wall, _ = run_cli(*args)
         shapes = ", ".join(sorted({f"{s['submesh'][0]}x{s['submesh'][1]} ({s['logical_mesh'][0]}×{s['logical_mesh'][1]})"
                                    for s in plan["stages"]}))
-        print(f"| `autopar {' '.join(args)}` | {len(plan['layers'])} | {len(plan['stages'])} × {shapes} | "
+        schedule = plan["schedule"] + (f" v{plan['virtual']}" if plan["virtual"] > 1 else "")
+        print(f"| `autopar {' '.join(args)}` | {len(plan['layers'])} | {len(plan['stages'])} × {shapes}, {schedule} | "
               f"{plan['search']['ilp_solves']} | {plan['search']['cache_hits']} | {plan['planning_time_s']:.1f} | "
               f"{wall:.1f} | {plan['estimate']['tflops_per_device']:.1f} |")
 

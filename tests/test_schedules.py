@@ -203,6 +203,15 @@ def test_auto_weighs_every_schedule_and_keeps_the_fastest_that_fits():
     assert len(plan.stages) == plan.groups * plan.virtual and len({s.logical_mesh for s in plan.stages}) == 1
 
 
+def test_auto_keeps_1f1b_where_no_other_schedule_applies():
+    """One stage (no pipeline): nothing else to weigh."""
+    search = Search.start(load_workload("gpt-tiny", batch=8), get_cluster("a100-dgx").with_mesh(1, 2), (1, 2),
+                          schedule="auto")
+    plan = plan_auto(search, stages=1, num_microbatches=2)
+    assert plan.schedule == "1f1b" and plan.search["schedules"] == {
+        "1f1b": {"step_time_s": plan.estimate.step_time_s, "fits": plan.estimate.fits}}
+
+
 def test_virtual_on_the_command_line(capsys):
     args = ["plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x2", "--batch", "8", "--json"]
     assert main(args + ["--virtual", "2"]) == 2

@@ -245,7 +245,7 @@ def _other_schedules(search: Search, base: Plan, chosen: list, progress: Callabl
     cut the layers into p·v balanced stages on the same p groups and microbatch count (v in
     `AUTO_VIRTUAL`), one simulation each. Only pipelines of one submesh and logical mesh qualify
     (torch runs these schedules on equal stages)."""
-    tried = {"1f1b": base}
+    tried, skipped = {"1f1b": base}, {}
     p, m = base.groups, base.num_microbatches
     shape, lm = base.stages[0].submesh, base.stages[0].logical_mesh
     if p > 1 and all(st.submesh == shape and st.logical_mesh == lm for st in base.stages):
@@ -254,7 +254,6 @@ def _other_schedules(search: Search, base: Plan, chosen: list, progress: Callabl
         zb = assemble(dataclasses.replace(search, schedule="interleaved-zb"), chosen, m, "auto")
         if not schedules.problem("interleaved-zb", p, m) and runs(zb):
             tried["interleaved-zb"] = zb
-        skipped = {}
         for v in AUTO_VIRTUAL:
             for name in ("interleaved-1f1b", "interleaved-zb", "zbv"):
                 if p * v <= len(search.layers) and not schedules.problem(name, p, m, v):
