@@ -251,13 +251,15 @@ def _other_schedules(search: Search, base: Plan, chosen: list, progress: Callabl
     if p > 1 and all(st.submesh == shape and st.logical_mesh == lm for st in base.stages):
         if progress:
             progress("zero-bubble and interleaved schedules")
-        zb = assemble(dataclasses.replace(search, schedule="interleaved-zb"), chosen, m, "auto")
-        if not schedules.problem("interleaved-zb", p, m) and runs(zb):
+        zb = None if schedules.problem("interleaved-zb", p, m) else assemble(
+            dataclasses.replace(search, schedule="interleaved-zb"), chosen, m, "auto")
+        if zb is not None and runs(zb):
             tried["interleaved-zb"] = zb
         for v in AUTO_VIRTUAL:
             for name in ("interleaved-1f1b", "interleaved-zb", "zbv"):
                 if p * v <= len(search.layers) and not schedules.problem(name, p, m, v):
-                    bound = min(plan.estimate.step_time_s for plan in tried.values() if plan.estimate.fits)
+                    bound = min((plan.estimate.step_time_s for plan in tried.values() if plan.estimate.fits),
+                                default=INF)
                     plan = _virtual_plan(dataclasses.replace(search, schedule=name, virtual=v), p, shape, lm, m, bound)
                     if isinstance(plan, Plan):
                         tried[f"{name}/v{v}"] = plan
