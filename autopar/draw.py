@@ -19,8 +19,9 @@ from autopar.planner.search import replay
 MAX_BARS = 50_000  # forward and backward bars in the Gantt: past it the picture is unreadable and slow
 MAX_STAGES = 256  # rows
 
-COLOURS = {"F": "#4C78A8", "B": "#F58518", "send": "#9D9D9D", "sync": "#54A24B"}
-LABELS = {"F": "forward", "B": "backward", "send": "send to next stage", "sync": "gradient reduction (data axis)"}
+COLOURS = {"F": "#4C78A8", "B": "#F58518", "I": "#F58518", "W": "#E45756", "send": "#9D9D9D", "sync": "#54A24B"}
+LABELS = {"F": "forward", "B": "backward", "I": "backward (input gradient)", "W": "backward (weight gradient)",
+          "send": "send to next stage", "sync": "gradient reduction (data axis)"}
 
 
 def draw(plan: Plan, memory_limit: float | None = None) -> Any:
@@ -44,7 +45,9 @@ def draw(plan: Plan, memory_limit: float | None = None) -> Any:
     _gantt(gantt, plan, sim)
     _devices(devices, plan)
     _memory(memory, plan, sim, memory_limit)
-    fig.legend(handles=[Patch(color=COLOURS[k], label=LABELS[k]) for k in COLOURS], loc="outside lower center",
+    split = any(e.kind == "I" for e in sim.events)  # a zero-bubble schedule's two backward parts
+    kinds = [k for k in COLOURS if k not in (("B",) if split else ("I", "W"))]
+    fig.legend(handles=[Patch(color=COLOURS[k], label=LABELS[k]) for k in kinds], loc="outside lower center",
                ncols=4, fontsize=9, frameon=False)
     est = plan.estimate
     fig.suptitle(f"{_literal(plan.name)} plan for {_literal(plan.model)} (batch {plan.batch}) on {_literal(plan.cluster)} "
@@ -69,7 +72,7 @@ def _gantt(ax: Any, plan: Plan, sim: Simulation) -> None:
         start, width = e.start * scale, (e.end - e.start) * scale
         if width <= 0:
             continue
-        if e.kind in ("F", "B"):
+        if e.kind in ("F", "B", "I", "W"):
             ax.barh(e.stage, width, left=start, height=0.6, color=COLOURS[e.kind], edgecolor="white", linewidth=0.5)
             if width > 0.012 * sim.step_time_s * scale:
                 ax.text(start + width / 2, e.stage, str(e.microbatch), ha="center", va="center", fontsize=7,
@@ -89,19 +92,21 @@ def _gantt(ax: Any, plan: Plan, sim: Simulation) -> None:
 
 
 def _devices(ax: Any, plan: Plan) -> None:
-    """Ranks fill hosts in order, stage after stage, as the runtime places them."""
+    """Ranks fill hosts in order, device group after group, as the runtime places them (group r
+    holds stage r, and with v stages per group the others the schedule puts there)."""
     import matplotlib.pyplot as plt
 
     hosts, per_host = plan.mesh
     cmap = plt.get_cmap("tab20")
     rank = 0
-    for i, s in enumerate(plan.stages):
+    for i, s in enumerate(plan.stages[:plan.groups]):
         tp = s.logical_mesh[1]
         for j in range(s.devices):
             h, d = divmod(rank, per_host)
             ax.add_patch(plt.Rectangle((d, h), 0.95, 0.95, color=cmap(i % 20)))
             if per_host <= 16:
-                ax.text(d + 0.47, h + 0.47, f"s{i}\n{j // tp},{j % tp}", ha="center", va="center", fontsize=7)
+                ax.text(d + 0.47, h + 0.47, f"{'g' if plan.virtual > 1 else 's'}{i}\n{j // tp},{j % tp}", ha="center",
+                        va="center", fontsize=7)
             rank += 1
     ax.set_xlim(0, per_host)
     ax.set_ylim(hosts, 0)
@@ -113,15 +118,18 @@ def _devices(ax: Any, plan: Plan) -> None:
 
 
 def _memory(ax: Any, plan: Plan, sim: Simulation, limit: float | None) -> None:
-    states = [s.cost.get("state_bytes", 0.0) for s in plan.stages]
-    peaks = sim.peak_memory_bytes
-    x = range(len(plan.stages))
+    """Per device group (a stage, or the v stages of one)."""
+    where = plan.stage_ranks
+    states = [sum(s.cost.get("state_bytes", 0.0) for s, r in zip(plan.stages, where) if r == g)
+              for g in range(plan.groups)]
+    peaks = [sim.peak_memory_bytes[where.index(g)] for g in range(plan.groups)]
+    x = range(plan.groups)
     ax.bar(x, states, color="#B279A2", label="parameters, gradients, optimizer state")
     ax.bar(x, [p - s for p, s in zip(peaks, states)], bottom=states, color="#FF9DA6",
            label="activations in flight, transients")
     if limit:
         ax.axhline(limit, color="red", linestyle="--", linewidth=1, label=f"device limit {human_bytes(limit)}")
-    ax.set_xticks(list(x), [f"stage {i}" for i in x], fontsize=8)
+    ax.set_xticks(list(x), [f"{'group' if plan.virtual > 1 else 'stage'} {i}" for i in x], fontsize=8)
     ax.yaxis.set_major_formatter(lambda v, _: human_bytes(v))
     ax.set_ylabel("peak memory per device")
     ax.set_title("memory per stage", fontsize=10, loc="left")

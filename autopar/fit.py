@@ -28,7 +28,7 @@ from autopar.cost_models.simulator import StageTimes, simulate
 from autopar.planner.search import hosts
 
 PARAMS = ("flops", "memory", "op_overhead", "sharded_overhead", "latency", "bandwidth")
-FIELDS = ("forward_s", "backward_s", "send_s", "grad_sync_s", "optimizer_s")
+FIELDS = ("forward_s", "backward_s", "send_s", "grad_sync_s", "optimizer_s", "weight_s")
 BOUND = 5.0
 
 
@@ -81,10 +81,11 @@ def fit(bench: dict[str, Any], cluster: Any, progress: Callable[[str], None] | N
 
     def predict(factors: np.ndarray, name: str) -> float:
         fields = f0[name] + sum(slopes[k][name] * (x - 1.0) for k, x in zip(PARAMS, factors))
-        stages = [StageTimes(*np.maximum(row[:4], 0.0), optimizer_s=max(row[4], 0.0)) for row in fields]
+        stages = [StageTimes(*np.maximum(row[:4], 0.0), optimizer_s=max(row[4], 0.0),
+                             weight_s=min(max(row[5], 0.0), max(row[1], 0.0))) for row in fields]
         plan = base[name]
-        return simulate(stages, plan.num_microbatches, plan.schedule,
-                        hosts(cluster, [s.devices for s in plan.stages])).step_time_s
+        return simulate(stages, plan.num_microbatches, plan.schedule, hosts(cluster, plan.group_devices),
+                        plan.virtual).step_time_s
 
     seen, unseen = names[0::2], names[1::2]
 

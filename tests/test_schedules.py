@@ -144,8 +144,7 @@ def test_schema_1_plans_load_with_one_stage_per_group_and_schema_2_round_trips(t
 
 @pytest.mark.parametrize("edit, message", [
     ({"virtual": 3}, "virtual must be a number of stages per device group that divides the 2 stages"),
-    ({"virtual": 2, "schedule": "1f1b"}, "schedule 1f1b runs 1 stage per device group, not 2"),
-    ({"virtual": 2, "schedule": "zbv", "num_microbatches": 4}, "the stages use 1 devices, the mesh 1x2 has 2"),
+    ({"virtual": 2, "schedule": "zbv"}, "one device group would hold all 2 stages: nothing to interleave"),
 ])
 def test_a_plan_whose_virtual_stages_do_not_add_up_is_refused(edit, message):
     data = _two_stages().to_dict() | edit
@@ -154,11 +153,22 @@ def test_a_plan_whose_virtual_stages_do_not_add_up_is_refused(edit, message):
 
 
 def test_a_stage_on_another_groups_submesh_is_refused():
-    data = _two_stages().to_dict()
-    data["stages"] = data["stages"] + [dict(data["stages"][1], layers=[data["stages"][1]["layers"][1], 0])]
-    data |= {"virtual": 2, "schedule": "interleaved-1f1b"}
-    with pytest.raises(Exception, match="stages must cover the layers in order"):
+    from autopar.planner.manual import Layout, manual_plan, manual_search
+
+    search = Search.start(load_workload("gpt-small", batch=16), get_cluster("a100-dgx").with_mesh(1, 2), (1, 2),
+                          schedule="zbv")
+    data = manual_plan(manual_search(search), Layout(1, 1, 2, 4, virtual=2)).to_dict()
+    assert Plan.from_json(json.dumps(data)).stage_ranks == [0, 1, 1, 0]
+    data["stages"][3] |= {"submesh": [1, 2], "logical_mesh": [2, 1]}
+    with pytest.raises(Exception, match=r"stages\[3\] runs on device group 0 \(zbv, 2 stages per group\), whose "
+                                        r"submesh is \[1, 1\], not \[1, 2\]"):
         Plan.from_json(json.dumps(data))
+    data["stages"][3] |= {"submesh": [1, 1], "logical_mesh": [1, 1]}
+    with pytest.raises(Exception, match="schedule 1f1b runs 1 stage per device group, not 2"):
+        Plan.from_json(json.dumps(data | {"schedule": "1f1b"}))
+    with pytest.raises(Exception, match=r"interleaved schedules split the microbatches into max\(1, m // p\) = 2 "
+                                        "equal rounds on 2 device groups: 5 microbatches do not split"):
+        Plan.from_json(json.dumps(data | {"schedule": "interleaved-1f1b", "num_microbatches": 5, "batch": 15}))
 
 
 def test_balanced_cuts_find_the_least_bottleneck_then_the_least_total():
@@ -220,6 +230,10 @@ def test_virtual_on_the_command_line(capsys):
     assert "2 blocks do not split evenly into 4 stages" in capsys.readouterr().err
     assert main(args + ["--manual", "1,1,2,4", "--schedule", "interleaved-zb"]) == 0
     assert json.loads(capsys.readouterr().out)["schedule"] == "interleaved-zb"
+    assert main(args + ["--manual", "1,1,2,4", "--schedule", "interleaved-zb", "--recompute"]) == 2
+    assert "interleaved-zb splits backward, which recomputation does not run under yet" in capsys.readouterr().err
+    assert main(args + ["--manual", "2,1,1", "--virtual", "2", "--schedule", "interleaved-1f1b"]) == 2
+    assert "nothing to interleave (--virtual needs pp ≥ 2)" in capsys.readouterr().err
 
 
 def test_the_search_offers_zero3_only_with_a_whole_backward():

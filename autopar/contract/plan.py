@@ -288,6 +288,9 @@ def _parse(data: Any, source: str) -> Plan:
         raise PlanError(f"{source}: virtual must be a number of stages per device group that divides the "
                         f"{len(stages)} stages, got {virtual}")
     groups = len(stages) // virtual
+    if groups == 1 and virtual > 1:
+        raise PlanError(f"{source}: one device group would hold all {len(stages)} stages: nothing to interleave; "
+                        "write virtual 1 with one stage")
     wrong = schedules.problem(schedule, groups, groups, virtual)  # one round of microbatches: any count runs
     if wrong:
         raise PlanError(f"{source}: {wrong}")

@@ -10,8 +10,9 @@ torchtitan's `get_schedule_class` with the planner's questions beside it.
 An action is (kind, stage, microbatch), stage counted over all p·v virtual stages: "F" a forward,
 "B" a whole backward, or, for zero-bubble schedules, its two parts: "I" the gradient of the input
 (what the previous stage waits for) and "W" the gradient of the weights (free to fill a bubble).
-The orders are the ones torch's classes compute (`tests/test_schedules.py` compares them action by
-action), written here so that the simulator and the planner price what the runtime will run.
+The orders are the ones torch's classes compute (`tests/test_schedules.py` compares those of the
+interleaved and zero-bubble classes with torch's action by action), written here so that the
+simulator and the planner price what the runtime will run.
 """
 
 from __future__ import annotations

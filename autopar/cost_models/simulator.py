@@ -86,6 +86,9 @@ def simulate(stages: list[StageTimes], num_microbatches: int, schedule: str = "1
     fixed, their speed `Hosts.rates`)."""
     n, m = len(stages), num_microbatches
     p = n // virtual
+    wrong = "stages do not split into groups" if n % virtual else schedules.problem(schedule, p, m, virtual)
+    if wrong:
+        raise ValueError(f"cannot simulate {schedule} over {n} stages, {virtual} per group: {wrong}")
     where = schedules.stage_ranks(schedule, p, virtual)
     # every group ends with its exposed gradient synchronisation (what `overlap` of it does not hide
     # behind its last backward: grad_sync_s holds that share) and its optimizer step, on its cores too
@@ -141,7 +144,6 @@ def simulate(stages: list[StageTimes], num_microbatches: int, schedule: str = "1
     if hosts is None:  # every action runs at full speed: its end is known when it starts
         queue = [(0.0, 0, r) for r in range(p)]  # (time, 1 if an action of r ends then, r)
         stalled: set[int] = set()  # groups whose next action waits for an input not produced yet
-        now = 0.0
         while queue:
             now, ends, r = heapq.heappop(queue)
             if ends:
@@ -190,8 +192,8 @@ def simulate(stages: list[StageTimes], num_microbatches: int, schedule: str = "1
     pipeline_end = max(e.end for e in compute)
     busy = sum(e.end - e.start for e in compute)
     bubble = 1.0 - busy / (p * pipeline_end) if pipeline_end > 0 else 0.0
-    end = max([now] + [e.end for e in events])
-    return Simulation(end, max(0.0, bubble), [peak[where[s]] for s in range(n)], events, hosts)
+    step = max([now] + [e.end for e in events])
+    return Simulation(step, max(0.0, bubble), [peak[where[s]] for s in range(n)], events, hosts)
 
 
 def _ready(kind: str, s: int, mb: int, stages: list[StageTimes], where: list[int], done: dict) -> float | None:

@@ -141,6 +141,10 @@ def check(search: Search, layout: Layout) -> str | None:
     if (layout.dp * layout.tp) % per_host and per_host % (layout.dp * layout.tp):
         return f"a stage's {layout.dp * layout.tp} devices must tile hosts of {per_host}"
     stages = layout.pp * layout.virtual
+    if layout.recompute and schedules.splits_backward(search.schedule):
+        return f"{search.schedule} splits backward, which recomputation does not run under yet: use interleaved-1f1b"
+    if layout.pp == 1 and layout.virtual > 1:
+        return "one pipeline group would hold every stage: nothing to interleave (--virtual needs pp ≥ 2)"
     if len(block) % stages:
         return f"{len(block)} blocks do not split evenly into {stages} stages"
     batch = search.workload.batch

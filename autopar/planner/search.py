@@ -159,13 +159,14 @@ class Search:
         return times, picks
 
     def range_times(self, shape: tuple[int, int], m: int, in_flight: int, limit: float,
-                    logical: list[tuple[int, int]] | None = None) -> tuple[np.ndarray, tuple]:
+                    logical: list[tuple[int, int]] | None = None, recompute: tuple[bool, ...] = (False, True),
+                    ) -> tuple[np.ndarray, tuple]:
         """time[i, j] of the fastest way to run layers [i, j) on `shape` (on one of the `logical`
         meshes) within `limit` bytes with `in_flight` microbatches held (inf: none fits), and
         (variants, the pick of each range)."""
         n = len(self.layers)
         bounds = np.array([layer.atoms[0] for layer in self.layers] + [self.layers[-1].atoms[1]])
-        variants = self.costs.variants(shape, m, logical)
+        variants = self.costs.variants(shape, m, logical, recompute)
         if not variants:
             return np.full((n + 1, n + 1), INF), (variants, None)
         chosen, best = _fastest([self.costs.variant_table(bounds, shape, v, m) for v in variants], m, in_flight, limit)
@@ -195,8 +196,11 @@ def plan_auto(search: Search, *, stages: int | None = None, num_microbatches: in
     `search.schedule` "auto" the stage DP runs for 1F1B and the other schedules are weighed
     around its plan (`_other_schedules`)."""
     schedule = search.schedule
-    if schedule == "auto":
+    around = schedule == "auto" or not dp_prices(schedule)  # weighed around the DP's 1F1B plan
+    if around:
         search = dataclasses.replace(search, schedule="1f1b")
+        if stages == 1 and schedule != "auto":
+            raise AutoparError(f"--schedule {schedule} runs a pipeline; --stages 1 has none")
     if stages == 1 and not num_microbatches:
         return plan_single_stage(search)
     hosts, per_host = search.mesh
@@ -230,43 +234,58 @@ def plan_auto(search: Search, *, stages: int | None = None, num_microbatches: in
         raise _nothing_fits(search)
     best.search.update({"ilp_solves": search.costs.solves, "cache_hits": search.costs.hits,
                         "microbatch_counts": len(counts)})
-    if schedule == "auto":
-        best = _other_schedules(dataclasses.replace(search, schedule=schedule), best, best_chosen, progress)
+    if around:
+        best = _other_schedules(search, best, best_chosen, progress, None if schedule == "auto" else schedule)
     return best
+
+
+def dp_prices(schedule: str) -> bool:
+    """Whether the stage DP prices the schedule itself: one stage per group, a whole backward."""
+    return schedules.get(schedule).virtual == (1,) and not schedules.splits_backward(schedule)
 
 
 AUTO_VIRTUAL = (2, 3, 4)  # stages per device group the schedule search tries (Megatron-LM's runs use 2–4)
 
 
-def _other_schedules(search: Search, base: Plan, chosen: list, progress: Callable[[str], None] | None) -> Plan:
+def _other_schedules(search: Search, base: Plan, chosen: list, progress: Callable[[str], None] | None,
+                     only: str | None = None) -> Plan:
     """`--schedule auto`: the 1F1B plan of the stage DP against the schedules that run its device
-    groups otherwise, each replayed by the simulator; the fastest that fits wins. Kept small: the
-    DP runs once (for 1F1B); ZB-H1 re-times its stages; interleaved-1f1b, interleaved-zb and zbv
-    cut the layers into p·v balanced stages on the same p groups and microbatch count (v in
-    `AUTO_VIRTUAL`), one simulation each. Only pipelines of one submesh and logical mesh qualify
-    (torch runs these schedules on equal stages)."""
+    groups otherwise, each replayed by the simulator; the fastest that fits wins (`only`: the
+    fastest of that schedule). Kept small: the DP runs once (for 1F1B); ZB-H1 re-times its stages;
+    interleaved-1f1b, interleaved-zb and zbv cut the layers into p·v balanced stages on the same p
+    groups and microbatch count (v in `AUTO_VIRTUAL`), one simulation each. Only pipelines of one
+    submesh and logical mesh qualify (torch runs these schedules on equal stages)."""
     tried, skipped = {"1f1b": base}, {}
     p, m = base.groups, base.num_microbatches
     shape, lm = base.stages[0].submesh, base.stages[0].logical_mesh
+    names = [only] if only else ["interleaved-1f1b", "interleaved-zb", "zbv"]
     if p > 1 and all(st.submesh == shape and st.logical_mesh == lm for st in base.stages):
         if progress:
             progress("zero-bubble and interleaved schedules")
-        zb = None if schedules.problem("interleaved-zb", p, m) else assemble(
+        zb = None if "interleaved-zb" not in names or schedules.problem("interleaved-zb", p, m) else assemble(
             dataclasses.replace(search, schedule="interleaved-zb"), chosen, m, "auto")
         if zb is not None and runs(zb):
             tried["interleaved-zb"] = zb
         for v in AUTO_VIRTUAL:
-            for name in ("interleaved-1f1b", "interleaved-zb", "zbv"):
+            for name in names:
                 if p * v <= len(search.layers) and not schedules.problem(name, p, m, v):
-                    bound = min((plan.estimate.step_time_s for plan in tried.values() if plan.estimate.fits),
-                                default=INF)
+                    bound = min((plan.estimate.step_time_s for k, plan in tried.items()
+                                 if plan.estimate.fits and not (only and k == "1f1b")), default=INF)
                     plan = _virtual_plan(dataclasses.replace(search, schedule=name, virtual=v), p, shape, lm, m, bound)
                     if isinstance(plan, Plan):
                         tried[f"{name}/v{v}"] = plan
                     elif plan is not None:
                         skipped[f"{name}/v{v}"] = plan
-    fits = [plan for plan in tried.values() if plan.estimate.fits] or [base]
-    best = min(fits, key=lambda plan: plan.estimate.step_time_s)
+    if only:  # the 1F1B plan stood as the bound; the answer runs the schedule asked for
+        del tried["1f1b"]
+        if not tried:
+            raise AutoparError(
+                f"--schedule {only}: the stage DP's best pipeline ({p} stage(s) on "
+                f"{', '.join(sorted({f'{st.submesh[0]}x{st.submesh[1]}' for st in base.stages}))}, {m} microbatches) "
+                f"has no layout {only} runs here (it needs 2 or more groups of one submesh and logical mesh, and "
+                "ZeRO-3 only with a whole backward); use --schedule auto, or --manual with --virtual")
+    fits = [plan for plan in tried.values() if plan.estimate.fits] or list(tried.values())
+    best = min(fits, key=lambda plan: (not plan.estimate.fits, plan.estimate.step_time_s))
     best.search.update({k: base.search[k] for k in ("ilp_solves", "cache_hits", "microbatch_counts")})
     best.search["schedules"] = {k: {"step_time_s": plan.estimate.step_time_s, "fits": plan.estimate.fits}
                                 for k, plan in tried.items()}
@@ -319,7 +338,8 @@ def _virtual_plan(search: Search, p: int, shape: tuple[int, int], lm: tuple[int,
     synchronisation and optimizer) already takes `bound` seconds: that time instead."""
     q = p * search.virtual
     in_flight, limit = max((search.budget(s, q, m) for s in range(q)), key=lambda b: b[0])
-    times, (variants, picks) = search.range_times(shape, m, in_flight, limit, [lm])  # torch's schedules: one mesh
+    recompute = (False,) if schedules.splits_backward(search.schedule) else (False, True)  # `runs`
+    times, (variants, picks) = search.range_times(shape, m, in_flight, limit, [lm], recompute)  # one mesh
     if not variants:
         return None
     cuts = balanced_cuts(times, q)
@@ -336,9 +356,11 @@ def _virtual_plan(search: Search, p: int, shape: tuple[int, int], lm: tuple[int,
 
 
 def runs(plan: Plan) -> bool:
-    """Whether the runtime runs the plan's schedule with its ZeRO-3: FSDP2 under a split backward
-    does not yet train as one process does (`runtime/pipeline.py` refuses it)."""
-    return plan.dp_gradient["zero_stage"] != 3 or not schedules.splits_backward(plan.schedule)
+    """Whether the runtime runs the plan's schedule with its ZeRO-3 and recomputation: under a
+    split backward FSDP2 does not yet train as one process does, and torch's checkpoint cannot
+    recompute a layer twice (`runtime/pipeline.py` refuses both)."""
+    return not schedules.splits_backward(plan.schedule) or (
+        plan.dp_gradient["zero_stage"] != 3 and not any(s.recompute for s in plan.stages))
 
 
 def plan_compressed(search: Search, compression: str | None, make: Callable[[Search], Plan],
@@ -446,7 +468,11 @@ def _nothing_fits(search: Search) -> AutoparError:
 
 def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int], StageOption]], m: int,
              name: str) -> Plan:
-    """Turn (layers, submesh, option) per stage into a Plan and simulate it."""
+    """Turn (layers, submesh, option) per stage into a Plan and simulate it. Under a split
+    backward torch writes the weight gradients itself (no hook launches a bucket), and of a rank's
+    several stages only the first one's buckets launch during backward: there the data axis's
+    averaging is priced with nothing hidden."""
+    unhidden = schedules.splits_backward(search.schedule) or search.virtual > 1
     stages, times, limited = [], [], []
     for idx, ((i, j), shape, opt) in enumerate(chosen):
         params: dict[str, list[str]] = {}
@@ -461,7 +487,8 @@ def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int]
             layers=(i, j), submesh=shape, logical_mesh=opt.logical_mesh, params=placed(dict(sorted(params.items()))),
             ops=placed(ops), needs=placed(needs), recompute=opt.recompute,
             cost={"forward_s": opt.forward_s, "backward_s": opt.backward_s, "weight_s": opt.weight_s, "send_s": opt.send_s,
-                  "grad_sync_s": opt.grad_sync_s, "optimizer_s": opt.optimizer_s, "state_bytes": opt.state_bytes,
+                  "grad_sync_s": opt.unhidden_sync_s if unhidden else opt.grad_sync_s, "optimizer_s": opt.optimizer_s,
+                  "state_bytes": opt.state_bytes,
                   **_memory_costs(opt.activation_bytes, opt.transient_bytes, opt.grad_bytes, opt.sync_bytes)}))
         times.append(stage_times(stages[-1].cost))
         gap = search.costs.gap(search.atoms(i, j), shape, opt.logical_mesh, opt.lean)

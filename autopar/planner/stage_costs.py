@@ -70,6 +70,7 @@ class StageOption:
     sync_bytes: float = 0.0  # flat copies of the gradients the data axis averages, at the end of backward
     optimizer_s: float = 0.0  # once per step, after the gradients are averaged (and the loss's all-reduce)
     weight_s: float = 0.0  # the weight-gradient part of backward_s (what a zero-bubble schedule runs apart)
+    unhidden_sync_s: float = 0.0  # grad_sync_s when no backward hides any of it (see `assemble`)
 
     def memory(self, in_flight: int) -> float:
         """The peak with `in_flight` microbatches' activations held (an upper bound: the simulator
@@ -373,13 +374,14 @@ class StageCosts:
             acts += self.cut[atoms[0] - 1] / (lm[0] * m)
         acts += loss * (2 if atoms[0] > 0 else 1)  # log-probabilities; a pipeline's schedule keeps the logits
         fwd, bwd = fwd + float(self.loss_time(loss)) / 2, bwd + float(self.loss_time(loss)) / 2
+        unhidden = float(self.exposed_sync(sync, 0.0, submesh, lm, trainable))
         sync = float(self.exposed_sync(sync, bwd, submesh, lm, trainable))
         last = atoms[1] - 1
         send = 0.0
         if last < len(self.atoms) - 1 and self.cut[last] > 0:  # each rank sends its slice (Megatron's scatter)
             send = p2p_time(self.cut[last] / (lm[0] * lm[1] * m), stage_send_link(self.cluster, submesh))
         return StageOption(lm, lean, rc, fwd, bwd, send, sync, states, acts, transient, grads, averaged,
-                           float(self.optimizer_s(elements, tensors, dtensors)), weight)
+                           float(self.optimizer_s(elements, tensors, dtensors)), weight, unhidden)
 
     def optimizer_s(self, elements, tensors, dtensors):
         """The optimizer's step on a stage's shard of the weights, and the all-reduce of the loss

@@ -178,6 +178,10 @@ class PipelineModel:
             twice = export_as_planned(model, tuple(torch.cat([x, x]) if isinstance(x, torch.Tensor) else x
                                                    for x in micro), tuple(example_inputs))
         sharded = zero3(plan) and self.dp > 1  # the stage shards its parameters over the data axis (FSDP2)
+        if schedules.splits_backward(plan.schedule) and any(plan.stages[s].recompute for s in self.local):
+            raise UnsupportedPlan(f"{plan.schedule} splits backward, and torch's checkpoint cannot recompute a layer "
+                                  "for its input gradient and again for its weight gradient; re-plan with --schedule "
+                                  "interleaved-1f1b or 1f1b, or without recomputation")
         if sharded and schedules.splits_backward(plan.schedule):
             raise UnsupportedPlan(f"ZeRO-3 with {plan.schedule}: a split backward under FSDP2 does not yet train as one "
                                   "process does (losses differ by 1e-5 to 1e-4); re-plan with --schedule "
