@@ -191,7 +191,7 @@ def _search(model, args, batch, graph, cluster, mesh, delay, precision, memory_l
     workload = Workload(type(model).__name__, model, args, batch)
     # delayed averaging, like compression, needs gradients replicated on the data axis (no ZeRO-3)
     return Search.start(workload, spec, mesh, graph=graph, rule=REPLICATED_GRADIENTS if delay else None,
-                        precision=precision, memory_limit=memory_limit)
+                        precision=precision, memory_limit=memory_limit, schedule="auto")  # as `autopar plan` searches
 
 
 def _candidates(model, args, batch, graph, cluster, mesh, precision, memory_limit, k: int) -> list[Plan]:
