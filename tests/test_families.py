@@ -19,10 +19,12 @@ from tests.families import FAMILIES, workload
 
 STEPS = 2
 WORLD = 4
-# DP, TP, PP, DP×TP, DP×PP, TP×PP, the searched plan (None), and ZeRO-3 (DP with S(0) parameters)
+# DP, TP, PP, DP×TP, DP×PP, TP×PP, TP and TP×PP with Megatron's sequence parallelism (norms and
+# residual adds split along the sequence: reduce-scatter / all-gather), the searched plan (None),
+# and ZeRO-3 (DP with S(0) parameters)
 LAYOUTS = {"dp": "4,1,1,2", "tp": "1,4,1", "pp": "1,1,4,4", "dp-tp": "2,2,1,2", "dp-pp": "2,1,2,2",
-           "tp-pp": "1,2,2,2", "searched": None, "zero3": "4,1,1,2"}
-TABLE = ["dp", "tp", "pp", "dp-tp", "dp-pp", "tp-pp", "searched"]
+           "tp-pp": "1,2,2,2", "tp-sp": "1,4,1+sp", "tp-pp-sp": "1,2,2,2+sp", "searched": None, "zero3": "4,1,1,2"}
+TABLE = ["dp", "tp", "pp", "dp-tp", "dp-pp", "tp-pp", "tp-sp", "tp-pp-sp", "searched"]
 
 
 def _optimizer(params):

@@ -81,6 +81,35 @@ def test_gpt_block_on_tensor_axis_splits_heads_like_megatron():
     assert r.params["wte.weight"] == ["R", "S(0)"]  # vocabulary-parallel embedding, tied to the output layer
 
 
+def test_when_activations_bind_the_ilp_finds_megatron_sequence_parallelism():
+    """Korthikanti et al. (2022): on the tensor axis, the row-parallel linears' sums reduce-scattered
+    along the sequence, the norms and residual adds on 1/tp of the tokens (their activations too),
+    all-gathered before the column-parallel linears. Not written as a rule: the free ILP chooses
+    it once the memory limit leaves no room for Megatron-LM's replicated norms."""
+    from autopar.planner.manual import MEGATRON, MEGATRON_SP
+
+    cfg = gpt.GPTConfig(vocab=51200, seq=2048, hidden=4096, layers=2, heads=32)
+    with torch.device("meta"):
+        graph = capture(gpt.build(cfg).half(), (torch.zeros(4, 2048, dtype=torch.long, device="meta"),))
+    megatron = shard_stage(graph, HOST, (1, 8), (1, 8), rule=MEGATRON)
+    sp = shard_stage(graph, HOST, (1, 8), (1, 8), rule=MEGATRON_SP)
+    assert sp.memory["activations"] < 0.6 * megatron.memory["activations"]
+    limit = 1.01 * sp.memory["total"]
+    assert megatron.memory["total"] > limit
+    r = shard_stage(graph, HOST, (1, 8), (1, 8), memory_limit=limit)
+    for layer in ("h.0", "h.1"):
+        for proj in ("attn.q", "attn.k", "attn.v", "mlp.fc1"):
+            assert r.params[f"{layer}.{proj}.weight"] == ["R", "S(0)"]  # column-parallel
+        for proj in ("attn.proj", "mlp.fc2"):
+            assert r.params[f"{layer}.{proj}.weight"] == ["R", "S(1)"]  # row-parallel
+        norms_and_adds = [n.name for n in graph if n.layer == layer
+                          and n.op in ("aten.layer_norm.default", "aten.add.Tensor")]
+        assert len(norms_and_adds) == 4 and all(r.ops[n] == ["R", "S(1)"] for n in norms_and_adds)  # [b, s, h]
+        kinds = [c[1] for c in forward(r) if graph.node(c[0]).layer == layer]
+        assert kinds.count("reduce_scatter") == 2 and "all_reduce" not in kinds and "all_gather" in kinds
+    assert r.memory["activations"] == pytest.approx(sp.memory["activations"], rel=0.02)
+
+
 def test_repeated_layers_are_solved_once():
     sizes = []
     for layers in (2, 8):
@@ -109,7 +138,8 @@ def test_lower_memory_limit_shards_parameters_then_fails_clearly():
 def test_moe_experts_split_with_all_to_all():
     cfg = moe.MoEConfig(vocab=1024, seq=256, hidden=1024, layers=2, heads=16, experts=8, expert_group=256)
     with torch.device("meta"):
-        graph = capture(moe.build(cfg).half(), (torch.zeros(8, 256, dtype=torch.long, device="meta"),))
+        # tokens enough that exchanging them beats all-reducing every expert's output for all of them
+        graph = capture(moe.build(cfg).half(), (torch.zeros(128, 256, dtype=torch.long, device="meta"),))
     r = shard_stage(graph, HOST, (1, 8), (1, 8))
     assert r.params["h.0.mlp.wi"] == ["R", "S(0)"] and r.params["h.0.mlp.wo"] == ["R", "S(0)"]  # by expert
     assert any(c["kind"] == "all_to_all" for c in r.collectives)

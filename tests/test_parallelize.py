@@ -373,6 +373,50 @@ def test_a_tensor_parallel_step_issues_what_the_plan_predicts(tmp_path, name):
         assert stats["dp"]["bytes_raw"] == stats["pp"]["bytes_raw"] == 0
 
 
+def _forward_collectives(rank, world, name, layout):
+    """What one step's forward issues on the tensor axis, by kind."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    w, batches = _workload(name)
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
+                             plan=layout)
+    with CommDebugMode() as mode:
+        pm.step(*batches[0])
+    counts = mode.comm_module_counts["Global"]["forward"]
+    return {_FUNCOL[str(k).split(".")[-1]]: n for k, n in counts.items() if str(k).startswith("c10d_functional.")}
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "hf-gpt2"])
+def test_sequence_parallelism_reduce_scatters_and_gathers_where_megatron_all_reduces(tmp_path, name):
+    """Megatron-SP: the row-parallel linears' sums are reduce-scattered along the sequence, norms and
+    residual adds run on 1/tp of the tokens, and the column-parallel linears all-gather their input.
+    Layers are priced one at a time with their boundary replicated, so the prediction counts an
+    all-gather at each layer's end that the runtime, which keeps the split, does not issue."""
+    from collections import Counter
+
+    from autopar.cost_models import get_cluster
+    from autopar.models import Workload
+    from autopar.planner.manual import manual_search
+    from autopar.planner.search import Search
+
+    w, _ = _workload(name)
+    search = Search.start(Workload(name, w.model, w.example_inputs, w.batch), get_cluster("cpu-local"), (1, 2))
+    predicted = {}
+    for sp in (False, True):
+        costs = manual_search(search, sequence_parallel=sp).costs
+        predicted[sp] = Counter(c["kind"] for k in range(len(costs.atoms))
+                                for c in costs.atom(k, (1, 2), (1, 2), False).collectives
+                                if c["axis"] == "tp" and c["phase"] == "forward")
+    blocks = sum(1 for layer in search.graph.layer_list if layer.name.startswith(("h.", "transformer.h.")))
+    cases = [(n, lay) for n in ("gpt-tiny", "hf-gpt2") for lay in ("1,2,1", "1,2,1+sp")]
+    megatron = shared_ranks(_forward_collectives, 2, cases, (name, "1,2,1"), tmp_path)[0]
+    sp = shared_ranks(_forward_collectives, 2, cases, (name, "1,2,1+sp"), tmp_path)[0]
+    assert megatron == dict(predicted[False]) and "reduce_scatter" not in megatron
+    assert sp["reduce_scatter"] == predicted[True]["reduce_scatter"] == 2 * blocks  # each row-parallel linear's
+    assert sp["all_reduce"] == predicted[True]["all_reduce"] == megatron["all_reduce"] - 2 * blocks  # only embeddings'
+    assert megatron.get("all_gather", 0) < sp["all_gather"] <= predicted[True]["all_gather"]
+
+
 EXITING = '''
 import atexit, torch, torch.distributed as dist, autopar
 atexit.register(lambda: print("initialized at exit:", dist.is_initialized()))  # runs after autopar's own

@@ -68,11 +68,9 @@ def buckets(nbytes: float) -> int:
     return max(1, math.ceil(nbytes / BUCKET_BYTES)) if nbytes else 0
 
 
-def _bucket_latency(stage: StageGraph, chosen: list[Evaluation]) -> float:
-    """Per-message latency of one gradient bucket's synchronisation on the data and tensor axes."""
-    mesh = stage.mesh
-    tp = all_reduce_latency(mesh.tp, mesh.tp_link) if any(e.tp_grad_sync for e in chosen) else 0.0
-    return all_reduce_latency(mesh.dp, mesh.dp_link) + tp
+def _bucket_latency(stage: StageGraph) -> float:
+    """Per-message latency of one gradient bucket's synchronisation on the data axis."""
+    return all_reduce_latency(stage.mesh.dp, stage.mesh.dp_link)
 
 
 def shard_stage(
@@ -181,7 +179,7 @@ def _result(stage: StageGraph, logical, chosen: dict[str, Evaluation], zero: dic
     gather, scatter = _unit_latency(stage.mesh, collectives)
     comm = sum(e.comm for e in per_anchor) + gather
     grad_sync = sum(e.grad_sync for e in per_anchor)
-    per_bucket = _bucket_latency(stage, per_anchor)
+    per_bucket = _bucket_latency(stage)
     # what this rank synchronises: its own shard of each trainable weight (buckets hold local gradients)
     def trainable_shard(f: str, zero: bool = True) -> float:
         tp = stage.mesh.tp if shard_dim(params[f][1]) is not None else 1

@@ -44,6 +44,17 @@ def megatron_letters(sig: L.Signature, node: OpNode, batch: set[str]) -> set[str
 MEGATRON = Rule(letters=megatron_letters, zero=False)
 
 
+def megatron_sp_letters(sig: L.Signature, node: OpNode, batch: set[str]) -> set[str | None]:
+    """Megatron-LM with --sequence-parallel (Korthikanti et al., 2022): norms split the sequence as
+    well; the row-parallel linears' partial sums are reduce-scattered onto it (`Rule.sequence_parallel`)."""
+    if node.op.removeprefix("aten.").rsplit(".", 1)[0] in ("layer_norm", "native_layer_norm", "rms_norm"):
+        return (set(sig.shardable) - batch) or {None}
+    return megatron_letters(sig, node, batch)
+
+
+MEGATRON_SP = Rule(letters=megatron_sp_letters, zero=False, sequence_parallel=True)
+
+
 def deepspeed_moe_letters(sig: L.Signature, node: OpNode, batch: set[str]) -> set[str | None]:
     """DeepSpeed-MoE: every device is a data-parallel rank, and expert weights are spread over them.
 
@@ -68,31 +79,37 @@ class Layout:
     num_microbatches: int | None = None
     recompute: bool = False
     virtual: int = 1  # stages per device group
+    sequence_parallel: bool = False  # Megatron-LM's --sequence-parallel (`MEGATRON_SP`)
 
     @property
     def name(self) -> str:
         mb = f",{self.num_microbatches}" if self.num_microbatches else ""
         return (f"megatron-{self.dp},{self.tp},{self.pp}{mb}" + (f"+v{self.virtual}" if self.virtual > 1 else "")
-                + ("+recompute" if self.recompute else ""))
+                + ("+sp" if self.sequence_parallel else "") + ("+recompute" if self.recompute else ""))
 
     @staticmethod
-    def parse(text: str, recompute: bool = False, virtual: int = 1) -> Layout:
+    def parse(text: str, recompute: bool = False, virtual: int = 1, sequence_parallel: bool = False) -> Layout:
+        """DP,TP,PP[,MICROBATCHES], with "+sp" at the end for sequence parallelism."""
+        body = text.removesuffix("+sp")
         try:
-            parts = [int(p) for p in text.split(",")]
+            parts = [int(p) for p in body.split(",")]
         except ValueError:
             parts = []
         if len(parts) not in (3, 4) or any(p < 1 for p in parts):
-            raise AutoparError(f"malformed layout {text!r}: write DP,TP,PP or DP,TP,PP,MICROBATCHES, e.g. 2,4,8,64")
-        return Layout(*parts[:3], parts[3] if len(parts) == 4 else None, recompute, virtual)
+            raise AutoparError(f"malformed layout {text!r}: write DP,TP,PP or DP,TP,PP,MICROBATCHES, e.g. 2,4,8,64 "
+                               "(+sp at the end: sequence parallelism)")
+        return Layout(*parts[:3], parts[3] if len(parts) == 4 else None, recompute, virtual,
+                      sequence_parallel or body != text)
 
 
-def manual_search(search: Search, zero3: bool = False) -> Search:
+def manual_search(search: Search, zero3: bool = False, sequence_parallel: bool = False) -> Search:
     """The same graph and cluster with Megatron's sharding rule (with `zero3`, every weight also
-    sharded over the data axis, as FSDP does); layers are the model's modules. A hand-written
-    layout names its schedule: "auto" (the search's) prices it with 1F1B."""
+    sharded over the data axis, as FSDP does; with `sequence_parallel`, Megatron-SP); layers are the
+    model's modules. A hand-written layout names its schedule: "auto" (the search's) prices it with 1F1B."""
     atoms = search.graph.layer_list
     layers = [Layer(a.name, (i, i + 1), a.nodes, a.flops_fwd + a.flops_bwd) for i, a in enumerate(atoms)]
-    rule = dataclasses.replace(MEGATRON, zero=True, zero_only=True) if zero3 else MEGATRON
+    rule = MEGATRON_SP if sequence_parallel else MEGATRON
+    rule = dataclasses.replace(rule, zero=True, zero_only=True) if zero3 else rule
     c = search.costs
     costs = StageCosts(search.graph, search.cluster, rule, c.time_limit_s, c.compression, world=c.world,
                        choices=c.choices, pin=c.pin)
@@ -143,6 +160,8 @@ def check(search: Search, layout: Layout) -> str | None:
     stages = layout.pp * layout.virtual
     if layout.recompute and schedules.splits_backward(search.schedule):
         return f"{search.schedule} splits backward, which recomputation does not run under yet: use interleaved-1f1b"
+    if layout.sequence_parallel and layout.tp == 1:
+        return "sequence parallelism splits the sequence over the tensor axis: it needs tp ≥ 2"
     if layout.pp == 1 and layout.virtual > 1:
         return "one pipeline group would hold every stage: nothing to interleave (--virtual needs pp ≥ 2)"
     if len(block) % stages:
@@ -167,6 +186,9 @@ def manual_plan(search: Search, layout: Layout) -> Plan:
     shape = (1, size) if size <= per_host else (size // per_host, per_host)
     if layout.virtual != search.virtual:
         search = dataclasses.replace(search, virtual=layout.virtual)
+    rule = search.costs.rule
+    if rule is not None and layout.sequence_parallel != rule.sequence_parallel:
+        search = manual_search(search, rule.zero_only, layout.sequence_parallel)
     block = blocks(search)
     stages = layout.pp * layout.virtual
     per_stage = len(block) // stages

@@ -32,6 +32,11 @@ class Rule:
     # Only layouts priced for comparison set it (DeepSpeed-MoE): the runtime does not shard those
     # states, so the searches that plan runs (no rule, `REPLICATED_GRADIENTS`) do not promise it
     shard_states: bool = False
+    # sequence parallelism (Korthikanti et al., 2022): when the tensor axis leaves a partial sum
+    # (row-parallel), run the ops that follow split on `scatter`, a dimension of what they read:
+    # the partial sum is reduce-scattered to S(scatter) instead of all-reduced, norms and element-wise
+    # ops after it run on 1/tp of the tokens and keep 1/tp of the activations
+    sequence_parallel: bool = False
 
 
 # the free search with gradients replicated on the data axis, which compressors need
@@ -43,6 +48,9 @@ class Strategy:
     letter: str | None  # the letter the tensor axis splits (None: replicated on it)
     zero: bool  # parameters sharded on the data axis (ZeRO-3)
     shard_states: bool = False  # see Rule.shard_states
+    # where the split leaves a partial sum: the dimension of the follower's input the sum is
+    # reduce-scattered along (see Rule.sequence_parallel); None: all-reduced
+    scatter: int | None = None
 
 
 @dataclass
@@ -67,7 +75,7 @@ class Evaluation:
     collectives: list[tuple] = field(default_factory=list)  # (node, kind, phase, bytes[, axis]); axis tp if absent
     letters: dict[str, str | None] = field(default_factory=dict)  # node -> the letter split on the tensor axis
     partial: dict[str, set[int]] = field(default_factory=dict)  # node -> inputs whose gradient it leaves partial
-    tp_grad_sync: bool = False  # some parameter's gradient is reduced over the tensor axis
+    scattered: bool = False  # a partial sum was reduce-scattered (Strategy.scatter took effect)
 
     @property
     def time(self) -> float:
@@ -116,7 +124,21 @@ class StrategyCosts:
         has_params = anchor in self.g.owning_groups
         zeros = [False, True] if has_params and self.mesh.dp > 1 and (rule is None or rule.zero) else [False]
         zeros = [True] if rule is not None and rule.zero_only and True in zeros else zeros
-        return [Strategy(c, z, rule is not None and rule.shard_states) for c in letters for z in zeros]
+        states = rule is not None and rule.shard_states
+        forced = rule is not None and rule.sequence_parallel
+        return [Strategy(c, z, states, d) for c in letters for d in self._scatters(anchor, c, forced) for z in zeros]
+
+    def _scatters(self, anchor: str, letter: str | None, forced: bool) -> list[int | None]:
+        """The ways a split that leaves a partial sum may end: all-reduced (None), or reduce-scattered
+        along each dimension the ops after it can run split on (each tried: the ILP picks). `forced`
+        (Megatron-LM's --sequence-parallel): reduce-scattered along the first such dimension."""
+        sig = self.g.sig[anchor]
+        if letter is None or not sig.linear or any(letter in o for o in sig.outputs):
+            return [None]
+        ranks = {len(self.graph.node(m).outputs[0].shape) for m in self.g.members[anchor] if self.graph.node(m).outputs}
+        kept = [d for d in range(max(ranks, default=0))
+                if self.evaluate(anchor, Strategy(letter, False, scatter=d)).scattered]
+        return kept[:1] if forced and kept else [None, *kept]
 
     def evaluate(self, anchor: str, strategy: Strategy) -> Evaluation:
         ev = Evaluation()
@@ -124,7 +146,7 @@ class StrategyCosts:
             if name == anchor:
                 self._place_anchor(ev, name, strategy.letter)
             else:
-                self._place_follower(ev, name)
+                self._place_follower(ev, name, strategy.scatter)
             self._cost_node(ev, name, strategy)
         return ev
 
@@ -142,8 +164,9 @@ class StrategyCosts:
             return shard(letters.index(letter))
         return P if partial else R
 
-    def _place_follower(self, ev: Evaluation, name: str) -> None:
-        """Carry the primary input's placement through the follower's letters; resolve what cannot pass."""
+    def _place_follower(self, ev: Evaluation, name: str, scatter: int | None = None) -> None:
+        """Carry the primary input's placement through the follower's letters; resolve what cannot pass
+        (a partial sum: reduce-scattered along `scatter` where the follower can run split on it)."""
         sig = self.g.sig[name]
         inputs = self.g.tensor_inputs(name)
         primary_i, primary = max(((i, s) for i, s in inputs if s and self.g.root.get(s) == self.g.root[name]
@@ -165,6 +188,16 @@ class StrategyCosts:
                 ev.need[name] = [have if i == primary_i else None for i, _ in inputs]
                 ev.out[name] = [P for _ in sig.outputs]
                 return
+        if letter is None and have == P and scatter is not None:
+            c = sig.inputs[primary_i][scatter] if scatter < len(sig.inputs[primary_i]) else None
+            if (c is not None and all(c in o for o in sig.outputs) and c not in self.g.batch_letters(name)
+                    and self.g.divisible(name, c)):
+                nbytes, have = self.g.in_bytes(name, primary_i, primary), shard(scatter)
+                ev.comm += edge_time(P, have, nbytes, self.mesh.tp, self.mesh.tp_link, self.g.grad(primary))
+                self._record(ev, name, P, have, nbytes)
+                if self.g.grad(primary):
+                    self._record(ev, name, have, R, nbytes, "backward")
+                letter, ev.scattered = c, True
         if letter is None and have != R:  # the placement cannot pass: gather or reduce first
             nbytes = self.g.in_bytes(name, primary_i, primary)
             ev.comm += edge_time(have, R, nbytes, self.mesh.tp, self.mesh.tp_link, self.g.grad(primary))
@@ -240,12 +273,12 @@ class StrategyCosts:
         info, mesh, zero = self.graph.params[fqn], self.mesh, strategy.zero
         shards = mesh.tp if shard_dim(placement) is not None else 1
         local = info.nbytes / shards
-        dp_bw, tp_bw = mesh.dp_link.bandwidth_only(), mesh.tp_link.bandwidth_only()
+        dp_bw = mesh.dp_link.bandwidth_only()
         trainable = fqn in self.graph.trainable
         syncs = []
-        if trainable and partial and mesh.tp > 1:
-            syncs.append(("tp", "all_reduce", "gradient", mesh.tp, tp_bw))
-            ev.tp_grad_sync = True
+        if trainable and partial and mesh.tp > 1:  # the runtime reduces each such gradient alone, as DTensor
+            # accumulates it (`sharded_graph._grad_like_param`): no bucket shares its latency
+            syncs.append(("tp", "all_reduce", "gradient", mesh.tp, mesh.tp_link))
         if self.g.owner[fqn] == name:
             if trainable and mesh.dp > 1 and zero:  # ZeRO-3: gathered for every forward and backward, a
                 # layer's weights in one collective (FSDP2's unit): their α once per stage solve (`_unit_latency`)
