@@ -7,7 +7,8 @@ over its timed steps, then one more step counts its tensors (`runtime.memory`): 
 the rank that holds most, beside the plan's predicted peak. Layouts differ in (dp, tp, pp) and
 microbatches; each (dp, tp, pp) runs once more recomputing its activations, once more in bf16
 mixed precision (planned for it), and with a data axis once more with ZeRO-3, at its most
-microbatches (`runtime.recompute`, `runtime.precision`, `runtime.parallel.shard_data_axis`); with
+microbatches (`runtime.recompute`, `runtime.precision`, `runtime.parallel.shard_data_axis`), with a
+tensor axis once more with sequence parallelism (`planner.manual.MEGATRON_SP`); with
 a pipeline, once more under each other schedule that fits its blocks (ZB-H1, interleaved 1F1B and
 zero-bubble with 2 stages per rank, ZB-V).
 """
@@ -45,7 +46,8 @@ log = logging.getLogger(__name__)
 def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, precision: str | None = None,
                     choices: dict | None = None, pin: bool = False) -> list[Any]:
     """The searched plan first, then every valid hand-written layout × microbatch count (in
-    `precision`), and per (dp, tp, pp) its most microbatches recomputing, in bf16, and with ZeRO-3.
+    `precision`), and per (dp, tp, pp) its most microbatches recomputing, in bf16, with ZeRO-3 and
+    with sequence parallelism.
     `choices` / `pin` (`StageCosts`): record the shardings chosen, or price them again on this
     cluster (the hand-written layouts only: the search would choose again)."""
     import dataclasses
@@ -74,6 +76,8 @@ def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, pre
                     if check(other, layout) is None:
                         plan = manual_plan(other, layout)
                         plans.append(dataclasses.replace(plan, name=f"{plan.name} {name}"))
+            if valid and tp > 1:  # Megatron's sequence parallelism
+                plans.append(manual_plan(view, dataclasses.replace(valid[-1], sequence_parallel=True)))
             if valid and valid[-1].dp > 1:  # ZeRO-3 (FSDP2, a unit per layer)
                 plan = manual_plan(sharded, valid[-1])
                 plans.append(dataclasses.replace(plan, name=f"{plan.name} zero3"))

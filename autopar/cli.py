@@ -144,6 +144,9 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
         if args.virtual is not None and (not args.manual or not 1 <= args.virtual <= len(search.layers)):
             raise AutoparError(f"--virtual {args.virtual}: the stages per device group of a --manual layout, 1 to "
                                f"{len(search.layers)} (the search chooses it itself)")
+        if args.sequence_parallel and not args.manual:
+            raise AutoparError("--sequence-parallel lays out a --manual layout; the search weighs sequence "
+                               "parallelism itself")
         if args.tune is not None:
             if args.manual or args.compression or args.stages:
                 raise AutoparError("--tune measures the best predicted layouts of the free search: leave out "
@@ -152,7 +155,7 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
 
             plan = tune_locally(search, args.model, args.tune, args.batch, progress=step)
         elif args.manual:
-            layout = Layout.parse(args.manual, args.recompute, args.virtual or 1)
+            layout = Layout.parse(args.manual, args.recompute, args.virtual or 1, args.sequence_parallel)
             plan = plan_compressed(search, args.compression, lambda s: manual_plan(manual_search(s), layout), step)
         else:
             plan = plan_compressed(search, args.compression, lambda s: plan_auto(s, stages=args.stages, progress=step),
@@ -492,6 +495,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--manual", metavar="DP,TP,PP[,MB]", help="evaluate a hand-written Megatron-style layout")
     p.add_argument("--virtual", type=int, metavar="V", help="with --manual: V stages per device group (pp·V stages; "
                    "interleaved-1f1b, interleaved-zb or zbv, which needs 2)")
+    p.add_argument("--sequence-parallel", action="store_true", help="with --manual: Megatron-LM's sequence "
+                   "parallelism (norms and residual adds split along the sequence on the tensor axis; also DP,TP,PP+sp)")
     p.add_argument("--compression", metavar="SPEC|auto",
                    help="price the data axis's gradient averaging through a compressor (e.g. dgc:0.999, "
                         "powersgd:4), or 'auto': weigh none, fp16, powersgd:4 and dgc:0.999 and keep the fastest")

@@ -90,6 +90,9 @@ UNCAPTURABLE = textwrap.dedent('''
         (["plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x4", "--manual", "4,1,1", "--batch", "6"],
          "data parallelism 4 does not divide the batch 6"),
         (["train", "gpt-tiny", "--nproc", "2", "--plan", "{tmp}/absent.json"], "plan file {tmp}/absent.json does not exist"),
+        (["plan", "gpt-tiny", "--mesh", "1x2", "--sequence-parallel"], "--sequence-parallel lays out a --manual layout"),
+        (["plan", "gpt-tiny", "--mesh", "1x2", "--manual", "2,1,1+sp"], "sequence parallelism splits the sequence over "
+                                                                         "the tensor axis: it needs tp ≥ 2"),
     ],
 )
 def test_bad_input_is_one_message_without_traceback(argv, message, tmp_path):
@@ -125,6 +128,19 @@ def test_plan_is_deterministic(capsys, tmp_path):
     for name in ("a.json", "b.json"):
         assert main(["plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x4", "--out", str(tmp_path / name)]) == 0
     assert (tmp_path / "a.json").read_bytes() == (tmp_path / "b.json").read_bytes()
+
+
+def test_manual_layout_with_sequence_parallelism(capsys):
+    """Megatron-LM's --sequence-parallel: the norms split the sequence on the tensor axis, and each
+    rank keeps a tp-th of their activations (the layout's memory prices it)."""
+    args = ["plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x4", "--manual", "1,4,1,1"]
+    megatron, sp = run_json(capsys, *args), run_json(capsys, *args, "--sequence-parallel")
+    assert sp["name"] == "megatron-1,4,1,1+sp" and run_json(capsys, *args[:-1], "1,4,1,1+sp")["name"] == sp["name"]
+    norms = [n for n, p in sp["stages"][0]["ops"].items() if n.startswith("layer_norm")]
+    assert norms and all(sp["stages"][0]["ops"][n] == ["R", "S(1)"] for n in norms)
+    assert all(megatron["stages"][0]["ops"][n] == ["R", "R"] for n in norms)
+    assert (sp["stages"][0]["cost"]["activation_bytes_per_microbatch"]
+            < megatron["stages"][0]["cost"]["activation_bytes_per_microbatch"])
 
 
 def test_manual_layout_and_compare(capsys):
@@ -334,6 +350,7 @@ def test_bench_runs_every_layout_and_ranks_the_predictions(capsys, tmp_path):
     assert any(name.endswith("+recompute") for name in names)  # recomputing layouts run too
     assert {r["precision"] for r in result["layouts"]} == {"fp32", "bf16"}  # and mixed-precision ones
     assert any(name.endswith(" zero3") for name in names)  # and ZeRO-3 ones
+    assert any(name.endswith("+sp") for name in names)  # and sequence-parallel ones
     assert all(r["predicted_step_time_s"] > 0 and r["measured_step_time_s"] > 0 for r in result["layouts"])
     assert all(r["predicted_peak_bytes"] > 0 and r["measured_peak_bytes"] > 0 for r in result["layouts"])
     assert -1 <= result["spearman"] <= 1 and result["auto_vs_fastest"] >= 1
