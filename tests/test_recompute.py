@@ -18,7 +18,7 @@ STEPS = 2
 # fan-out executor (stages of 2 + 1 + 1 ranks), and a searched plan
 CASES = {4: [("gpt-tiny", "4,1,1"), ("gpt-tiny", "1,4,1"), ("moe-tiny", "2,2,1"), ("gpt-tiny", "zero3:2,1,2,2"),
              ("llama", "1,1,4,4"), ("gpt-tiny", "2+1+1"), ("gpt-tiny", "searched")],
-         2: [("gpt-tiny", "1,2,1"), ("llama", "1,1,2,2")]}
+         2: [("gpt-tiny", "1,2,1"), ("llama", "1,1,2,2"), ("llama", "first:1,1,2,2")]}  # first: its first layer only
 
 
 def _setup(name, layout):
@@ -43,16 +43,62 @@ def _plan(w, world, layout, recompute):
         plan = plan_auto(Search.start(w, cluster, (1, world), memory_limit=0.8 * free), **shape)
         assert any(s.recompute for s in plan.stages), "the limit should force recomputation"
         return plan if recompute else dataclasses.replace(
-            plan, stages=[dataclasses.replace(s, recompute=False) for s in plan.stages])
+            plan, stages=[dataclasses.replace(s, recompute=False, recompute_layers=None) for s in plan.stages])
     if layout == "2+1+1":
         plan = _staged(w, world, ((1, 2), (1, 1), (1, 1)), "1f1b", 4)
     else:
-        plan = _layout(w, world, layout.removeprefix("zero3:"))
+        plan = _layout(w, world, layout.removeprefix("zero3:").removeprefix("first:"))
     for stage in plan.stages:
         stage.recompute = recompute
+        stage.recompute_layers = 1 if recompute and layout.startswith("first:") else None
         if layout.startswith("zero3:"):
             stage.params = {f: [Shard(0), p[1]] for f, p in stage.params.items()}
     return plan
+
+
+def test_a_stage_recomputes_only_the_layers_its_memory_needs():
+    """Mist, AdaPipe: a stage that must recompute recomputes its first layers, as few as fit its
+    memory, and keeps the activations of the rest: faster than recomputing them all."""
+    from autopar.cost_models import get_cluster
+    from autopar.planner.search import Search, plan_auto
+
+    w, _ = _setup("llama", "1,1,2,2")
+    cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=2)
+    shape = {"stages": 2, "num_microbatches": 4}
+    free = plan_auto(Search.start(w, cluster, (1, 2)), **shape)
+    assert not any(s.recompute for s in free.stages)
+    limit = 0.9 * free.estimate.peak_memory_bytes
+    search = Search.start(w, cluster, (1, 2), memory_limit=limit)
+    plan = plan_auto(search, **shape)
+    assert plan.estimate.fits and plan.estimate.peak_memory_bytes <= limit
+    stage = next(s for s in plan.stages if s.recompute)
+    assert 1 <= stage.recompute_layers < stage.layers[1] - stage.layers[0]
+    costs, atoms = search.costs, search.atoms(*stage.layers)
+    every = costs.option_for(atoms, stage.submesh, stage.logical_mesh, False, True,
+                             costs.range_sums(atoms, stage.submesh, stage.logical_mesh, False), plan.num_microbatches)
+    assert stage.cost["backward_s"] < every.backward_s  # fewer layers' forwards again
+    assert stage.cost["activation_bytes_per_microbatch"] > every.activation_bytes  # the rest keep theirs
+    assert f"first {stage.recompute_layers} layer(s)" in plan.summary()
+    again = autopar.Plan.from_json(plan.to_json())
+    assert [s.recompute_layers for s in again.stages] == [s.recompute_layers for s in plan.stages]
+
+
+@pytest.mark.parametrize("edit", [{"recompute": False, "recompute_layers": 1}, {"recompute": True, "recompute_layers": 9},
+                                  {"recompute": True, "recompute_layers": 0}])
+def test_a_recompute_depth_beyond_the_stage_is_refused(edit):
+    import json
+
+    from autopar.cost_models import get_cluster
+    from autopar.planner.manual import Layout, manual_plan, manual_search
+    from autopar.planner.search import Search
+
+    search = Search.start(autopar.load_workload("gpt-tiny", batch=8), get_cluster("a100-dgx").with_mesh(1, 2), (1, 2))
+    data = manual_plan(manual_search(search), Layout(1, 1, 2, 4)).to_dict()
+    layers = data["stages"][0]["layers"][1] - data["stages"][0]["layers"][0]
+    data["stages"][0] |= edit
+    with pytest.raises(autopar.AutoparError, match=r"stages\[0\]\.recompute_layers must be, with recompute true, a "
+                                                   rf"number of the stage's first layers from 1 to {layers - 1}"):
+        autopar.Plan.from_json(json.dumps(data))
 
 
 def _counting(module):
@@ -79,18 +125,24 @@ def _train(rank, world, name, layout):
         calls = _counting(module) if module is not None else [0]
         losses = [pm.step(*b) for b in batches]
         mine = plan.stages[getattr(pm, "stage_index", 0)]
+        per_step = plan.num_microbatches * STEPS
+        again = sum(seg.recomputes(mine.recompute, mine.recompute_layers) for seg in module.segments) * per_step \
+            if module is not None else 0
         runs.append((losses, pm.full_state_dict(), calls[0],
-                     len(module.segments) * plan.num_microbatches * STEPS if module is not None else 0, mine.recompute))
+                     len(module.segments) * per_step if module is not None else 0, again))
     return runs
 
 
 @pytest.mark.parametrize("world, name, layout", [(world, *case) for world, cases in CASES.items() for case in cases])
 def test_recomputing_trains_as_keeping_activations(tmp_path, world, name, layout):
-    for (losses, params, calls, segments, _), (r_losses, r_params, r_calls, r_segments, recomputes) in shared_ranks(
+    for (losses, params, calls, segments, _), (r_losses, r_params, r_calls, r_segments, again) in shared_ranks(
             _train, world, CASES[world], (name, layout), tmp_path):
         assert calls == segments  # without recomputation each layer runs once per microbatch
         assert r_losses == pytest.approx(losses, rel=1e-6)
         for key, value in params.items():
             torch.testing.assert_close(r_params[key], value, rtol=1e-6, atol=1e-7)
-        # each layer's forward once more in backward (not those nothing differentiates: a rotary table)
-        assert r_segments < r_calls <= 2 * r_segments if recomputes else r_calls == r_segments
+        # each recomputed layer's forward once more in backward (not those nothing differentiates: a
+        # rotary table); with `recompute_layers` only the stage's first layers
+        assert r_segments < r_calls <= r_segments + again if again else r_calls == r_segments
+        if layout.startswith("first:") and again:
+            assert 0 < again < r_segments

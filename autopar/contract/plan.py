@@ -48,6 +48,9 @@ class StagePlan:
     # op runs (None: not a tensor the op splits); the runtime redistributes to it. Stages with tp > 1
     needs: dict[str, list[Placement | None]] = field(default_factory=dict)
     recompute: bool = False
+    # with `recompute`: only the stage's first this many layers recompute, the later ones keep their
+    # activations (as many as memory needs: Mist, AdaPipe); None: every layer
+    recompute_layers: int | None = None
     cost: dict[str, float] = field(default_factory=dict)  # per microbatch and per step, itemised
 
     @property
@@ -86,7 +89,8 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data["stages"] = [{**s, "layers": list(s["layers"]), "submesh": list(s["submesh"]),
+        data["stages"] = [{**{k: v for k, v in s.items() if k != "recompute_layers" or v is not None},
+                           "layers": list(s["layers"]), "submesh": list(s["submesh"]),
                            "logical_mesh": list(s["logical_mesh"]), "params": spelled(stage.params),
                            "ops": spelled(stage.ops), "needs": spelled(stage.needs)}
                           for s, stage in zip(data["stages"], self.stages)]
@@ -198,7 +202,8 @@ class Plan:
             group = f" (device group {self.stage_ranks[i]})" if self.virtual > 1 else ""
             lines.append(f"  stage {i}: layers {s.layers[0]}–{s.layers[1] - 1} ({span(names)}) on {s.submesh[0]}x{s.submesh[1]} "
                          f"devices{group} as dp {s.logical_mesh[0]} × tp {s.logical_mesh[1]}"
-                         + (", recomputing activations" if s.recompute else ""))
+                         + (f", recomputing the activations of its first {s.recompute_layers} layer(s)"
+                            if s.recompute and s.recompute_layers else ", recomputing activations" if s.recompute else ""))
         if self.estimate:
             e = self.estimate
             lines.append(f"  predicted: {human_time(e.step_time_s)} per step, {e.tflops_per_device:.1f} TFLOP/s per "
@@ -249,7 +254,13 @@ def _parse(data: Any, source: str) -> Plan:
             layers=pair(s, "layers", where), submesh=pair(s, "submesh", where), logical_mesh=pair(s, "logical_mesh", where),
             params=need(s, "params", dict, where), ops=need(s, "ops", dict, where),
             recompute=need(s, "recompute", bool, where), cost=need(s, "cost", dict, where),
-            needs=need(s, "needs", dict, where) if "needs" in s else {})
+            needs=need(s, "needs", dict, where) if "needs" in s else {},
+            recompute_layers=need(s, "recompute_layers", int, where) if s.get("recompute_layers") is not None else None)
+        if stage.recompute_layers is not None and not (stage.recompute and 1 <= stage.recompute_layers
+                                                       < stage.layers[1] - stage.layers[0]):
+            raise PlanError(f"{source}: {where}recompute_layers must be, with recompute true, a number of the stage's "
+                            f"first layers from 1 to {stage.layers[1] - stage.layers[0] - 1} (null: all of them), "
+                            f"got {stage.recompute_layers!r}")
         for key, value in stage.cost.items():
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise PlanError(f"{source}: {where}cost.{key} must be a finite number, got {value!r}")

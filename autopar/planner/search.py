@@ -226,6 +226,7 @@ def plan_auto(search: Search, *, stages: int | None = None, num_microbatches: in
             variants, pick = picks[(len(choice) - idx, c.shape)]
             variant = variants[pick[c.layers]]
             chosen.append((c.layers, shapes[c.shape], search.option(*c.layers, shapes[c.shape], m, variant)))
+        chosen = recompute_less(search, chosen, m)
         plan = assemble(search, chosen, m, name="auto")
         plan.search["eq2_total_s"] = float(total)
         if best is None or plan.estimate.step_time_s < best.estimate.step_time_s:
@@ -346,6 +347,7 @@ def _virtual_plan(search: Search, p: int, shape: tuple[int, int], lm: tuple[int,
     if cuts is None:
         return None
     chosen = [((i, j), shape, search.option(i, j, shape, m, variants[picks[i, j]])) for i, j in zip(cuts, cuts[1:])]
+    chosen = recompute_less(search, chosen, m)
     work = [0.0] * p
     for group, (_, _, opt) in zip(schedules.stage_ranks(search.schedule, p, search.virtual), chosen):
         work[group] += m * (opt.forward_s + opt.backward_s) + opt.grad_sync_s + opt.optimizer_s
@@ -466,6 +468,25 @@ def _nothing_fits(search: Search) -> AutoparError:
                         "no data-parallel size divides the batch; change --batch")
 
 
+def recompute_less(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int], StageOption]],
+                   m: int) -> list[tuple[tuple[int, int], tuple[int, int], StageOption]]:
+    """Each recomputing stage recomputes only as many of its first layers as its memory needs (Mist,
+    AdaPipe): the fewest that fit the budget the stage was chosen under; the others keep theirs."""
+    out = []
+    for idx, ((i, j), shape, opt) in enumerate(chosen):
+        if opt.recompute and j - i > 1:
+            in_flight, limit = search.budget(idx, len(chosen), m)
+            atoms = search.atoms(i, j)
+            sums = search.costs.range_sums(atoms, shape, opt.logical_mesh, opt.lean)
+            for k in range(1, j - i):
+                fewer = search.costs.option_for(atoms, shape, opt.logical_mesh, opt.lean, True, sums, m, depth=k)
+                if fewer.memory(in_flight) <= limit:
+                    opt = fewer
+                    break
+        out.append(((i, j), shape, opt))
+    return out
+
+
 def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int], StageOption]], m: int,
              name: str) -> Plan:
     """Turn (layers, submesh, option) per stage into a Plan and simulate it. Under a split
@@ -485,7 +506,7 @@ def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int]
             needs.update(atom_needs)
         stages.append(StagePlan(
             layers=(i, j), submesh=shape, logical_mesh=opt.logical_mesh, params=placed(dict(sorted(params.items()))),
-            ops=placed(ops), needs=placed(needs), recompute=opt.recompute,
+            ops=placed(ops), needs=placed(needs), recompute=opt.recompute, recompute_layers=opt.recompute_layers,
             cost={"forward_s": opt.forward_s, "backward_s": opt.backward_s, "weight_s": opt.weight_s, "send_s": opt.send_s,
                   "grad_sync_s": opt.unhidden_sync_s if unhidden else opt.grad_sync_s, "optimizer_s": opt.optimizer_s,
                   "state_bytes": opt.state_bytes,

@@ -71,6 +71,7 @@ class StageOption:
     optimizer_s: float = 0.0  # once per step, after the gradients are averaged (and the loss's all-reduce)
     weight_s: float = 0.0  # the weight-gradient part of backward_s (what a zero-bubble schedule runs apart)
     unhidden_sync_s: float = 0.0  # grad_sync_s when no backward hides any of it (see `assemble`)
+    recompute_layers: int | None = None  # with `recompute`: only the range's first this many layers (None: all)
 
     def memory(self, in_flight: int) -> float:
         """The peak with `in_flight` microbatches' activations held (an upper bound: the simulator
@@ -339,7 +340,9 @@ class StageCosts:
         sums = prefix[atoms[1]] - prefix[atoms[0]]
         return None if np.isnan(sums).any() else sums
 
-    def option_for(self, atoms, submesh, lm, lean, rc, sums: np.ndarray, m: int) -> StageOption:
+    def option_for(self, atoms, submesh, lm, lean, rc, sums: np.ndarray, m: int, depth: int | None = None) -> StageOption:
+        """`rc` with `depth`: recompute only the range's first `depth` layers (Mist, AdaPipe: as many
+        as memory needs); the later ones keep their activations."""
         (fwd, bwd, comm, sync, states, acts, trainable, weighted_latency, latency, copies, gathered, grads, averaged,
          gather, scatter, fixed_f, fixed_b, elements, tensors, dtensors) = (float(x) for x in sums)
         states -= float(self.tied_excess(np.array(atoms), submesh, lm, lean)[0, 1])
@@ -363,10 +366,18 @@ class StageCosts:
         if tuple(atoms) == (0, len(self.atoms)):  # the whole model in one stage
             bounds = np.array(sorted({0, *(self.layer_starts or range(len(self.atoms))), len(self.atoms)}))
             transient = self.one_stage_transient(self._prefix[(submesh, lm, lean)][bounds], bounds, 2 * loss, m, rc)
-        if rc:  # keep each layer's input per microbatch; recompute one layer at a time before its backward
+        starts = [a for a in (self.layer_starts or range(len(self.atoms))) if atoms[0] < a < atoms[1]]
+        ends = [atoms[0], *starts, atoms[1]]
+        depth = depth if rc and depth is not None and depth < len(ends) - 1 else None
+        if rc and depth is not None:  # the first `depth` layers as below, the rest as without recomputation
+            head = (atoms[0], ends[depth])
+            bwd += self.option_for(head, submesh, lm, lean, False, self.range_sums(head, submesh, lm, lean), m).forward_s
+            per_layer = [self.range_sums((a, b), submesh, lm, lean)[5] / m for a, b in zip(ends, ends[1:depth + 1])]
+            transient += max(per_layer) + copies
+            kept = self.range_sums((ends[depth], atoms[1]), submesh, lm, lean)
+            acts = sum(self.cut[a - 1] for a in ends[:depth] if a > 0) / (lm[0] * m) + kept[5] / m + copies
+        elif rc:  # keep each layer's input per microbatch; recompute one layer at a time before its backward
             bwd += fwd
-            starts = [a for a in (self.layer_starts or range(len(self.atoms))) if atoms[0] < a < atoms[1]]
-            ends = [atoms[0], *starts, atoms[1]]
             per_layer = [self.range_sums((a, b), submesh, lm, lean)[5] / m for a, b in zip(ends, ends[1:])]
             transient += max(per_layer) + copies
             acts = sum(self.cut[a - 1] for a in ends[:-1] if a > 0) / (lm[0] * m)
@@ -381,7 +392,7 @@ class StageCosts:
         if last < len(self.atoms) - 1 and self.cut[last] > 0:  # each rank sends its slice (Megatron's scatter)
             send = p2p_time(self.cut[last] / (lm[0] * lm[1] * m), stage_send_link(self.cluster, submesh))
         return StageOption(lm, lean, rc, fwd, bwd, send, sync, states, acts, transient, grads, averaged,
-                           float(self.optimizer_s(elements, tensors, dtensors)), weight, unhidden)
+                           float(self.optimizer_s(elements, tensors, dtensors)), weight, unhidden, depth)
 
     def optimizer_s(self, elements, tensors, dtensors):
         """The optimizer's step on a stage's shard of the weights, and the all-reduce of the loss

@@ -1,7 +1,8 @@
 """Activation recomputation as the planner prices it (`stage_costs`): a stage marked `recompute`
 keeps, per microbatch, only the inputs of each of its layers, and runs each layer's forward again
 just before that layer's backward (Megatron-LM's full recomputation, one checkpoint per layer).
-Its peak in backward is then one layer's activations, not the stage's.
+Its peak in backward is then one layer's activations, not the stage's. With `recompute_layers` k,
+only the stage's first k layers do so; the later ones keep their activations (Mist, AdaPipe).
 
 The stage's graph (`ShardedGraph`) runs as segments, one per layer of the plan (the nodes it
 lists; nodes no layer lists join the segment they follow), each under one non-reentrant
@@ -23,6 +24,11 @@ class Segment:
     nodes: list[fx.Node]
     inputs: list[fx.Node]  # values made before it (or the stage's inputs) that it reads
     outputs: list[fx.Node]  # values it makes that later segments, or the stage's outputs, read
+    layer: int | None = None  # the index of its layer among the stage's (None: before the first)
+
+    def recomputes(self, recompute: bool, layers: int | None) -> bool:
+        """Whether a stage recomputing its first `layers` layers (None: all) recomputes this segment."""
+        return recompute and (layers is None or self.layer is not None and self.layer < layers)
 
 
 def segments(nodes: list[fx.Node], layers: list[list[str]], kept: set[fx.Node], given: set[fx.Node]) -> list[Segment]:
@@ -31,11 +37,13 @@ def segments(nodes: list[fx.Node], layers: list[list[str]], kept: set[fx.Node], 
     (parameters, buffers, constants), which are no segment's inputs."""
     layer_of = {name: i for i, names in enumerate(layers) for name in names}
     runs: list[list[fx.Node]] = []
+    run_layers: list[int | None] = []
     current = None
     for node in nodes:
         layer = layer_of.get(node.name, current)
         if not runs or layer != current:
             runs.append([])
+            run_layers.append(layer)
         runs[-1].append(node)
         current = layer
     where = {n: i for i, run in enumerate(runs) for n in run}
@@ -43,7 +51,7 @@ def segments(nodes: list[fx.Node], layers: list[list[str]], kept: set[fx.Node], 
     for i, run in enumerate(runs):
         inputs = list(dict.fromkeys(a for n in run for a in n.all_input_nodes if where.get(a) != i and a not in given))
         outputs = [n for n in run if n in kept or any(where.get(u, i) > i for u in n.users)]
-        out.append(Segment(run, inputs, outputs))
+        out.append(Segment(run, inputs, outputs, run_layers[i]))
     return out
 
 

@@ -318,7 +318,8 @@ class ShardedGraph(nn.Module):
                 unit = self._unit_at.get(i)
                 run = unit if unit is not None else partial(self._segment, segment)
                 values = [env[n] for n in segment.inputs]
-                env.update(zip(segment.outputs, checkpointed(run, *values) if recompute else run(*values)))
+                again = segment.recomputes(recompute, self.stage.recompute_layers)
+                env.update(zip(segment.outputs, checkpointed(run, *values) if again else run(*values)))
         finally:
             self._wrapped = None
         with torch.no_grad():
