@@ -424,8 +424,14 @@ def plan_single_stage(search: Search) -> Plan:
             return 0.0
         return backward(r) + costs.compressed_per_byte(search.mesh, r.logical_mesh) * r.cost["trainable_bytes"]
 
-    if costs.compression is not None:
-        best = min(results, key=lambda r: (float(f"{r.time + compressed(r):.6g}"), -r.logical_mesh[0]))
+    def step(r) -> float:  # the estimate's terms: the ILP's time leaves out the loss, the optimizer and
+        c = r.cost  # the part of the gradient averaging that backward hides
+        return (c["compute_s"] + c["comm_s"] + c["reshard_s"] + loss(r) + compressed(r)
+                + float(costs.exposed_sync(c["grad_sync_s"], backward(r), search.mesh, r.logical_mesh, c["trainable_bytes"]))
+                + float(costs.optimizer_s(c["optimizer_elements"], c["optimizer_tensors"], c["optimizer_dtensors"])))
+
+    fitting = [r for r in results if r.memory["total"] + transient(r) <= search.memory_limit] or [best]
+    best = min(fitting, key=lambda r: (float(f"{step(r):.6g}"), -r.logical_mesh[0]))
     c = best.cost
     comm = c["comm_s"] + c["reshard_s"]
     stage = StagePlan(
