@@ -224,7 +224,8 @@ def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
     result = {"model": args.model, "batch": search.workload.batch, "cluster": search.cluster.name,
               "mesh": list(search.mesh),
               "auto": {"stages": [{"layers": list(s.layers), "submesh": list(s.submesh),
-                                   "logical_mesh": list(s.logical_mesh), "recompute": s.recompute} for s in auto.stages],
+                                   "logical_mesh": list(s.logical_mesh), "recompute": s.recompute,
+                                   "recompute_layers": s.recompute_layers} for s in auto.stages],
                        "num_microbatches": auto.num_microbatches, "schedule": auto.schedule, "virtual": auto.virtual,
                        **_estimate(auto)},
               "manual": manual}
@@ -408,7 +409,8 @@ def _print_plan(plan, out: Console) -> None:
         names = [plan.layers[k]["name"] for k in range(*s.layers)]
         c = {k: s.cost.get(k, 0.0) for k in ("forward_s", "backward_s", "send_s", "grad_sync_s", "state_bytes")}
         table.add_row(str(i), span(names), f"{s.submesh[0]}x{s.submesh[1]}", f"{s.logical_mesh[0]} × {s.logical_mesh[1]}",
-                      "yes" if s.recompute else "", human_time(c["forward_s"]), human_time(c["backward_s"]),
+                      (f"first {s.recompute_layers}" if s.recompute_layers else "yes") if s.recompute else "",
+                      human_time(c["forward_s"]), human_time(c["backward_s"]),
                       human_time(c["send_s"]), human_time(c["grad_sync_s"]), human_bytes(c["state_bytes"]))
     out.print(table)
     first = plan.stages[0]
