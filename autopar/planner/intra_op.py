@@ -164,7 +164,7 @@ def _result(stage: StageGraph, logical, chosen: dict[str, Evaluation], zero: dic
     for a in anchors:  # each anchor's own collectives, under its own node names
         names = {stage.canon(m): m for m in stage.members[a]}
         collectives += [{"node": names.get(n, n), "kind": k, "axis": (rest or ("tp",))[0], "phase": ph, "bytes": b,
-                         **({"unit": True} if rest[1:] else {})}
+                         **({rest[1]: True} if rest[1:] else {})}
                         for n, k, ph, b, *rest in chosen[stage.cls[a]].collectives]
     collectives += edge_collectives(stage, chosen)
     for name in stage.graph.outputs:
@@ -199,6 +199,7 @@ def _result(stage: StageGraph, logical, chosen: dict[str, Evaluation], zero: dic
               "comm_latency_s": _latency_of(stage.mesh, collectives) + gather,
               "zero_gather_s": sum(e.zero_gather for e in per_anchor) + gather,
               "zero_scatter_s": sum(e.zero_scatter for e in per_anchor) + scatter,
+              "tp_grad_s": sum(e.tp_grad for e in per_anchor),
               "fixed_s": sum(e.fixed for e in per_anchor),
               # the optimizer's step: fp32 elements and tensors this rank updates (ZeRO-3: its shard)
               "optimizer_elements": sum(trainable_shard(f) / DTYPE_BYTES.get(stage.graph.params[f].dtype, 4)
@@ -227,7 +228,7 @@ def _latency_of(mesh: Mesh, collectives: list[dict[str, Any]]) -> float:
     the microbatch, unlike the bytes."""
     total = 0.0
     for c in collectives:
-        if c["phase"] != "gradient" and not c.get("unit"):
+        if c["phase"] != "gradient" and not c.get("unit") and not c.get("param"):  # those: `tp_grad_s`
             n, link = (mesh.dp, mesh.dp_link) if c["axis"] == "dp" else (mesh.tp, mesh.tp_link)
             total += collective_time(c["kind"], 0.0, n, link)
     return total

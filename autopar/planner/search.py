@@ -419,14 +419,9 @@ def plan_single_stage(search: Search) -> Plan:
     def loss(r) -> float:
         return float(costs.loss_time(costs.loss_bytes / r.logical_mesh[0]))
 
-    def compressed(r) -> float:  # what a compressor adds to (or saves from) the data axis, after backward
-        if costs.compression is None or r.logical_mesh[0] == 1:
-            return 0.0
-        return backward(r) + costs.compressed_per_byte(search.mesh, r.logical_mesh) * r.cost["trainable_bytes"]
-
-    def step(r) -> float:  # the estimate's terms: the ILP's time leaves out the loss, the optimizer and
-        c = r.cost  # the part of the gradient averaging that backward hides
-        return (c["compute_s"] + c["comm_s"] + c["reshard_s"] + loss(r) + compressed(r)
+    def step(r) -> float:  # the estimate's terms: the ILP's time leaves out the loss, the optimizer, the
+        c = r.cost  # part of the gradient averaging backward hides and what a compressor adds (`exposed_sync`)
+        return (c["compute_s"] + c["comm_s"] + c["reshard_s"] + loss(r)
                 + float(costs.exposed_sync(c["grad_sync_s"], backward(r), search.mesh, r.logical_mesh, c["trainable_bytes"]))
                 + float(costs.optimizer_s(c["optimizer_elements"], c["optimizer_tensors"], c["optimizer_dtensors"])))
 

@@ -32,7 +32,7 @@ from autopar.planner.layering import cut_bytes
 from autopar.planner.stage_graph import layer_hash
 from autopar.planner.strategy_costs import DTYPE_BYTES, Rule
 
-COLUMNS = 20  # of `StageCosts.range_sums`
+COLUMNS = 21  # of `StageCosts.range_sums`
 
 
 def gathered_peak(per_layer: np.ndarray, precision: str | None, loss: float = 0.0,
@@ -264,7 +264,7 @@ class StageCosts:
         prefix = self._prefix[(submesh, lm, lean)][bounds]  # [layer boundary, quantity]
         sums = prefix[None, :, :] - prefix[:, None, :]  # [i, j, quantity]
         fwd, bwd, comm, sync, states, acts, trainable, weighted, latency, copies, gathered, grads, averaged, \
-            gather, scatter, fixed_f, fixed_b, elements, tensors, dtensors = np.moveaxis(sums, -1, 0)
+            gather, scatter, fixed_f, fixed_b, elements, tensors, dtensors, tp_grad = np.moveaxis(sums, -1, 0)
         states = states - self.tied_excess(bounds, submesh, lm, lean)
         comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
         with np.errstate(invalid="ignore", divide="ignore"):
@@ -272,6 +272,7 @@ class StageCosts:
             sync = sync + np.where(trainable > 0, weighted / np.where(trainable > 0, trainable, 1) * n_buckets, 0)
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m + copies
         fwd, bwd = fwd + fixed_f * (1 - 1 / m), bwd + fixed_b * (1 - 1 / m)  # every microbatch issues every op
+        bwd = bwd + tp_grad * (1 - 1 / m)  # and all-reduces its partial weight gradients: `option_for`
         fwd = fwd + gather / 2 * (1 - 1 / m)  # ZeRO-3 gathers again for every microbatch's forward: `option_for`
         if bounds[0] == 0 and bounds[-1] == len(self.atoms):
             bwd[0, -1] += (gather[0, -1] / 2 + scatter[0, -1]) * (1 - 1 / m)
@@ -311,7 +312,7 @@ class StageCosts:
         bucket latency × bytes, comm latency, 16-bit weight copies, ZeRO-3's gathered parameters and
         gradients, gradient bytes, bytes the data axis averages from flat copies, ZeRO-3's all-gather
         (bytes) and reduce-scatter times, the fixed per-op time of forward and of backward, the
-        optimizer's elements, tensors and DTensors] summed over [a, b),
+        optimizer's elements, tensors and DTensors, the tensor axis's per-microbatch weight-gradient all-reduces] summed over [a, b),
         from prefix sums."""
         key = (submesh, lm, lean)
         if key not in self._prefix:
@@ -334,7 +335,7 @@ class StageCosts:
                              c.get("zero_gather_s", 0.0), c.get("zero_scatter_s", 0.0),
                              c.get("fixed_s", 0.0) * share, c.get("fixed_s", 0.0) * (1 - share),
                              c.get("optimizer_elements", 0.0), c.get("optimizer_tensors", 0.0),
-                             c.get("optimizer_dtensors", 0.0)])
+                             c.get("optimizer_dtensors", 0.0), c.get("tp_grad_s", 0.0)])
             self._prefix[key] = np.vstack([np.zeros(COLUMNS), np.cumsum(np.array(rows), axis=0)])
         prefix = self._prefix[key]
         sums = prefix[atoms[1]] - prefix[atoms[0]]
@@ -344,7 +345,7 @@ class StageCosts:
         """`rc` with `depth`: recompute only the range's first `depth` layers (Mist, AdaPipe: as many
         as memory needs); the later ones keep their activations."""
         (fwd, bwd, comm, sync, states, acts, trainable, weighted_latency, latency, copies, gathered, grads, averaged,
-         gather, scatter, fixed_f, fixed_b, elements, tensors, dtensors) = (float(x) for x in sums)
+         gather, scatter, fixed_f, fixed_b, elements, tensors, dtensors, tp_grad) = (float(x) for x in sums)
         states -= float(self.tied_excess(np.array(atoms), submesh, lm, lean)[0, 1])
         comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
         if trainable:  # one bucket latency per 25 MB of the stage's weights (byte-weighted over its atoms)
@@ -355,6 +356,7 @@ class StageCosts:
         # autocast copies the weights once per microbatch and keeps them until its backward
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m + copies
         fwd, bwd = fwd + fixed_f * (1 - 1 / m), bwd + fixed_b * (1 - 1 / m)  # every microbatch issues every op
+        bwd += tp_grad * (1 - 1 / m)  # and all-reduces its partial weight gradients on the tensor axis
         # ZeRO-3 gathers the parameters again for every microbatch's forward; in one stage for its
         # backward too, and reduce-scatters every microbatch's gradients (`runtime.parallel`). torch's
         # pipeline schedules keep them gathered through the backwards and reduce once, after the last
@@ -368,14 +370,16 @@ class StageCosts:
             transient = self.one_stage_transient(self._prefix[(submesh, lm, lean)][bounds], bounds, 2 * loss, m, rc)
         starts = [a for a in (self.layer_starts or range(len(self.atoms))) if atoms[0] < a < atoms[1]]
         ends = [atoms[0], *starts, atoms[1]]
-        depth = depth if rc and depth is not None and depth < len(ends) - 1 else None
+        depth = depth if rc and depth is not None and 1 <= depth < len(ends) - 1 else None
         if rc and depth is not None:  # the first `depth` layers as below, the rest as without recomputation
             head = (atoms[0], ends[depth])
-            bwd += self.option_for(head, submesh, lm, lean, False, self.range_sums(head, submesh, lm, lean), m).forward_s
+            head_sums = self.range_sums(head, submesh, lm, lean)
+            bwd += self.option_for(head, submesh, lm, lean, False, head_sums, m).forward_s
             per_layer = [self.range_sums((a, b), submesh, lm, lean)[5] / m for a, b in zip(ends, ends[1:depth + 1])]
-            transient += max(per_layer) + copies
+            transient += max(per_layer) + head_sums[9]
             kept = self.range_sums((ends[depth], atoms[1]), submesh, lm, lean)
-            acts = sum(self.cut[a - 1] for a in ends[:depth] if a > 0) / (lm[0] * m) + kept[5] / m + copies
+            # the recomputed layers' inputs, and the first kept layer's (the last recomputed one's output)
+            acts = sum(self.cut[a - 1] for a in ends[:depth + 1] if a > 0) / (lm[0] * m) + kept[5] / m + kept[9]
         elif rc:  # keep each layer's input per microbatch; recompute one layer at a time before its backward
             bwd += fwd
             per_layer = [self.range_sums((a, b), submesh, lm, lean)[5] / m for a, b in zip(ends, ends[1:])]
