@@ -184,6 +184,7 @@ def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup
     measured = measure(model, nproc, batch, plans, warmup, steps, breakdown)
     rows = [{"name": p.name, "num_microbatches": p.num_microbatches, "precision": p.precision or "fp32",
              "recompute": any(s.recompute for s in p.stages),
+             "recompute_layers": [s.recompute_layers for s in p.stages if s.recompute],  # null: all of a stage's
              "predicted_step_time_s": p.estimate.step_time_s, "measured_step_time_s": t,
              "predicted_peak_bytes": p.estimate.peak_memory_bytes, "measured_peak_bytes": peak}
             for p, (t, peak, _) in zip(plans, measured)]

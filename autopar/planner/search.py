@@ -472,7 +472,8 @@ def _nothing_fits(search: Search) -> AutoparError:
 def recompute_less(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int], StageOption]],
                    m: int) -> list[tuple[tuple[int, int], tuple[int, int], StageOption]]:
     """Each recomputing stage recomputes only as many of its first layers as its memory needs (Mist,
-    AdaPipe): the fewest that fit the budget the stage was chosen under; the others keep theirs."""
+    AdaPipe): the fewest that fit the stage's budget in this pipeline (`Search.budget`, the same
+    bound the DP checked, with the pipeline's real length); the later layers keep their activations."""
     out = []
     for idx, ((i, j), shape, opt) in enumerate(chosen):
         if opt.recompute and j - i > 1:

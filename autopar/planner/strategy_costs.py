@@ -32,10 +32,10 @@ class Rule:
     # Only layouts priced for comparison set it (DeepSpeed-MoE): the runtime does not shard those
     # states, so the searches that plan runs (no rule, `REPLICATED_GRADIENTS`) do not promise it
     shard_states: bool = False
-    # sequence parallelism (Korthikanti et al., 2022): when the tensor axis leaves a partial sum
-    # (row-parallel), run the ops that follow split on `scatter`, a dimension of what they read:
-    # the partial sum is reduce-scattered to S(scatter) instead of all-reduced, norms and element-wise
-    # ops after it run on 1/tp of the tokens and keep 1/tp of the activations
+    # Megatron-LM's --sequence-parallel (Korthikanti et al., 2022) as a constraint: where the tensor
+    # axis leaves a partial sum (row-parallel), it is always reduce-scattered onto the first
+    # dimension the ops after it can run split on (`Strategy.scatter`). Without it the free search
+    # weighs every such dimension and the all-reduce, and picks
     sequence_parallel: bool = False
 
 
