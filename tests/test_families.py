@@ -70,11 +70,17 @@ def _plan(w, world, layout):
     from autopar.planner.manual import Layout, manual_plan, manual_search
     from autopar.planner.search import Search
 
-    cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)
-    plan = manual_plan(manual_search(Search.start(w, cluster, (1, world))), Layout.parse(LAYOUTS[layout]))
-    for stage in plan.stages:
-        stage.params = {f: [Shard(0), p[1]] for f, p in stage.params.items()}
-    return plan
+    import torch.distributed as dist
+
+    plan = None
+    if dist.get_rank() == 0:  # made once and sent, as `parallelize` does with the plans it makes
+        cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)
+        plan = manual_plan(manual_search(Search.start(w, cluster, (1, world))), Layout.parse(LAYOUTS[layout]))
+        for stage in plan.stages:
+            stage.params = {f: [Shard(0), p[1]] for f, p in stage.params.items()}
+    box = [plan]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def _parallel(rank, world, name, layout, seeded_apart=False):

@@ -30,6 +30,16 @@ FAMILIES = ["gpt2", "llama", "bert"]
 
 
 def _plan(w, key):
+    """The case's plan, made on rank 0 and sent to the others (4 ranks planning at once on 2 cores
+    would take four times as long), as `parallelize` does with the plans it makes."""
+    import torch.distributed as dist
+
+    plan = [_make_plan(w, key) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(plan, src=0)
+    return plan[0]
+
+
+def _make_plan(w, key):
     from autopar.cost_models import get_cluster
     from autopar.planner.manual import Layout, manual_plan, manual_search
     from autopar.planner.search import Search

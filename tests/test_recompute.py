@@ -17,7 +17,7 @@ STEPS = 2
 # one stage (DP, TP, an MoE's DP×TP), ZeRO-3 in a pipeline, torch's 1F1B over 4 rotary stages, the
 # fan-out executor (stages of 2 + 1 + 1 ranks), and a searched plan
 CASES = {4: [("gpt-tiny", "4,1,1"), ("gpt-tiny", "1,4,1"), ("moe-tiny", "2,2,1"), ("gpt-tiny", "zero3:2,1,2,2"),
-             ("llama", "1,1,4,4"), ("gpt-tiny", "2+1+1"), ("gpt-tiny", "searched")],
+             ("llama", "1,1,4,4"), ("llama", "first:1,1,4,4"), ("gpt-tiny", "2+1+1"), ("gpt-tiny", "searched")],
          2: [("gpt-tiny", "1,2,1"), ("llama", "1,1,2,2"), ("llama", "first:1,1,2,2")]}  # first: its first layer only
 
 
@@ -50,7 +50,8 @@ def _plan(w, world, layout, recompute):
         plan = _layout(w, world, layout.removeprefix("zero3:").removeprefix("first:"))
     for stage in plan.stages:
         stage.recompute = recompute
-        stage.recompute_layers = 1 if recompute and layout.startswith("first:") else None
+        several = stage.layers[1] - stage.layers[0] > 1
+        stage.recompute_layers = 1 if recompute and layout.startswith("first:") and several else None
         if layout.startswith("zero3:"):
             stage.params = {f: [Shard(0), p[1]] for f, p in stage.params.items()}
     return plan
@@ -129,13 +130,13 @@ def _train(rank, world, name, layout):
         again = sum(seg.recomputes(mine.recompute, mine.recompute_layers) for seg in module.segments) * per_step \
             if module is not None else 0
         runs.append((losses, pm.full_state_dict(), calls[0],
-                     len(module.segments) * per_step if module is not None else 0, again))
+                     len(module.segments) * per_step if module is not None else 0, again, mine.recompute_layers))
     return runs
 
 
 @pytest.mark.parametrize("world, name, layout", [(world, *case) for world, cases in CASES.items() for case in cases])
 def test_recomputing_trains_as_keeping_activations(tmp_path, world, name, layout):
-    for (losses, params, calls, segments, _), (r_losses, r_params, r_calls, r_segments, again) in shared_ranks(
+    for (losses, params, calls, segments, *_), (r_losses, r_params, r_calls, r_segments, again, depth) in shared_ranks(
             _train, world, CASES[world], (name, layout), tmp_path):
         assert calls == segments  # without recomputation each layer runs once per microbatch
         assert r_losses == pytest.approx(losses, rel=1e-6)
@@ -144,5 +145,5 @@ def test_recomputing_trains_as_keeping_activations(tmp_path, world, name, layout
         # each recomputed layer's forward once more in backward (not those nothing differentiates: a
         # rotary table); with `recompute_layers` only the stage's first layers
         assert r_segments < r_calls <= r_segments + again if again else r_calls == r_segments
-        if layout.startswith("first:") and again:
+        if depth:  # a stage of several layers recomputing its first: the others run once
             assert 0 < again < r_segments

@@ -193,7 +193,8 @@ def _result(stage: StageGraph, logical, chosen: dict[str, Evaluation], zero: dic
         logical_mesh=tuple(logical),
         params=dict(sorted(params.items())),
         ops=ops,
-        cost={"compute_s": compute, "comm_s": comm, "reshard_s": max(0.0, total - latency - compute - comm - grad_sync),
+        cost={"compute_s": compute, "comm_s": comm, "reshard_s": max(0.0, total - latency - compute - comm - grad_sync
+                                                                     - sum(e.tp_grad for e in per_anchor)),
               "grad_sync_s": grad_sync + latency, "total_s": total,
               "bucket_latency_s": per_bucket, "trainable_bytes": trainable_bytes,
               "comm_latency_s": _latency_of(stage.mesh, collectives) + gather,
@@ -228,7 +229,7 @@ def _latency_of(mesh: Mesh, collectives: list[dict[str, Any]]) -> float:
     the microbatch, unlike the bytes."""
     total = 0.0
     for c in collectives:
-        if c["phase"] != "gradient" and not c.get("unit") and not c.get("param"):  # those: `tp_grad_s`
+        if c["phase"] != "gradient" and not c.get("unit"):
             n, link = (mesh.dp, mesh.dp_link) if c["axis"] == "dp" else (mesh.tp, mesh.tp_link)
             total += collective_time(c["kind"], 0.0, n, link)
     return total

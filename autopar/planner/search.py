@@ -423,7 +423,8 @@ def plan_single_stage(search: Search) -> Plan:
         c = r.cost  # part of the gradient averaging backward hides and what a compressor adds (`exposed_sync`)
         return (c["compute_s"] + c["comm_s"] + c["reshard_s"] + loss(r)
                 + float(costs.exposed_sync(c["grad_sync_s"], backward(r), search.mesh, r.logical_mesh, c["trainable_bytes"]))
-                + float(costs.optimizer_s(c["optimizer_elements"], c["optimizer_tensors"], c["optimizer_dtensors"])))
+                + float(costs.optimizer_s(c["optimizer_elements"], c["optimizer_tensors"], c["optimizer_dtensors"]))
+                + c.get("tp_grad_s", 0.0))
 
     fitting = [r for r in results if r.memory["total"] + transient(r) <= search.memory_limit] or [best]
     best = min(fitting, key=lambda r: (float(f"{step(r):.6g}"), -r.logical_mesh[0]))
@@ -436,7 +437,7 @@ def plan_single_stage(search: Search) -> Plan:
                             "grad_sync_s": float(costs.exposed_sync(c["grad_sync_s"], backward(best), search.mesh,
                                                                     best.logical_mesh, c["trainable_bytes"])),
                             "optimizer_s": float(costs.optimizer_s(c["optimizer_elements"], c["optimizer_tensors"],
-                                                                  c["optimizer_dtensors"])),
+                                                                  c["optimizer_dtensors"])) + c.get("tp_grad_s", 0.0),
                             "state_bytes": best.memory["model_states"],
                             **_memory_costs(best.memory["activations"] + best.memory["weight_copies"] + costs.loss_bytes
                                             / best.logical_mesh[0], transient(best, 2 * costs.loss_bytes

@@ -272,7 +272,6 @@ class StageCosts:
             sync = sync + np.where(trainable > 0, weighted / np.where(trainable > 0, trainable, 1) * n_buckets, 0)
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m + copies
         fwd, bwd = fwd + fixed_f * (1 - 1 / m), bwd + fixed_b * (1 - 1 / m)  # every microbatch issues every op
-        bwd = bwd + tp_grad * (1 - 1 / m)  # and all-reduces its partial weight gradients: `option_for`
         fwd = fwd + gather / 2 * (1 - 1 / m)  # ZeRO-3 gathers again for every microbatch's forward: `option_for`
         if bounds[0] == 0 and bounds[-1] == len(self.atoms):
             bwd[0, -1] += (gather[0, -1] / 2 + scatter[0, -1]) * (1 - 1 / m)
@@ -305,14 +304,14 @@ class StageCosts:
                                                      for k in range(len(self.atoms))])])[bounds]
             time = np.where(broken[None, :] - broken[:, None] > 0, np.inf, time)
         return {"time": time, "backward": bwd, "sync": sync, "states": states, "acts": acts, "transient": transient,
-                "grads": grads, "averaged": averaged, "optimizer": self.optimizer_s(elements, tensors, dtensors)}
+                "grads": grads, "averaged": averaged, "optimizer": self.optimizer_s(elements, tensors, dtensors) + tp_grad}
 
     def range_sums(self, atoms, submesh, lm, lean) -> np.ndarray | None:
         """Per-atom [fwd, bwd, comm, sync without latency, states, acts, trainable bytes,
         bucket latency × bytes, comm latency, 16-bit weight copies, ZeRO-3's gathered parameters and
         gradients, gradient bytes, bytes the data axis averages from flat copies, ZeRO-3's all-gather
         (bytes) and reduce-scatter times, the fixed per-op time of forward and of backward, the
-        optimizer's elements, tensors and DTensors, the tensor axis's per-microbatch weight-gradient all-reduces] summed over [a, b),
+        optimizer's elements, tensors and DTensors, the tensor axis's weight-gradient all-reduces] summed over [a, b),
         from prefix sums."""
         key = (submesh, lm, lean)
         if key not in self._prefix:
@@ -356,7 +355,6 @@ class StageCosts:
         # autocast copies the weights once per microbatch and keeps them until its backward
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m + copies
         fwd, bwd = fwd + fixed_f * (1 - 1 / m), bwd + fixed_b * (1 - 1 / m)  # every microbatch issues every op
-        bwd += tp_grad * (1 - 1 / m)  # and all-reduces its partial weight gradients on the tensor axis
         # ZeRO-3 gathers the parameters again for every microbatch's forward; in one stage for its
         # backward too, and reduce-scatters every microbatch's gradients (`runtime.parallel`). torch's
         # pipeline schedules keep them gathered through the backwards and reduce once, after the last
@@ -395,8 +393,10 @@ class StageCosts:
         send = 0.0
         if last < len(self.atoms) - 1 and self.cut[last] > 0:  # each rank sends its slice (Megatron's scatter)
             send = p2p_time(self.cut[last] / (lm[0] * lm[1] * m), stage_send_link(self.cluster, submesh))
+        # after the last backward, before the optimizer: the tensor axis's partial weight gradients
+        optimizer = float(self.optimizer_s(elements, tensors, dtensors)) + tp_grad
         return StageOption(lm, lean, rc, fwd, bwd, send, sync, states, acts, transient, grads, averaged,
-                           float(self.optimizer_s(elements, tensors, dtensors)), weight, unhidden, depth)
+                           optimizer, weight, unhidden, depth)
 
     def optimizer_s(self, elements, tensors, dtensors):
         """The optimizer's step on a stage's shard of the weights, and the all-reduce of the loss

@@ -70,7 +70,7 @@ class Evaluation:
     gathered: float = 0.0  # ZeRO-3: the whole parameters and their gradients during the step (FSDP2)
     zero_gather: float = 0.0  # ZeRO-3's all-gathers' bytes (forward and backward), part of `comm`: per microbatch
     zero_scatter: float = 0.0  # ZeRO-3's gradient reduce-scatter, again for every microbatch
-    tp_grad: float = 0.0  # partial weight gradients all-reduced on the tensor axis, part of `comm`: per microbatch
+    tp_grad: float = 0.0  # partial weight gradients all-reduced on the tensor axis, once per step after backward
     param_states: dict[str, float] = field(default_factory=dict)  # fqn -> its share of state_memory
     grad_memory: float = 0.0  # the gradients' part of state_memory (allocated by the step's first backward)
     collectives: list[tuple] = field(default_factory=list)  # (node, kind, phase, bytes[, axis]); axis tp if absent
@@ -80,7 +80,7 @@ class Evaluation:
 
     @property
     def time(self) -> float:
-        return self.compute + self.comm + self.grad_sync
+        return self.compute + self.comm + self.grad_sync + self.tp_grad
 
 
 def gathered_bytes(graph: OpGraph, fqn: str, shards: int) -> float:
@@ -267,10 +267,10 @@ class StrategyCosts:
         """Model states and gradient synchronisation of one parameter.
 
         Every user whose split leaves the weight's gradient partial all-reduces it on the tensor axis,
-        alone and after every microbatch's backward, as DTensor accumulates it
-        (`sharded_graph._grad_like_param`; `tp_grad`); the first user stores the weight and
-        synchronises it on the data axis once per step, in buckets (as DDP and FSDP do): a parameter
-        pays the bandwidth of its bytes, the per-message latency is paid per bucket (`_bucket_latency`)."""
+        alone, once per step after the last backward (`sharded_graph.reduce_partial_grads`; `tp_grad`);
+        the first user stores the weight and synchronises it on the data axis, in buckets (as DDP and
+        FSDP do): a parameter pays the bandwidth of its bytes, the per-message latency is paid per
+        bucket (`_bucket_latency`)."""
         ev.params[fqn] = placement
         info, mesh, zero = self.graph.params[fqn], self.mesh, strategy.zero
         shards = mesh.tp if shard_dim(placement) is not None else 1
@@ -279,9 +279,8 @@ class StrategyCosts:
         trainable = fqn in self.graph.trainable
         syncs = []
         if trainable and partial and mesh.tp > 1:
-            t = collective_time("all_reduce", local, mesh.tp, mesh.tp_link)
-            ev.comm, ev.tp_grad = ev.comm + t, ev.tp_grad + t
-            ev.collectives.append((name, "all_reduce", "backward", local, "tp", "param"))
+            ev.tp_grad += collective_time("all_reduce", local, mesh.tp, mesh.tp_link)
+            ev.collectives.append((name, "all_reduce", "gradient", local, "tp", "param"))
         if self.g.owner[fqn] == name:
             if trainable and mesh.dp > 1 and zero:  # ZeRO-3: gathered for every forward and backward, a
                 # layer's weights in one collective (FSDP2's unit): their α once per stage solve (`_unit_latency`)

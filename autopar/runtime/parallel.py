@@ -32,7 +32,7 @@ from autopar.runtime.failures import guarded
 from autopar.runtime.grad_sync import EmulatedLink, GradSync
 from autopar.runtime.loop import clip, evaluating, gather_batch_dim, squared_grad_norm
 from autopar.runtime.precision import fsdp_policy, mixed_precision
-from autopar.runtime.sharded_graph import ShardedGraph, first_failure
+from autopar.runtime.sharded_graph import ShardedGraph, defer_partial_grads, first_failure, reduce_partial_grads
 
 
 class UnsupportedPlan(ValueError):
@@ -211,6 +211,8 @@ class ParallelModel:
             shard_data_axis(self.trained, mesh["dp"], plan.precision)
         elif self.dp > 1:
             self.sync = data_sync(list(self.trained.parameters()), self.group, plan)
+        if self.tp > 1 and not sharded and not plan.dp_gradient.get("compression"):
+            defer_partial_grads(list(self.trained.parameters()))
         self.state_buffers = self.graph.state_buffers if self.graph is not None else persistent(self.model)
         self.buffer_sync = AveragedBuffers(self.state_buffers, self.group) if self.dp > 1 else None
         self.optimizer = optimizer(list(self.trained.parameters()))
@@ -237,15 +239,17 @@ class ParallelModel:
         counter = CollectiveBytes() if self.tp > 1 else contextlib.nullcontext()
         with counter:  # the tensor axis's collectives, issued by DTensor
             self._microbatches(micro_in, micro_target, total)
-        if self.tp > 1:
-            self._bytes["tp"] = [counter.nbytes, counter.nbytes]
         if self.sync is not None:
             with phase("dp_sync"):
                 self.sync.finish()
             stats = self.sync.reset_stats()
             self._bytes["dp"] = [stats.bytes_raw, stats.bytes_sent]
             self._issued = [{"axis": "dp", "kind": kind, "bytes": nbytes} for kind, nbytes in stats.collectives]
-        elif zero3(self.plan) and self.dp > 1:  # FSDP2, per microbatch: a reduce-scatter of each gradient, an
+        if self.tp > 1:  # the partial gradients left to the end of the step (after the data axis: sums commute)
+            with counter:
+                reduce_partial_grads(list(self.trained.parameters()))
+            self._bytes["tp"] = [counter.nbytes, counter.nbytes]
+        if self.sync is None and zero3(self.plan) and self.dp > 1:  # FSDP2, per microbatch: a reduce-scatter of each gradient, an
             # all-gather of each layer's parameters for its forward and its backward, one of the root's
             def whole(params: Any) -> int:
                 return sum(p.to_local().numel() * p.to_local().element_size() * self.dp for p in params)

@@ -57,7 +57,7 @@ from autopar.runtime.parallel import (
     zero3,
 )
 from autopar.runtime.precision import mixed_precision
-from autopar.runtime.sharded_graph import ShardedGraph, cut
+from autopar.runtime.sharded_graph import ShardedGraph, cut, defer_partial_grads, reduce_partial_grads
 
 
 class _Groups:
@@ -258,6 +258,8 @@ class PipelineModel:
                 shard_data_axis(module, g.dp_mesh, plan.precision)
         elif self.dp > 1:
             self.sync = data_sync(list(self.module.parameters()), self.dp_group, plan)
+        if self.tp > 1 and not sharded and not plan.dp_gradient.get("compression"):
+            defer_partial_grads(list(self.module.parameters()))
         for stage in stages:
             stage.sync = self.sync  # buckets launch during the rank's last backward
         self.state_buffers = self.module.state_buffers
@@ -340,14 +342,16 @@ class PipelineModel:
                 kept = {"return_outputs": False} if not isinstance(self.schedule, FanOutSchedule) else {}
                 ends = {"target": local_target, "losses": losses, **kept}
             self.schedule.step(*(args if first else ()), **ends)
-        if self.tp > 1:
-            self._bytes["tp"] = [counter.nbytes, counter.nbytes]
         if self.sync:  # before the tied sum: finish() writes the averages back
             with phase("dp_sync"):
                 self.sync.finish()
             stats = self.sync.reset_stats()
             self._bytes["dp"] = [stats.bytes_raw, stats.bytes_sent]
             self.overlapped = stats.overlapped
+        if self.tp > 1:  # the partial gradients left to the end of the step (after the data axis: sums commute)
+            with counter:
+                reduce_partial_grads(list(self.module.parameters()))
+            self._bytes["tp"] = [counter.nbytes, counter.nbytes]
         for weight, group, share in self.tied:  # copies of one weight: each gets the sum of their gradients
             grad = weight.grad
             if grad is None:

@@ -108,9 +108,32 @@ def shard_parameters(model: nn.Module, params: dict[str, list[planned.Placement]
 
 def _grad_like_param(p: torch.Tensor) -> None:
     """DTensor leaves a gradient where its backward rule put it (an embedding's can come back
-    replicated); the optimizer and the synchroniser need it placed like the parameter."""
-    if p.grad is not None and p.grad.placements != p.placements:
-        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+    replicated); the optimizer and the synchroniser need it placed like the parameter. A partial
+    sum (a norm's weight under a sequence split) may instead stay partial over the step's
+    microbatches (`defer_partial_grads`): reduced once, after the last backward (Megatron-LM
+    all-reduces its sequence-parallel norms' gradients once per step too)."""
+    if p.grad is None or p.grad.placements == p.placements:
+        return
+    if getattr(p, "partial_until_step", False) and all(g == q or g.is_partial() for g, q in
+                                                       zip(p.grad.placements, p.placements)):
+        return
+    p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+
+def defer_partial_grads(params: list[nn.Parameter]) -> None:
+    """Let tensor-axis partial gradients add up over the microbatches (`_grad_like_param`), to be
+    reduced by `reduce_partial_grads`. Sums commute: the data axis may average them first, as long
+    as it averages linearly (not a compressor) and does not shard them (not ZeRO-3)."""
+    for p in params:
+        if isinstance(p, DTensor):
+            p.partial_until_step = True
+
+
+def reduce_partial_grads(params: list[nn.Parameter]) -> None:
+    """The gradients left partial during the step, all-reduced on the tensor axis (one each)."""
+    for p in params:
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
 class OpFailed(RuntimeError):
