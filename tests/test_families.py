@@ -66,11 +66,11 @@ def _plan(w, world, layout):
     """The layout's plan; ZeRO-3: every parameter sharded over the data axis."""
     if layout != "zero3":
         return LAYOUTS[layout]
+    import torch.distributed as dist
+
     from autopar.cost_models import get_cluster
     from autopar.planner.manual import Layout, manual_plan, manual_search
     from autopar.planner.search import Search
-
-    import torch.distributed as dist
 
     plan = None
     if dist.get_rank() == 0:  # made once and sent, as `parallelize` does with the plans it makes
