@@ -136,9 +136,10 @@ def parallelize(
         raise AutoparError("fp16 scales the loss, and compressors and delayed averaging keep gradients across steps "
                            "(error feedback, averages in flight), where a scaled or overflowed one would stay: use bf16 "
                            "mixed precision with compression or delayed averaging")
-    if (resolved.dp_gradient.get("compression") or resolved.dp_gradient.get("delay")) and zero3(resolved):
+    if (resolved.dp_gradient.get("compression") or resolved.dp_gradient.get("delay")) and (
+            zero3(resolved) or any(s.zero for s in resolved.stages)):
         raise AutoparError("compression and delayed averaging work on replicated gradients; this plan shards them "
-                           "over the data axis (ZeRO-3): use a plan without S(0) parameters")
+                           "over the data axis (ZeRO): use a plan without S(0) parameters or stage zero levels")
     device = local_device(int(os.environ.get("LOCAL_RANK", rank)))
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's object collectives and new groups use the current device

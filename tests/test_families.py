@@ -21,13 +21,17 @@ STEPS = 2
 WORLD = 4
 # DP, TP, PP, DP×TP, DP×PP, TP×PP, TP and TP×PP with Megatron's sequence parallelism (norms and
 # residual adds split along the sequence: reduce-scatter / all-gather), the searched plan (None),
-# and ZeRO-3 (DP with S(0) parameters)
+# ZeRO-3 (DP with S(0) parameters), and ZeRO-1/2 (optimizer states, and gradients, sharded over dp)
 LAYOUTS = {"dp": "4,1,1,2", "tp": "1,4,1", "pp": "1,1,4,4", "dp-tp": "2,2,1,2", "dp-pp": "2,1,2,2",
-           "tp-pp": "1,2,2,2", "tp-sp": "1,4,1+sp", "tp-pp-sp": "1,2,2,2+sp", "searched": None, "zero3": "4,1,1,2"}
+           "tp-pp": "1,2,2,2", "tp-sp": "1,4,1+sp", "tp-pp-sp": "1,2,2,2+sp", "searched": None, "zero3": "4,1,1,2",
+           "zero1": "4,1,1,2+z1", "zero2": "4,1,1,2+z2", "zero2-tp": "2,2,1,2+z2", "zero1-pp": "2,1,2,2+z1"}
 TABLE = ["dp", "tp", "pp", "dp-tp", "dp-pp", "tp-pp", "searched"]
 # sequence parallelism on the families whose blocks differ most (a CI run has 30 minutes): GPT-2's
 # Conv1D and LayerNorm, Llama's hand-written RMSNorm, Mixtral's experts, T5's encoder-decoder
 SEQUENCE_PARALLEL = (["gpt2", "llama", "mixtral", "t5"], ["tp-sp", "tp-pp-sp"])
+# ZeRO-1/2 on Llama under each, on Mixtral's experts and T5's encoder-decoder in a pipeline
+ZERO = [("llama", "zero1"), ("llama", "zero2"), ("llama", "zero2-tp"), ("llama", "zero1-pp"), ("mixtral", "zero2-tp"),
+        ("t5", "zero1-pp")]
 
 
 def _optimizer(params):
@@ -92,7 +96,23 @@ def _parallel(rank, world, name, layout, seeded_apart=False):
     pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
                              plan=_plan(w, world, layout))
     losses = [pm.step(inputs, target) for inputs, target in batches]
-    return losses, pm.full_state_dict()
+    return losses, pm.full_state_dict(), _momentum_share(pm.optimizer)
+
+
+def _momentum_share(optimizer) -> float:
+    """Of the momentum this rank would keep without sharding on the data axis (its weights' tensor-
+    axis shards), the fraction its optimizer keeps (ZeRO-1/2/3: 1 / dp)."""
+    held = would = 0
+    for param, state in optimizer.state.items():
+        buffer = state["momentum_buffer"]
+        held += buffer.to_local().numel() if hasattr(buffer, "to_local") else buffer.numel()
+        n = param.numel()
+        for name, placement in zip(getattr(param, "device_mesh", None) and param.device_mesh.mesh_dim_names or (),
+                                   getattr(param, "placements", ())):
+            if name == "tp" and placement.is_shard():
+                n //= param.device_mesh.size(param.device_mesh.mesh_dim_names.index("tp"))
+        would += n
+    return held / would
 
 
 def _assert_same_training(got_losses, got_params, losses, params):
@@ -105,20 +125,32 @@ def _assert_same_training(got_losses, got_params, losses, params):
 # the replicas start from rank 0's weights under DP, PP, ZeRO-3 and a mixed layout
 APART = [("llama", layout, True) for layout in ("dp", "pp", "zero3", "dp-pp")]
 CASES = [(name, layout, False) for name in FAMILIES for layout in TABLE] + APART + [
-    (name, layout, False) for name in SEQUENCE_PARALLEL[0] for layout in SEQUENCE_PARALLEL[1]]
+    (name, layout, False) for name in SEQUENCE_PARALLEL[0] for layout in SEQUENCE_PARALLEL[1]] + [
+    (name, layout, False) for name, layout in ZERO]
 
 
-@pytest.mark.parametrize("name, layout", [c[:2] for c in CASES if not c[2]])
+@pytest.mark.parametrize("name, layout", [c[:2] for c in CASES if not c[2] and c[:2] not in ZERO])
 def test_family_trains_like_one_process_under_every_layout(tmp_path, name, layout):
     losses, params = _single(name)
-    for got_losses, got_params in shared_ranks(_parallel, WORLD, CASES, (name, layout, False), tmp_path):
+    for got_losses, got_params, _ in shared_ranks(_parallel, WORLD, CASES, (name, layout, False), tmp_path):
         _assert_same_training(got_losses, got_params, losses, params)
+
+
+@pytest.mark.parametrize("name, layout", ZERO)
+def test_zero_shards_the_optimizer_states_and_trains_like_one_process(tmp_path, name, layout):
+    """ZeRO-1/2 (FSDP2 keeping the weights gathered through the step): each rank keeps 1/dp of the
+    momentum (a weight whose dim 0 does not split evenly aside: within 10 %), and trains as one process does."""
+    losses, params = _single(name)
+    dp = int(LAYOUTS[layout].split(",")[0])
+    for got_losses, got_params, held in shared_ranks(_parallel, WORLD, CASES, (name, layout, False), tmp_path):
+        _assert_same_training(got_losses, got_params, losses, params)
+        assert held == pytest.approx(1 / dp, rel=0.1)
 
 
 @pytest.mark.parametrize("layout", [c[1] for c in APART])
 def test_replicas_built_from_other_seeds_start_from_rank_0(tmp_path, layout):
     losses, params = _single("llama")
-    for got_losses, got_params in shared_ranks(_parallel, WORLD, CASES, ("llama", layout, True), tmp_path):
+    for got_losses, got_params, _ in shared_ranks(_parallel, WORLD, CASES, ("llama", layout, True), tmp_path):
         _assert_same_training(got_losses, got_params, losses, params)
 
 

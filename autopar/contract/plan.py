@@ -51,6 +51,10 @@ class StagePlan:
     # with `recompute`: only the stage's first this many layers recompute, the later ones keep their
     # activations (as many as memory needs: Mist, AdaPipe); None: every layer
     recompute_layers: int | None = None
+    # ZeRO-1 / ZeRO-2 of the parameters replicated on the data axis (FSDP2 keeping them gathered from
+    # the step's first forward to its last backward): 1 shards their optimizer states (and fp32
+    # master), 2 their gradients too; None: neither. ZeRO-3 is written in `params` (S(0) on dp)
+    zero: int | None = None
     cost: dict[str, float] = field(default_factory=dict)  # per microbatch and per step, itemised
 
     @property
@@ -89,7 +93,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data["stages"] = [{**{k: v for k, v in s.items() if k != "recompute_layers" or v is not None},
+        data["stages"] = [{**{k: v for k, v in s.items() if k not in ("recompute_layers", "zero") or v is not None},
                            "layers": list(s["layers"]), "submesh": list(s["submesh"]),
                            "logical_mesh": list(s["logical_mesh"]), "params": spelled(stage.params),
                            "ops": spelled(stage.ops), "needs": spelled(stage.needs)}
@@ -203,7 +207,8 @@ class Plan:
             lines.append(f"  stage {i}: layers {s.layers[0]}–{s.layers[1] - 1} ({span(names)}) on {s.submesh[0]}x{s.submesh[1]} "
                          f"devices{group} as dp {s.logical_mesh[0]} × tp {s.logical_mesh[1]}"
                          + (f", recomputing the activations of its first {s.recompute_layers} layer(s)"
-                            if s.recompute and s.recompute_layers else ", recomputing activations" if s.recompute else ""))
+                            if s.recompute and s.recompute_layers else ", recomputing activations" if s.recompute else "")
+                         + (f", ZeRO-{s.zero} over dp" if s.zero else ""))
         if self.estimate:
             e = self.estimate
             lines.append(f"  predicted: {human_time(e.step_time_s)} per step, {e.tflops_per_device:.1f} TFLOP/s per "
@@ -255,7 +260,12 @@ def _parse(data: Any, source: str) -> Plan:
             params=need(s, "params", dict, where), ops=need(s, "ops", dict, where),
             recompute=need(s, "recompute", bool, where), cost=need(s, "cost", dict, where),
             needs=need(s, "needs", dict, where) if "needs" in s else {},
-            recompute_layers=need(s, "recompute_layers", int, where) if s.get("recompute_layers") is not None else None)
+            recompute_layers=need(s, "recompute_layers", int, where) if s.get("recompute_layers") is not None else None,
+            zero=need(s, "zero", int, where) if s.get("zero") is not None else None)
+        if stage.zero is not None and not (stage.zero in (1, 2) and stage.logical_mesh[0] > 1
+                                           and not any(p[0] == "S(0)" for p in stage.params.values())):
+            raise PlanError(f"{source}: {where}zero must be 1 or 2 (null: none) on a stage with a data axis (dp > 1) "
+                            f"whose parameters are not sharded on it already (S(0): ZeRO-3), got {stage.zero!r}")
         if stage.recompute_layers is not None and not (stage.recompute and 1 <= stage.recompute_layers
                                                        < stage.layers[1] - stage.layers[0]):
             raise PlanError(f"{source}: {where}recompute_layers must be, with recompute true, a number of the stage's "
@@ -324,6 +334,13 @@ def _parse(data: Any, source: str) -> Plan:
     delay = gradient.get("delay", 0)
     if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
         raise PlanError(f"{source}: dp_gradient.delay must be a number of steps ≥ 0, got {delay!r}")
+    zeroed = next((i for i, s in enumerate(stages) if s.zero), None)
+    if zeroed is not None and (gradient.get("compression") or delay):
+        raise PlanError(f"{source}: stages[{zeroed}].zero shards the gradients a compressor or delayed averaging needs "
+                        "whole: drop one or the other")
+    if zeroed is not None and len(stages) > 1 and any(s.zero == 2 for s in stages):
+        raise PlanError(f"{source}: ZeRO-2 (zero 2) runs in one-stage plans only: torch's pipeline schedules keep a "
+                        "stage's gradients whole until its last backward; use zero 1 in a pipeline")
     precision = data.get("precision")
     if precision not in (None, "bf16", "fp16"):
         raise PlanError(f"{source}: precision must be \"bf16\", \"fp16\" or null (the model's dtype), got {precision!r}")

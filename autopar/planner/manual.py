@@ -80,26 +80,31 @@ class Layout:
     recompute: bool = False
     virtual: int = 1  # stages per device group
     sequence_parallel: bool = False  # Megatron-LM's --sequence-parallel (`MEGATRON_SP`)
+    zero: int = 0  # ZeRO-1/2 of every stage (Megatron-LM's --use-distributed-optimizer is ZeRO-1)
 
     @property
     def name(self) -> str:
         mb = f",{self.num_microbatches}" if self.num_microbatches else ""
         return (f"megatron-{self.dp},{self.tp},{self.pp}{mb}" + (f"+v{self.virtual}" if self.virtual > 1 else "")
-                + ("+sp" if self.sequence_parallel else "") + ("+recompute" if self.recompute else ""))
+                + ("+sp" if self.sequence_parallel else "") + (f"+z{self.zero}" if self.zero else "")
+                + ("+recompute" if self.recompute else ""))
 
     @staticmethod
-    def parse(text: str, recompute: bool = False, virtual: int = 1, sequence_parallel: bool = False) -> Layout:
-        """DP,TP,PP[,MICROBATCHES], with "+sp" at the end for sequence parallelism."""
-        body = text.removesuffix("+sp")
+    def parse(text: str, recompute: bool = False, virtual: int = 1, sequence_parallel: bool = False,
+              zero: int = 0) -> Layout:
+        """DP,TP,PP[,MICROBATCHES], then "+sp" for sequence parallelism, "+z1" / "+z2" for ZeRO-1/2."""
+        body, *flags = text.split("+")
         try:
             parts = [int(p) for p in body.split(",")]
         except ValueError:
             parts = []
-        if len(parts) not in (3, 4) or any(p < 1 for p in parts):
-            raise AutoparError(f"malformed layout {text!r}: write DP,TP,PP or DP,TP,PP,MICROBATCHES, e.g. 2,4,8,64 "
-                               "(+sp at the end: sequence parallelism)")
+        if len(parts) not in (3, 4) or any(p < 1 for p in parts) or not set(flags) <= {"sp", "z1", "z2"} \
+                or len(set(flags)) < len(flags) or {"z1", "z2"} <= set(flags):
+            raise AutoparError(f"malformed layout {text!r}: write DP,TP,PP or DP,TP,PP,MICROBATCHES, e.g. 2,4,8,64, "
+                               "then +sp for sequence parallelism and +z1 or +z2 for ZeRO-1/2 (e.g. 8,1,1+z2)")
+        zero = next((int(f[1]) for f in flags if f.startswith("z")), zero)
         return Layout(*parts[:3], parts[3] if len(parts) == 4 else None, recompute, virtual,
-                      sequence_parallel or body != text)
+                      sequence_parallel or "sp" in flags, zero)
 
 
 def manual_search(search: Search, zero3: bool = False, sequence_parallel: bool = False) -> Search:
@@ -162,6 +167,14 @@ def check(search: Search, layout: Layout) -> str | None:
         return f"{search.schedule} splits backward, which recomputation does not run under yet: use interleaved-1f1b"
     if layout.sequence_parallel and layout.tp == 1:
         return "sequence parallelism splits the sequence over the tensor axis: it needs tp ≥ 2"
+    if layout.zero and layout.dp == 1:
+        return f"ZeRO-{layout.zero} shards over the data axis: it needs dp ≥ 2"
+    if layout.zero == 2 and layout.pp > 1:
+        return "ZeRO-2 runs in one-stage plans (torch's pipeline schedules keep gradients whole): use +z1 with pp > 1"
+    if layout.zero and schedules.splits_backward(search.schedule):
+        return f"{search.schedule} splits backward, which ZeRO does not run under yet: use interleaved-1f1b"
+    if layout.zero and search.costs.compression is not None:
+        return "a compressor needs the data axis's gradients whole: drop the compression or the ZeRO level"
     if layout.pp == 1 and layout.virtual > 1:
         return "one pipeline group would hold every stage: nothing to interleave (--virtual needs pp ≥ 2)"
     if len(block) % stages:
@@ -201,7 +214,8 @@ def manual_plan(search: Search, layout: Layout) -> Plan:
         chosen = []
         for s, (i, j) in enumerate(zip(cuts, cuts[1:])):
             option = search.fastest(i, j, shape, m, *search.budget(s, stages, m), logical=[(layout.dp, layout.tp)],
-                                    recompute=(layout.recompute,)) or _unconstrained(search, i, j, shape, m, layout)
+                                    recompute=(layout.recompute,), zeros=(layout.zero,)) \
+                or _unconstrained(search, i, j, shape, m, layout)
             chosen.append(((i, j), shape, option))
         if any(opt is None for _, _, opt in chosen):
             continue
@@ -220,7 +234,8 @@ def manual_plan(search: Search, layout: Layout) -> Plan:
 
 def _unconstrained(search: Search, i: int, j: int, shape, m: int, layout: Layout):
     """A layout that does not fit is still priced (reported as not fitting), never dropped silently."""
-    opts = search.costs.options(search.atoms(i, j), shape, m, [(layout.dp, layout.tp)], (layout.recompute,))
+    opts = search.costs.options(search.atoms(i, j), shape, m, [(layout.dp, layout.tp)], (layout.recompute,),
+                                (layout.zero,))
     return min((o for o in opts if not o.lean), key=lambda o: o.time, default=None)
 
 

@@ -110,12 +110,12 @@ class Search:
 
     def fastest(self, i: int, j: int, shape: tuple[int, int], m: int, in_flight: int, limit: float,
                 logical: list[tuple[int, int]] | None = None, recompute: tuple[bool, ...] = (False, True),
-                ) -> StageOption | None:
+                zeros: tuple[int, ...] | None = None) -> StageOption | None:
         """The fastest way to run layers [i, j) on `shape` within `limit` bytes with `in_flight`
         microbatches' activations held (the gradient reduction overlaps the last backward, as the
         simulator replays it)."""
-        opts = sorted(self.costs.options(self.atoms(i, j), shape, m, logical, recompute),
-                      key=lambda o: (o.time + (o.grad_sync_s + o.optimizer_s) / m, o.lean, o.recompute))
+        opts = sorted(self.costs.options(self.atoms(i, j), shape, m, logical, recompute, zeros),
+                      key=lambda o: (o.time + (o.grad_sync_s + o.optimizer_s) / m, o.lean, o.recompute, o.zero))
         return next((o for o in opts if o.memory(in_flight) <= limit), None)
 
     def budget(self, index: int, stages: int, m: int) -> tuple[int, float]:
@@ -160,22 +160,23 @@ class Search:
 
     def range_times(self, shape: tuple[int, int], m: int, in_flight: int, limit: float,
                     logical: list[tuple[int, int]] | None = None, recompute: tuple[bool, ...] = (False, True),
-                    ) -> tuple[np.ndarray, tuple]:
+                    zeros: tuple[int, ...] | None = None) -> tuple[np.ndarray, tuple]:
         """time[i, j] of the fastest way to run layers [i, j) on `shape` (on one of the `logical`
         meshes) within `limit` bytes with `in_flight` microbatches held (inf: none fits), and
         (variants, the pick of each range)."""
         n = len(self.layers)
         bounds = np.array([layer.atoms[0] for layer in self.layers] + [self.layers[-1].atoms[1]])
-        variants = self.costs.variants(shape, m, logical, recompute)
+        variants = self.costs.variants(shape, m, logical, recompute, zeros)
         if not variants:
             return np.full((n + 1, n + 1), INF), (variants, None)
         chosen, best = _fastest([self.costs.variant_table(bounds, shape, v, m) for v in variants], m, in_flight, limit)
         return np.where(np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1), chosen, INF), (variants, best)
 
     def option(self, i: int, j: int, shape: tuple[int, int], m: int, variant) -> StageOption:
-        lm, lean, rc = variant
+        lm, lean, rc, z = variant
         atoms = self.atoms(i, j)
-        return self.costs.option_for(atoms, shape, lm, lean, rc, self.costs.range_sums(atoms, shape, lm, lean), m)
+        return self.costs.option_for(atoms, shape, lm, lean, rc, self.costs.range_sums(atoms, shape, lm, lean), m,
+                                     zero=z)
 
 
 def _fastest(tables: list[dict], m: int, in_flight: int, limit: float) -> tuple[np.ndarray, np.ndarray]:
@@ -340,7 +341,8 @@ def _virtual_plan(search: Search, p: int, shape: tuple[int, int], lm: tuple[int,
     q = p * search.virtual
     in_flight, limit = max((search.budget(s, q, m) for s in range(q)), key=lambda b: b[0])
     recompute = (False,) if schedules.splits_backward(search.schedule) else (False, True)  # `runs`
-    times, (variants, picks) = search.range_times(shape, m, in_flight, limit, [lm], recompute)  # one mesh
+    # one mesh; no ZeRO-1/2: a device group's stages would have to take it alike (`runtime.pipeline`)
+    times, (variants, picks) = search.range_times(shape, m, in_flight, limit, [lm], recompute, zeros=(0,))
     if not variants:
         return None
     cuts = balanced_cuts(times, q)
@@ -358,11 +360,11 @@ def _virtual_plan(search: Search, p: int, shape: tuple[int, int], lm: tuple[int,
 
 
 def runs(plan: Plan) -> bool:
-    """Whether the runtime runs the plan's schedule with its ZeRO-3 and recomputation: under a
-    split backward FSDP2 does not yet train as one process does, and torch's checkpoint cannot
+    """Whether the runtime runs the plan's schedule with its ZeRO and recomputation: under a split
+    backward FSDP2 does not yet train as one process does, and torch's checkpoint cannot
     recompute a layer twice (`runtime/pipeline.py` refuses both)."""
     return not schedules.splits_backward(plan.schedule) or (
-        plan.dp_gradient["zero_stage"] != 3 and not any(s.recompute for s in plan.stages))
+        plan.dp_gradient["zero_stage"] == 0 and not any(s.recompute for s in plan.stages))
 
 
 def plan_compressed(search: Search, compression: str | None, make: Callable[[Search], Plan],
@@ -482,7 +484,8 @@ def recompute_less(search: Search, chosen: list[tuple[tuple[int, int], tuple[int
             atoms = search.atoms(i, j)
             sums = search.costs.range_sums(atoms, shape, opt.logical_mesh, opt.lean)
             for k in range(1, j - i):
-                fewer = search.costs.option_for(atoms, shape, opt.logical_mesh, opt.lean, True, sums, m, depth=k)
+                fewer = search.costs.option_for(atoms, shape, opt.logical_mesh, opt.lean, True, sums, m, depth=k,
+                                                zero=opt.zero)
                 if fewer.memory(in_flight) <= limit:
                     opt = fewer
                     break
@@ -510,6 +513,7 @@ def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int]
         stages.append(StagePlan(
             layers=(i, j), submesh=shape, logical_mesh=opt.logical_mesh, params=placed(dict(sorted(params.items()))),
             ops=placed(ops), needs=placed(needs), recompute=opt.recompute, recompute_layers=opt.recompute_layers,
+            zero=opt.zero or None,
             cost={"forward_s": opt.forward_s, "backward_s": opt.backward_s, "weight_s": opt.weight_s, "send_s": opt.send_s,
                   "grad_sync_s": opt.unhidden_sync_s if unhidden else opt.grad_sync_s, "optimizer_s": opt.optimizer_s,
                   "state_bytes": opt.state_bytes,
@@ -590,7 +594,7 @@ def _plan(search: Search, stages: list[StagePlan], sim, m: int, name: str, info:
         cluster=search.cluster.name, mesh=search.mesh,
         layers=[{"name": layer.name, "nodes": list(layer.nodes)} for layer in search.layers],
         stages=stages, num_microbatches=m, schedule=search.schedule, virtual=search.virtual, precision=search.graph.precision,
-        dp_gradient={"zero_stage": 3 if zero else 0,
+        dp_gradient={"zero_stage": 3 if zero else max((s.zero or 0 for s in stages), default=0),
                      "compression": search.costs.compression.canonical() if search.costs.compression else None,
                      "delay": 0},
         estimate=estimate, name=name,

@@ -25,6 +25,7 @@ from autopar.cost_models import ClusterSpec, axis_link, optimizer_time, p2p_time
 from autopar.cost_models.comm import all_reduce_time, exposed_time, stage_send_link
 from autopar.cost_models.compression import dense_time, sync_time
 from autopar.cost_models.compute import loss_time
+from autopar.cost_models.memory import OPTIMIZER_STATE_BYTES
 from autopar.planner.graph import OpGraph
 from autopar.planner.ilp import InfeasibleError
 from autopar.planner.intra_op import BUCKET_BYTES, StageSharding, buckets, logical_meshes, shard_stage
@@ -72,6 +73,7 @@ class StageOption:
     weight_s: float = 0.0  # the weight-gradient part of backward_s (what a zero-bubble schedule runs apart)
     unhidden_sync_s: float = 0.0  # grad_sync_s when no backward hides any of it (see `assemble`)
     recompute_layers: int | None = None  # with `recompute`: only the range's first this many layers (None: all)
+    zero: int = 0  # ZeRO-1 / ZeRO-2 of the data-replicated parameters (`zeroed`); 0: none
 
     def memory(self, in_flight: int) -> float:
         """The peak with `in_flight` microbatches' activations held (an upper bound: the simulator
@@ -215,25 +217,66 @@ class StageCosts:
 
     def options(self, atoms: tuple[int, int], submesh: tuple[int, int], num_microbatches: int,
                 logical: list[tuple[int, int]] | None = None, recompute: tuple[bool, ...] = (False, True),
-                ) -> list[StageOption]:
-        """Every (logical mesh, variant, recompute) of atoms [a, b) on `submesh`, per microbatch."""
+                zeros: tuple[int, ...] | None = None) -> list[StageOption]:
+        """Every (logical mesh, variant, recompute, ZeRO level) of atoms [a, b) on `submesh`, per microbatch."""
         out = []
-        for lm in logical or logical_meshes(submesh):
-            if (self._batch // num_microbatches) % lm[0]:
-                continue  # the data axis must split each microbatch
-            for lean in (False, True):
-                sums = self.range_sums(atoms, submesh, lm, lean)
-                if sums is None or not self.splits_microbatch(submesh, lm, lean, num_microbatches, atoms):
-                    continue
-                for rc in recompute:
-                    out.append(self.option_for(atoms, submesh, lm, lean, rc, sums, num_microbatches))
+        for lm, lean, rc, z in self.variants(submesh, num_microbatches, logical, recompute, zeros):
+            sums = self.range_sums(atoms, submesh, lm, lean)
+            if sums is None or not self.splits_microbatch(submesh, lm, lean, num_microbatches, atoms):
+                continue
+            option = self.option_for(atoms, submesh, lm, lean, rc, sums, num_microbatches, zero=z)
+            if math.isfinite(option.time):
+                out.append(option)
         return out
 
+    def zero_levels(self, lm: tuple[int, int], zeros: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """The ZeRO-1/2 levels a stage on logical mesh `lm` may take (`zeroed`; 0: none): with a data
+        axis and replicated gradients that no compressor needs whole; the free search (no rule, or
+        one allowing ZeRO) weighs all, a hand-written layout its own (`zeros`)."""
+        if lm[0] == 1 or self.compression is not None:
+            return (0,)
+        if zeros is not None:
+            return zeros
+        return (0, 1, 2) if self.rule is None or self.rule.zero else (0,)
+
     def variants(self, submesh: tuple[int, int], m: int, logical: list[tuple[int, int]] | None = None,
-                 recompute: tuple[bool, ...] = (False, True)) -> list[tuple[tuple[int, int], bool, bool]]:
-        """The (logical mesh, lean, recompute) combinations a stage on `submesh` may use."""
-        return [(lm, lean, rc) for lm in (logical or logical_meshes(submesh)) if (self._batch // m) % lm[0] == 0
-                for lean in (False, True) for rc in recompute]
+                 recompute: tuple[bool, ...] = (False, True), zeros: tuple[int, ...] | None = None,
+                 ) -> list[tuple[tuple[int, int], bool, bool, int]]:
+        """The (logical mesh, lean, recompute, ZeRO level) combinations a stage on `submesh` may use."""
+        return [(lm, lean, rc, z) for lm in (logical or logical_meshes(submesh)) if (self._batch // m) % lm[0] == 0
+                for lean in (False, True) for rc in recompute for z in self.zero_levels(lm, zeros)]
+
+    def zeroed(self, z: int, submesh: tuple[int, int], lm: tuple[int, int], m: int, whole: bool | np.ndarray,
+               q: dict) -> dict:
+        """A stage's terms under ZeRO-1 (z = 1) or ZeRO-2 (z = 2) of its data-replicated parameters,
+        as FSDP2 runs them (`runtime.parallel.shard_data_axis`): gathered at the step's first
+        forward and kept to its last backward (the parameters stay whole), the optimizer's states
+        and fp32 master sharded over dp (Rajbhandari et al., 2020); ZeRO-2 the gradients too, then
+        reduce-scattered after every microbatch's backward, ZeRO-1 after the last only. The
+        all-reduce becomes a reduce-scatter (hidden behind the last backward as the buckets were)
+        and an all-gather at the step's first forward (hidden behind it as far as the link
+        overlaps), the same bytes. ZeRO-2 runs in one-stage plans only (`whole`: torch's pipeline
+        schedules keep a stage's gradients whole until its last backward); a stage with ZeRO-3
+        weights (S(0): not all trainable bytes averaged) or without weights takes neither.
+        `q`: states, grads, averaged, trainable, elements, tensors, sync (seconds, not yet exposed),
+        fwd, bwd (per microbatch); arrays or floats. Returns the changed ones, the exposed sync
+        (`sync`, `unhidden`) and `valid`."""
+        dp, link = lm[0], axis_link(self.cluster, lm, 0, submesh)
+        states, grads, averaged, elements = q["states"], q["grads"], q["averaged"], q["elements"]
+        width = np.where(elements > 0, averaged / np.where(elements > 0, elements, 1), 4.0)  # bytes per element
+        # Adam's fp32 moments and, under 16-bit weights, the fp32 master (`model_state_memory`);
+        # with fp32 weights FSDP2's sharded copy of each beside the gathered one
+        opt = elements * (OPTIMIZER_STATE_BYTES["adam"] + np.where(width < 4, 4.0, 0.0))
+        states = states - opt * (1 - 1 / dp) + np.where(width >= 4, averaged / dp, 0.0)
+        half = q["sync"] / 2  # the ring all-reduce's two halves
+        bwd = q["bwd"]
+        if z == 2:
+            states, grads = states - grads * (1 - 1 / dp), grads / dp
+            bwd = bwd + exposed_time(half, bwd, link) * (m - 1) / m  # every other microbatch's reduce-scatter
+        valid = (averaged > 0) & np.isclose(averaged, q["trainable"]) & (whole if z == 2 else True)
+        return {"states": states, "grads": grads, "averaged": 0.0 * averaged, "elements": elements / dp,
+                "dtensors": q["tensors"], "bwd": bwd, "sync": exposed_time(half, bwd, link) + exposed_time(half, q["fwd"], link),
+                "unhidden": q["sync"], "valid": valid}
 
     def splits_microbatch(self, submesh: tuple[int, int], lm: tuple[int, int], lean: bool, m: int,
                           atoms: tuple[int, int] | None = None) -> bool:
@@ -259,7 +302,7 @@ class StageCosts:
     def variant_table(self, bounds: np.ndarray, submesh: tuple[int, int], variant, m: int) -> dict[str, np.ndarray]:
         """`option_for` for every layer range [bounds[i], bounds[j]) at once: arrays indexed [i, j]
         (inf time where an atom has no sharding on this mesh)."""
-        lm, lean, rc = variant
+        lm, lean, rc, z = variant
         self.range_sums((0, 0), submesh, lm, lean)  # fills the prefix sums
         prefix = self._prefix[(submesh, lm, lean)][bounds]  # [layer boundary, quantity]
         sums = prefix[None, :, :] - prefix[:, None, :]  # [i, j, quantity]
@@ -292,13 +335,22 @@ class StageCosts:
         # the loss keeps its log-probabilities; in a pipeline the schedule keeps the logits as well
         acts = acts + loss * np.where(bounds > 0, 2.0, 1.0)[:, None]
         fwd, bwd = fwd + self.loss_time(loss) / 2, bwd + self.loss_time(loss) / 2
-        sync = self.exposed_sync(sync, bwd, submesh, lm, trainable)
+        valid = True
+        if z:
+            whole = (bounds[:, None] == 0) & (bounds[None, :] == len(self.atoms))
+            zq = self.zeroed(z, submesh, lm, m, whole, {"states": states, "grads": grads, "averaged": averaged,
+                                                     "trainable": trainable, "elements": elements, "tensors": tensors,
+                                                     "sync": sync, "fwd": fwd, "bwd": bwd})
+            states, grads, averaged, elements, dtensors, bwd, sync, valid = (
+                zq[k] for k in ("states", "grads", "averaged", "elements", "dtensors", "bwd", "sync", "valid"))
+        else:
+            sync = self.exposed_sync(sync, bwd, submesh, lm, trainable)
         cut_after = np.array([self.cut[b - 1] if 0 < b < len(self.atoms) else 0.0 for b in bounds])
         link = stage_send_link(self.cluster, submesh)
         send = np.where(cut_after > 0, p2p_time(cut_after / (lm[0] * lm[1] * m), link), 0.0)[None, :] \
             * np.ones_like(acts)
         time = fwd + bwd + send
-        time = np.where(np.isnan(time), np.inf, time)
+        time = np.where(np.isnan(time) | ~np.asarray(valid), np.inf, time)
         if lm[1] > 1 and any(self._tp_splits(submesh, lm, lean)):  # a range with an atom whose batch split m breaks
             broken = np.concatenate([[0], np.cumsum([not self.splits_microbatch(submesh, lm, lean, m, (k, k + 1))
                                                      for k in range(len(self.atoms))])])[bounds]
@@ -340,9 +392,11 @@ class StageCosts:
         sums = prefix[atoms[1]] - prefix[atoms[0]]
         return None if np.isnan(sums).any() else sums
 
-    def option_for(self, atoms, submesh, lm, lean, rc, sums: np.ndarray, m: int, depth: int | None = None) -> StageOption:
+    def option_for(self, atoms, submesh, lm, lean, rc, sums: np.ndarray, m: int, depth: int | None = None,
+                   zero: int = 0) -> StageOption:
         """`rc` with `depth`: recompute only the range's first `depth` layers (Mist, AdaPipe: as many
-        as memory needs); the later ones keep their activations."""
+        as memory needs); the later ones keep their activations. `zero`: ZeRO-1/2 (`zeroed`; an
+        option it cannot apply to has infinite time)."""
         (fwd, bwd, comm, sync, states, acts, trainable, weighted_latency, latency, copies, gathered, grads, averaged,
          gather, scatter, fixed_f, fixed_b, elements, tensors, dtensors, tp_grad) = (float(x) for x in sums)
         states -= float(self.tied_excess(np.array(atoms), submesh, lm, lean)[0, 1])
@@ -387,8 +441,16 @@ class StageCosts:
             acts += self.cut[atoms[0] - 1] / (lm[0] * m)
         acts += loss * (2 if atoms[0] > 0 else 1)  # log-probabilities; a pipeline's schedule keeps the logits
         fwd, bwd = fwd + float(self.loss_time(loss)) / 2, bwd + float(self.loss_time(loss)) / 2
-        unhidden = float(self.exposed_sync(sync, 0.0, submesh, lm, trainable))
-        sync = float(self.exposed_sync(sync, bwd, submesh, lm, trainable))
+        if zero:
+            zq = self.zeroed(zero, submesh, lm, m, tuple(atoms) == (0, len(self.atoms)),
+                             {"states": states, "grads": grads, "averaged": averaged, "trainable": trainable,
+                              "elements": elements, "tensors": tensors, "sync": sync, "fwd": fwd, "bwd": bwd})
+            states, grads, averaged, elements, dtensors, bwd, sync, unhidden = (
+                float(zq[k]) for k in ("states", "grads", "averaged", "elements", "dtensors", "bwd", "sync", "unhidden"))
+            bwd = bwd if zq["valid"] else math.inf
+        else:
+            unhidden = float(self.exposed_sync(sync, 0.0, submesh, lm, trainable))
+            sync = float(self.exposed_sync(sync, bwd, submesh, lm, trainable))
         last = atoms[1] - 1
         send = 0.0
         if last < len(self.atoms) - 1 and self.cut[last] > 0:  # each rank sends its slice (Megatron's scatter)
@@ -396,7 +458,7 @@ class StageCosts:
         # after the last backward, before the optimizer: the tensor axis's partial weight gradients
         optimizer = float(self.optimizer_s(elements, tensors, dtensors)) + tp_grad
         return StageOption(lm, lean, rc, fwd, bwd, send, sync, states, acts, transient, grads, averaged,
-                           optimizer, weight, unhidden, depth)
+                           optimizer, weight, unhidden, depth, zero)
 
     def optimizer_s(self, elements, tensors, dtensors):
         """The optimizer's step on a stage's shard of the weights, and the all-reduce of the loss

@@ -3,7 +3,7 @@
 Ranks form a (dp, tp) mesh, tp innermost (a tensor-parallel group shares a host, as the planner
 assumes). The global batch is cut into this rank's data-parallel slice and into the plan's
 microbatches; gradients are averaged over the data axis by `GradSync` (plans with `R` parameters
-on it) or by FSDP2's `fully_shard` (`S(0)`: ZeRO-3). With a tensor axis the model runs as its
+on it) or by FSDP2's `fully_shard` (`S(0)`: ZeRO-3; a stage's `zero` 1 or 2: ZeRO-1/2). With a tensor axis the model runs as its
 exported graph with the plan's placements (`runtime.sharded_graph`).
 """
 
@@ -21,7 +21,7 @@ from autopar.contract.compression import carries_momentum, parse
 from autopar.contract.errors import AutoparError
 from autopar.contract.export import first_tensor
 from autopar.contract.placements import Shard
-from autopar.contract.plan import Plan
+from autopar.contract.plan import Plan, StagePlan
 from autopar.runtime.breakdown import phase
 from autopar.runtime.buffers import AveragedBuffers, persistent
 from autopar.runtime.comm_count import CollectiveBytes
@@ -52,11 +52,20 @@ def zero3(plan: Plan) -> bool:
     return any(p[0] == Shard(0) for s in plan.stages for p in s.params.values())
 
 
-def shard_data_axis(module: nn.Module, mesh: Any, precision: str | None) -> None:
+def data_sharded(stage: StagePlan, dp: int) -> bool:
+    """Whether FSDP2 shards the stage's parameters over its data axis: ZeRO-3 (S(0) there) or the
+    stage's ZeRO-1/2."""
+    return dp > 1 and (bool(stage.zero) or any(p[0] == Shard(0) for p in stage.params.values()))
+
+
+def shard_data_axis(module: nn.Module, mesh: Any, precision: str | None, zero: int | None = None) -> None:
     """ZeRO-3 through FSDP2: each layer's unit (`ShardedGraph.units`) gathered for its forward and
     again for its backward, then freed, so a step holds about one layer's whole parameters; the
     rest (weights several layers share) in the root unit. Units take their inputs as they come
-    (autocast decides the dtypes), the root casts the stage's inputs as FSDP2 does."""
+    (autocast decides the dtypes), the root casts the stage's inputs as FSDP2 does. `zero` 1 or 2
+    (ZeRO-1/2): the units are not freed after forward, and the step keeps them gathered until its
+    last backward (`keep_gathered`): one all-gather per step; each unit's gradients are still
+    reduce-scattered as its backward ends, overlapping the layers before it."""
     import warnings
 
     from torch.distributed.fsdp import fully_shard
@@ -64,9 +73,21 @@ def shard_data_axis(module: nn.Module, mesh: Any, precision: str | None) -> None
     # the graph's values are never changed in place (export is functional): a view returned from a
     # unit keeps FSDP2's pre-backward hook
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
+    reshard = not zero
     for unit in getattr(module, "units", ()):
-        fully_shard(unit, mesh=mesh, **fsdp_policy(precision, cast_inputs=False))
-    fully_shard(module, mesh=mesh, **fsdp_policy(precision))
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, **fsdp_policy(precision, cast_inputs=False))
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **fsdp_policy(precision))
+
+
+def keep_gathered(module: nn.Module, zero: int | None, last: bool) -> None:
+    """Before a microbatch of a ZeRO-1/2 stage (FSDP2, one-stage plans: torch's pipeline schedules
+    do this themselves): keep the parameters gathered after its backward unless it is the step's
+    last; ZeRO-1 also keeps its whole gradients and reduce-scatters them after the last only
+    (fewer collectives), ZeRO-2 reduce-scatters every microbatch's (less memory)."""
+    if zero in (1, 2):
+        module.set_reshard_after_backward(last)
+        if zero == 1:
+            module.set_requires_gradient_sync(last)
 
 
 def check_batch(inputs: Any, plan: Plan, dp: int | None = None) -> None:
@@ -196,7 +217,7 @@ class ParallelModel:
         self.model = model.to(device)
         self.precision = mixed_precision(plan.precision, device)
         self.graph: ShardedGraph | None = None
-        sharded = zero3(plan) and self.dp > 1
+        sharded = data_sharded(plan.stages[0], self.dp)
         if self.tp > 1 or plan.stages[0].recompute or sharded:  # the graph: placements, layers (to recompute, to shard)
             micro = _split(_split(example_inputs, self.dp, 0), plan.num_microbatches, 0)
             ep = export_as_planned(self.model, tuple(micro), tuple(example_inputs))  # before sharding: plain tensors
@@ -208,7 +229,7 @@ class ParallelModel:
         self.trained: nn.Module = self.graph if self.graph is not None else self.model
         self.sync: GradSync | None = None
         if sharded:
-            shard_data_axis(self.trained, mesh["dp"], plan.precision)
+            shard_data_axis(self.trained, mesh["dp"], plan.precision, plan.stages[0].zero)
         elif self.dp > 1:
             self.sync = data_sync(list(self.trained.parameters()), self.group, plan)
         if self.tp > 1 and not sharded and not plan.dp_gradient.get("compression"):
@@ -249,14 +270,17 @@ class ParallelModel:
             with counter:
                 reduce_partial_grads(list(self.trained.parameters()))
             self._bytes["tp"] = [counter.nbytes, counter.nbytes]
-        if self.sync is None and zero3(self.plan) and self.dp > 1:  # FSDP2, per microbatch: a reduce-scatter of each gradient, an
-            # all-gather of each layer's parameters for its forward and its backward, one of the root's
+        if self.sync is None and data_sharded(self.plan.stages[0], self.dp):  # FSDP2's collectives
             def whole(params: Any) -> int:
                 return sum(p.to_local().numel() * p.to_local().element_size() * self.dp for p in params)
 
             root = whole(self.trained.parameters(recurse=False))
             layers = whole(p for unit in self.trained.units for p in unit.parameters())
-            nbytes = m * (2 * root + 3 * layers)
+            zero = self.plan.stages[0].zero
+            # ZeRO-3, per microbatch: a reduce-scatter of each gradient, an all-gather of each layer's
+            # parameters for its forward and its backward, one of the root's. ZeRO-1/2: one all-gather
+            # per step, a reduce-scatter after the last microbatch (1) or every one (2)
+            nbytes = m * (2 * root + 3 * layers) if not zero else (root + layers) * (1 + (m if zero == 2 else 1))
             self._bytes["dp"] = [nbytes, nbytes]
         with phase("optimizer"):
             if self.max_grad_norm is not None:
@@ -279,6 +303,8 @@ class ParallelModel:
             last = i == m - 1
             if self.sync is not None:
                 self.sync.sync = last
+            elif self.dp > 1:
+                keep_gathered(self.trained, self.plan.stages[0].zero, last)
             # ZeRO-3 reduce-scatters every microbatch's gradients (FSDP2's default): skipping it would
             # keep every layer's whole gradient between microbatches, the memory ZeRO-3 is there to save
             args = micro_in[i] if isinstance(micro_in[i], (tuple, list)) else (micro_in[i],)

@@ -54,7 +54,7 @@ from autopar.runtime.parallel import (
     positional,
     refuse_failing,
     shard_data_axis,
-    zero3,
+    data_sharded,
 )
 from autopar.runtime.precision import mixed_precision
 from autopar.runtime.sharded_graph import ShardedGraph, cut, defer_partial_grads, reduce_partial_grads
@@ -177,15 +177,20 @@ class PipelineModel:
         if g.bridged_before or g.bridged_after:  # a second export (before sharding) tells batch dimensions
             twice = export_as_planned(model, tuple(torch.cat([x, x]) if isinstance(x, torch.Tensor) else x
                                                    for x in micro), tuple(example_inputs))
-        sharded = zero3(plan) and self.dp > 1  # the stage shards its parameters over the data axis (FSDP2)
+        # the stages shard their parameters over the data axis (FSDP2: ZeRO-3, ZeRO-1)
+        kinds = {data_sharded(plan.stages[s], self.dp) for s in self.local}
+        if len(kinds) > 1:
+            raise UnsupportedPlan(f"stages {', '.join(map(str, self.local))} share device group {g.stage}, and only some "
+                                  "shard their parameters over the data axis (ZeRO): re-plan them alike")
+        sharded = kinds == {True}
         if schedules.splits_backward(plan.schedule) and any(plan.stages[s].recompute for s in self.local):
             raise UnsupportedPlan(f"{plan.schedule} splits backward, and torch's checkpoint cannot recompute a layer "
                                   "for its input gradient and again for its weight gradient; re-plan with --schedule "
                                   "interleaved-1f1b or 1f1b, or without recomputation")
         if sharded and schedules.splits_backward(plan.schedule):
-            raise UnsupportedPlan(f"ZeRO-3 with {plan.schedule}: a split backward under FSDP2 does not yet train as one "
+            raise UnsupportedPlan(f"ZeRO with {plan.schedule}: a split backward under FSDP2 does not yet train as one "
                                   "process does (losses differ by 1e-5 to 1e-4); re-plan with --schedule "
-                                  "interleaved-1f1b or 1f1b, or without ZeRO-3")
+                                  "interleaved-1f1b or 1f1b, or without ZeRO")
         self.precision = mixed_precision(plan.precision, device)
         modules = []
         for s in self.local:  # one model: a weight two local stages use is one parameter
@@ -254,8 +259,8 @@ class PipelineModel:
                 self.schedule = kind(stages, self.m, loss_fn=loss_m, scale_grads=False)
         self.sync = None
         if sharded:
-            for module in modules:
-                shard_data_axis(module, g.dp_mesh, plan.precision)
+            for s, module in zip(self.local, modules):
+                shard_data_axis(module, g.dp_mesh, plan.precision, plan.stages[s].zero)
         elif self.dp > 1:
             self.sync = data_sync(list(self.module.parameters()), self.dp_group, plan)
         if self.tp > 1 and not sharded and not plan.dp_gradient.get("compression"):
