@@ -46,8 +46,8 @@ log = logging.getLogger(__name__)
 def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, precision: str | None = None,
                     choices: dict | None = None, pin: bool = False) -> list[Any]:
     """The searched plan first, then every valid hand-written layout × microbatch count (in
-    `precision`), and per (dp, tp, pp) its most microbatches recomputing, in bf16, with ZeRO-3 and
-    with sequence parallelism.
+    `precision`), and per (dp, tp, pp) its most microbatches recomputing, in bf16, with ZeRO-1/2/3
+    and with sequence parallelism.
     `choices` / `pin` (`StageCosts`): record the shardings chosen, or price them again on this
     cluster (the hand-written layouts only: the search would choose again)."""
     import dataclasses
@@ -78,9 +78,10 @@ def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, pre
                         plans.append(dataclasses.replace(plan, name=f"{plan.name} {name}"))
             if valid and tp > 1:  # Megatron's sequence parallelism
                 plans.append(manual_plan(view, dataclasses.replace(valid[-1], sequence_parallel=True)))
-            if valid and valid[-1].dp > 1:  # ZeRO-3 (FSDP2, a unit per layer)
+            if valid and valid[-1].dp > 1:  # ZeRO-3 (FSDP2, a unit per layer), ZeRO-1, and ZeRO-2 in one stage
                 plan = manual_plan(sharded, valid[-1])
                 plans.append(dataclasses.replace(plan, name=f"{plan.name} zero3"))
+                plans += [manual_plan(view, dataclasses.replace(valid[-1], zero=z)) for z in ((1, 2) if pp == 1 else (1,))]
     return plans
 
 
@@ -185,6 +186,7 @@ def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup
     rows = [{"name": p.name, "num_microbatches": p.num_microbatches, "precision": p.precision or "fp32",
              "recompute": any(s.recompute for s in p.stages),
              "recompute_layers": [s.recompute_layers for s in p.stages if s.recompute],  # null: all of a stage's
+             "zero": p.dp_gradient.get("zero_stage", 0),
              "predicted_step_time_s": p.estimate.step_time_s, "measured_step_time_s": t,
              "predicted_peak_bytes": p.estimate.peak_memory_bytes, "measured_peak_bytes": peak}
             for p, (t, peak, _) in zip(plans, measured)]

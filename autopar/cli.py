@@ -147,6 +147,8 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
         if args.sequence_parallel and not args.manual:
             raise AutoparError("--sequence-parallel lays out a --manual layout; the search weighs sequence "
                                "parallelism itself")
+        if args.zero and not args.manual:
+            raise AutoparError("--zero lays out a --manual layout; the search weighs ZeRO-1/2 per stage itself")
         if args.tune is not None:
             if args.manual or args.compression or args.stages:
                 raise AutoparError("--tune measures the best predicted layouts of the free search: leave out "
@@ -155,7 +157,7 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
 
             plan = tune_locally(search, args.model, args.tune, args.batch, progress=step)
         elif args.manual:
-            layout = Layout.parse(args.manual, args.recompute, args.virtual or 1, args.sequence_parallel)
+            layout = Layout.parse(args.manual, args.recompute, args.virtual or 1, args.sequence_parallel, args.zero or 0)
             plan = plan_compressed(search, args.compression, lambda s: manual_plan(manual_search(s), layout), step)
         else:
             plan = plan_compressed(search, args.compression, lambda s: plan_auto(s, stages=args.stages, progress=step),
@@ -225,7 +227,8 @@ def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
               "mesh": list(search.mesh),
               "auto": {"stages": [{"layers": list(s.layers), "submesh": list(s.submesh),
                                    "logical_mesh": list(s.logical_mesh), "recompute": s.recompute,
-                                   "recompute_layers": s.recompute_layers} for s in auto.stages],
+                                   "recompute_layers": s.recompute_layers, "zero": int(_zero_level(s) or 0)}
+                                  for s in auto.stages],
                        "num_microbatches": auto.num_microbatches, "schedule": auto.schedule, "virtual": auto.virtual,
                        **_estimate(auto)},
               "manual": manual}
@@ -399,10 +402,17 @@ def _estimate(plan) -> dict[str, Any]:
             "peak_memory_bytes": e.peak_memory_bytes, "bubble_fraction": e.bubble_fraction, "fits": e.fits}
 
 
+def _zero_level(stage) -> str:
+    """The ZeRO level a stage runs: its own (1, 2), 3 where its weights are sharded on dp (S(0))."""
+    if stage.zero:
+        return str(stage.zero)
+    return "3" if any(p[0] == "S(0)" for p in stage.params.values()) else ""
+
+
 def _print_plan(plan, out: Console) -> None:
     out.print(plan.summary())
     table = Table(title="stages")
-    for col in ("#", "layers", "submesh", "dp × tp", "recompute", "fwd / mb", "bwd / mb", "send", "grad sync",
+    for col in ("#", "layers", "submesh", "dp × tp", "recompute", "ZeRO", "fwd / mb", "bwd / mb", "send", "grad sync",
                 "model states"):
         table.add_column(col, justify="right")
     for i, s in enumerate(plan.stages):
@@ -410,7 +420,7 @@ def _print_plan(plan, out: Console) -> None:
         c = {k: s.cost.get(k, 0.0) for k in ("forward_s", "backward_s", "send_s", "grad_sync_s", "state_bytes")}
         table.add_row(str(i), span(names), f"{s.submesh[0]}x{s.submesh[1]}", f"{s.logical_mesh[0]} × {s.logical_mesh[1]}",
                       (f"first {s.recompute_layers}" if s.recompute_layers else "yes") if s.recompute else "",
-                      human_time(c["forward_s"]), human_time(c["backward_s"]),
+                      _zero_level(s), human_time(c["forward_s"]), human_time(c["backward_s"]),
                       human_time(c["send_s"]), human_time(c["grad_sync_s"]), human_bytes(c["state_bytes"]))
     out.print(table)
     first = plan.stages[0]
@@ -499,6 +509,9 @@ def _parser() -> argparse.ArgumentParser:
                    "interleaved-1f1b, interleaved-zb or zbv, which needs 2)")
     p.add_argument("--sequence-parallel", action="store_true", help="with --manual: Megatron-LM's sequence "
                    "parallelism (norms and residual adds split along the sequence on the tensor axis; also DP,TP,PP+sp)")
+    p.add_argument("--zero", type=int, choices=(1, 2), help="with --manual: ZeRO-1 (optimizer states sharded over the "
+                   "data axis, as Megatron-LM's --use-distributed-optimizer) or ZeRO-2 (gradients too; one stage); "
+                   "also DP,TP,PP+z1")
     p.add_argument("--compression", metavar="SPEC|auto",
                    help="price the data axis's gradient averaging through a compressor (e.g. dgc:0.999, "
                         "powersgd:4), or 'auto': weigh none, fp16, powersgd:4 and dgc:0.999 and keep the fastest")

@@ -143,6 +143,23 @@ def test_manual_layout_with_sequence_parallelism(capsys):
             < megatron["stages"][0]["cost"]["activation_bytes_per_microbatch"])
 
 
+def test_manual_layout_with_zero_1_and_2(capsys):
+    """--zero 1/2 (or DP,TP,PP+z1): the stage's optimizer states (and gradients) sharded over dp,
+    priced as FSDP2 runs them; bad combinations are refused with what to do instead."""
+    args = ["plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x4", "--manual"]
+    plain, z1, z2 = (run_json(capsys, *args, text) for text in ("4,1,1,2", "4,1,1,2+z1", "4,1,1,2+z2"))
+    assert run_json(capsys, *args, "4,1,1,2", "--zero", "1")["name"] == z1["name"] == "megatron-4,1,1,2+z1"
+    assert "zero" not in plain["stages"][0] and z1["stages"][0]["zero"] == 1 and z2["stages"][0]["zero"] == 2
+    assert z1["dp_gradient"]["zero_stage"] == 1
+    states = [p["stages"][0]["cost"]["state_bytes"] for p in (plain, z1, z2)]
+    assert states[0] > states[1] > states[2]
+    grads = [p["stages"][0]["cost"]["grad_bytes"] for p in (plain, z1, z2)]
+    assert grads[0] == grads[1] == pytest.approx(4 * grads[2])
+    for bad, why in (("1,4,1+z1", "dp ≥ 2"), ("2,1,2+z2", "one-stage"), ("4,1,1+z3", "malformed")):
+        assert main([*args, bad]) == 2
+        assert why in capsys.readouterr().err
+
+
 def test_manual_layout_and_compare(capsys):
     plan = run_json(capsys, "plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x4", "--manual", "2,1,2,4")
     assert plan["name"] == "megatron-2,1,2,4" and plan["num_microbatches"] == 4 and len(plan["stages"]) == 2
@@ -351,6 +368,7 @@ def test_bench_runs_every_layout_and_ranks_the_predictions(capsys, tmp_path):
     assert {r["precision"] for r in result["layouts"]} == {"fp32", "bf16"}  # and mixed-precision ones
     assert any(name.endswith(" zero3") for name in names)  # and ZeRO-3 ones
     assert any(name.endswith("+sp") for name in names)  # and sequence-parallel ones
+    assert any(name.endswith("+z1") for name in names) and any(name.endswith("+z2") for name in names)  # ZeRO-1/2
     assert all(r["predicted_step_time_s"] > 0 and r["measured_step_time_s"] > 0 for r in result["layouts"])
     assert all(r["predicted_peak_bytes"] > 0 and r["measured_peak_bytes"] > 0 for r in result["layouts"])
     assert -1 <= result["spearman"] <= 1 and result["auto_vs_fastest"] >= 1

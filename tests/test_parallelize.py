@@ -1,5 +1,6 @@
 """autopar.parallelize on 2 gloo ranks: losses and parameters equal single-process training."""
 
+import contextlib
 import itertools
 
 import pytest
@@ -95,12 +96,41 @@ def _parallel(rank, world, name, layout, zero3):
         for stage in plan.stages:
             stage.params = {f: [Shard(0), p[1]] for f, p in stage.params.items()}
     pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer, plan=plan)
-    losses = [pm.step(inputs, target) for inputs, target in batches]
-    return losses, pm.full_state_dict(), pm.comm_stats()
+    losses = [pm.step(inputs, target) for inputs, target in batches[:-1]]
+    with _fsdp_collectives() as issued:  # FSDP2's, counted where it issues them, in the last step
+        losses.append(pm.step(*batches[-1]))
+    if getattr(pm, "graph", None) is not None and pm.graph.units:  # FSDP2's groups: each unit with weights, the root's own
+        issued["groups"] = sum(1 for u in pm.graph.units if any(True for _ in u.parameters())) \
+            + any(True for _ in pm.graph.parameters(recurse=False))
+    return losses, pm.full_state_dict(), {**pm.comm_stats(), "fsdp": issued}
+
+
+@contextlib.contextmanager
+def _fsdp_collectives():
+    """Counts FSDP2's all-gathers and reduce-scatters (it calls these two of torch.distributed)."""
+    import torch.distributed as dist
+
+    counts = {"all_gather_single": 0, "reduce_scatter_single": 0}
+    originals = {name: getattr(dist, name) for name in counts}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return originals[name](*args, **kwargs)
+        return call
+
+    for name in counts:
+        setattr(dist, name, counted(name))
+    try:
+        yield counts
+    finally:
+        for name, fn in originals.items():
+            setattr(dist, name, fn)
 
 
 MODELS = ["mlp-tiny", "gpt-tiny", "moe-tiny", "hf-gpt2"]
-DP = [(name, "2,1,1,2", zero3) for zero3 in (False, True) for name in MODELS]
+ZERO12 = [(name, f"2,1,1,2+z{z}", False) for name in ("gpt-tiny", "hf-gpt2") for z in (1, 2)]
+DP = [(name, "2,1,1,2", zero3) for zero3 in (False, True) for name in MODELS] + ZERO12
 
 
 @pytest.mark.parametrize("name", MODELS)
@@ -112,6 +142,21 @@ def test_data_parallel_training_equals_single_process(tmp_path, name, zero3):
         grad_bytes = sum(p.numel() * 4 for p in params.values())
         if not zero3:  # every gradient handed to the data axis once per step, nothing on the others
             assert stats["dp"]["bytes_raw"] == grad_bytes and stats["tp"]["bytes_raw"] == stats["pp"]["bytes_raw"] == 0
+
+
+@pytest.mark.parametrize("name, layout, zero3", ZERO12)
+def test_zero_1_and_2_gather_once_a_step_and_reduce_scatter_as_their_level(tmp_path, name, layout, zero3):
+    """ZeRO-1/2 over 2 ranks, 2 microbatches: each FSDP2 group's weights all-gathered once in the
+    step, its gradients reduce-scattered once (ZeRO-1) or after each microbatch (ZeRO-2); losses
+    and parameters as one process has them."""
+    losses, params = _single(name)
+    level = int(layout[-1])
+    for got_losses, got_params, stats in shared_ranks(_parallel, 2, DP, (name, layout, zero3), tmp_path):
+        _assert_same_training(got_losses, got_params, losses, params)
+        issued = stats["fsdp"]
+        assert issued["groups"] > 1
+        assert issued["all_gather_single"] == issued["groups"]
+        assert issued["reduce_scatter_single"] == issued["groups"] * (1 if level == 1 else 2)
 
 
 ZERO3 = [(n, lay, True) for n in ("mlp-tiny", "gpt-tiny", "hf-gpt2") for lay in ("2,2,1,2", "2,1,2,2")] \
