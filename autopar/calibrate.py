@@ -184,20 +184,40 @@ def _ring(kind: str, n: int) -> tuple[float, float]:
 
 
 def fit_link(links: dict[int, dict[str, Any]], cores: int) -> tuple[float, float]:
-    """α and β of the ring formulas over every measured group size, collective and message size,
-    with the ranks of a group sharing `cores` (a group larger than the cores takes n / cores as
-    long, as the simulator's `Hosts` shares cores): least squares on relative error, so that the small
-    messages of the tensor axis weigh as much as the large ones of gradient buckets."""
+    """α and β of the ring all-reduce over every measured group size and message size, with the
+    ranks of a group sharing `cores` (a group larger than the cores takes n / cores as long, as the
+    simulator's `Hosts` shares cores): least squares on relative error, so that the small messages
+    of the tensor axis weigh as much as the large ones of gradient buckets."""
     rows, times = [], []
     for n, fits in links.items():
         share = max(1.0, n / cores)
         for kind, fit in fits.items():
+            if kind != "all_reduce":
+                continue
             a, b = _ring(kind, n)
             for nbytes, t in zip(fit["sizes"], fit["times"]):
                 rows.append([a * share / t, b * nbytes * share / t])
                 times.append(1.0)
     (alpha, beta), *_ = np.linalg.lstsq(np.array(rows), np.array(times), rcond=None)
     return max(float(alpha), 1e-7), max(float(beta), 1e-13)
+
+
+def fit_factors(links: dict[int, dict[str, Any]], cores: int, alpha: float, beta: float) -> dict[str, float]:
+    """`Link.gather_factor` / `scatter_factor`: the median, over group and message sizes, of each
+    measured all-gather / reduce-scatter over the ring formula's time with the all-reduce's α and
+    β (ring kernels: 1; gloo runs them as other algorithms)."""
+    out = {}
+    for kind, field in (("all_gather", "gather_factor"), ("reduce_scatter", "scatter_factor")):
+        ratios = []
+        for n, fits in links.items():
+            if kind in fits:
+                a, b = _ring(kind, n)
+                share = max(1.0, n / cores)
+                ratios += [t / ((a * alpha + b * nbytes * beta) * share) for nbytes, t in zip(fits[kind]["sizes"],
+                                                                                              fits[kind]["times"])]
+        if ratios:
+            out[field] = float(min(1e3, max(1e-3, np.median(ratios))))
+    return out
 
 
 def _rank(rank: int, world: int, port: int, out: str, backend: str) -> None:
@@ -213,17 +233,20 @@ def _rank(rank: int, world: int, port: int, out: str, backend: str) -> None:
         if rank >= n:
             continue
         fits = {}
-        for kind in ("all_reduce", "all_gather"):
+        for kind in ("all_reduce", "all_gather", "reduce_scatter"):  # the last two as FSDP2 and DTensor issue them
             times = []
             for nbytes in SIZES:
                 x = torch.zeros(nbytes // 4, device=device)
                 if kind == "all_reduce":
                     t = _timed(lambda x=x, g=group: dist.all_reduce(x, group=g), repeats=9)
+                elif kind == "all_gather":
+                    whole = torch.empty(n * x.numel(), device=device)
+                    t = _timed(lambda x=x, w=whole, g=group: dist.all_gather_into_tensor(w, x, group=g), repeats=9)
                 else:
-                    parts = [torch.empty_like(x) for _ in range(n)]
-                    t = _timed(lambda x=x, parts=parts, g=group: dist.all_gather(parts, x, group=g), repeats=9)
+                    whole = torch.zeros(n * x.numel(), device=device)
+                    t = _timed(lambda x=x, w=whole, g=group: dist.reduce_scatter_tensor(x, w, group=g), repeats=9)
                 times.append(t)
-            fits[kind] = {"sizes": [s * n for s in SIZES] if kind == "all_gather" else SIZES, "times": times}
+            fits[kind] = {"sizes": SIZES if kind == "all_reduce" else [s * n for s in SIZES], "times": times}
         result["links"][n] = fits
     if rank == 0:
         torch.save(result, out)
@@ -261,7 +284,8 @@ def cluster_spec(measured: dict[str, Any], nproc: int, name: str = "cpu-local") 
     if tp["tp_collectives"]:  # the tensor axis's all-reduces in place: their latency, the bytes at β
         a, b = _ring("all_reduce", nproc)
         alpha = max(alpha, (tp["tp_comm_s"] / shared - b * tp["tp_bytes"] * beta) / (a * tp["tp_collectives"]))
-    link = Link(bandwidth=1 / beta, latency=alpha, overlap=measured["overlap"]["overlap"])
+    link = Link(bandwidth=1 / beta, latency=alpha, overlap=measured["overlap"]["overlap"],
+                **fit_factors(measured["links"], cores, alpha, beta))
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, nproc)
     gpu = torch.cuda.is_available()
     if gpu:

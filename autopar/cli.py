@@ -281,7 +281,8 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> Any:
               f"{args.nproc} ranks on {spec.cores_per_host} cores (each at 1/{shared:g} when all compute); "
               f"an all-reduce hides {link.overlap:.0%} behind computation")
     table = Table(title=f"collectives on {args.nproc} local ranks: measured, and the ring formulas with "
-                        f"α {human_time(link.latency)}, {link.bandwidth / 1e9:.2f} GB/s fitted to all of them")
+                        f"α {human_time(link.latency)}, {link.bandwidth / 1e9:.2f} GB/s fitted to the all-reduces, "
+                        f"all-gathers × {link.gather_factor:.2f}, reduce-scatters × {link.scatter_factor:.2f}")
     for col in ("ranks", "collective", "bytes", "measured", "fitted"):
         table.add_column(col, justify="right")
     for r in rows:

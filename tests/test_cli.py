@@ -349,7 +349,10 @@ def test_calibrate_writes_a_cluster_the_planner_reads(capsys, tmp_path):
     spec = get_cluster(str(path))
     assert spec.devices_per_host == 2 and spec.device.peak_flops["float32"] > 1e8
     assert spec.intra_host.latency > 0 and spec.intra_host.bandwidth > 1e6
-    assert {(r["ranks"], r["collective"]) for r in result["collectives"]} == {(2, "all_reduce"), (2, "all_gather")}
+    assert {(r["ranks"], r["collective"]) for r in result["collectives"]} == {
+        (2, "all_reduce"), (2, "all_gather"), (2, "reduce_scatter")}
+    # all-gathers and reduce-scatters as measured: the ring formula's time × the link's factor
+    assert spec.intra_host.gather_factor > 0 and spec.intra_host.scatter_factor > 0
     assert all(r["measured_s"] > 0 and r["fitted_s"] > 0 for r in result["collectives"])
     # the terms beside FLOPs and bytes: per op, on DTensors, the optimizer, cores, overlap
     assert 0 < spec.device.op_overhead_s < 1e-3 and spec.device.sharded_op_overhead_s >= 0

@@ -97,13 +97,18 @@ def test_ranks_beyond_the_devices_share_them():
 
 
 def test_calibrated_link_fit_recovers_the_ring_formulas():
-    from autopar.calibrate import fit_link
+    """α and β from the all-reduces; all-gathers and reduce-scatters as measured multiples of the
+    ring formula's time (gloo's take 2-3 times it)."""
+    from autopar.calibrate import fit_factors, fit_link
     from autopar.cost_models import collective_time
 
-    link = Link(bandwidth=2e9, latency=100e-6)
+    link = Link(bandwidth=2e9, latency=100e-6, gather_factor=2.0, scatter_factor=3.0)
     sizes = [2**k for k in range(10, 24, 2)]
     # 2, 3 and 4 ranks on 2 cores: the groups beyond the cores take n / 2 as long
     measured = {n: {kind: {"sizes": sizes, "times": [collective_time(kind, b, n, link) * max(1, n / 2) for b in sizes]}
-                    for kind in ("all_reduce", "all_gather")} for n in (2, 3, 4)}
+                    for kind in ("all_reduce", "all_gather", "reduce_scatter")} for n in (2, 3, 4)}
     alpha, beta = fit_link(measured, cores=2)
     assert alpha == pytest.approx(100e-6, rel=1e-6) and 1 / beta == pytest.approx(2e9, rel=1e-6)
+    factors = fit_factors(measured, 2, alpha, beta)
+    assert factors == pytest.approx({"gather_factor": 2.0, "scatter_factor": 3.0}, rel=1e-6)
+    assert collective_time("reduce_scatter", 1e6, 2, link) == pytest.approx(3 * collective_time("all_reduce", 1e6, 2, link) / 2)

@@ -201,7 +201,7 @@ def test_auto_weighs_every_schedule_and_keeps_the_fastest_that_fits():
     from autopar.planner.search import replay
 
     search = Search.start(load_workload("gpt-1.3b", batch=1024), get_cluster("v100-p3"), (1, 4), schedule="auto")
-    plan = plan_auto(search)
+    plan = plan_auto(search, stages=2)  # a pipeline (free, one stage of ZeRO-1 data parallelism is as fast)
     tried = plan.search["schedules"]
     assert {"1f1b", "interleaved-zb", "interleaved-1f1b/v2", "interleaved-zb/v2", "zbv/v2"} <= set(tried)
     fastest = min(t["step_time_s"] for t in tried.values() if t.get("fits"))

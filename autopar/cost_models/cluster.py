@@ -29,11 +29,16 @@ class Link:
     # the part of a gradient all-reduce that hides behind the backward running beside it: 1 on
     # GPUs (NCCL's kernels and copy engines), about 0 where gloo reduces on the cores backward needs
     overlap: float = 1.0
+    # measured time of an all-gather / a reduce-scatter over the ring formula's with this α and β
+    # (fitted on all-reduces): 1 for NCCL's ring kernels; gloo's on loopback take 2-3 times it
+    # (`autopar calibrate` measures them; FSDP2's ZeRO and DTensor's redistributions run these)
+    gather_factor: float = 1.0
+    scatter_factor: float = 1.0
 
     def bandwidth_only(self) -> Link:
         """The link without its per-message cost, for bytes whose α is charged elsewhere (once per
         gradient bucket, not per tensor)."""
-        return Link(bandwidth=self.bandwidth, latency=0.0)
+        return dataclasses.replace(self, latency=0.0, overlap=1.0)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -162,11 +167,13 @@ def _parse_cluster(data: Any, source: str) -> ClusterSpec:
     if device.efficiency > 1:
         raise ClusterSpecError(f"{source}: device.efficiency must be in (0, 1], got {device.efficiency}")
     for key in ("intra_host", "inter_host"):
-        known(section(key), {"bandwidth", "latency", "overlap"}, f"{key}.")
+        known(section(key), {f.name for f in dataclasses.fields(Link)}, f"{key}.")
     links = {
         key: Link(bandwidth=float(number(section(key), "bandwidth", f"{key}.")),
                   latency=float(number(section(key), "latency", f"{key}.")),
-                  overlap=optional(section(key), "overlap", f"{key}.", 1.0, at_most=1.0))
+                  overlap=optional(section(key), "overlap", f"{key}.", 1.0, at_most=1.0),
+                  **{f: float(number(section(key), f, f"{key}.", at_most=1e3))
+                     for f in ("gather_factor", "scatter_factor") if f in section(key)})
         for key in ("intra_host", "inter_host")
     }
     cores = data.get("cores_per_host")

@@ -12,6 +12,7 @@ shares that host's NIC.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from enum import Enum
 
@@ -38,21 +39,26 @@ def all_reduce_time(nbytes: float, n: int, link: Link) -> float:
     return all_reduce_latency(n, link) + 2 * (n - 1) / n * nbytes / link.bandwidth
 
 
-def all_gather_time(nbytes: float, n: int, link: Link) -> float:
-    """`nbytes` is the gathered size; each device starts with nbytes / n."""
+def _ring_half(nbytes: float, n: int, link: Link) -> float:
+    """Half a ring all-reduce: (n − 1) messages and (n − 1)/n of `nbytes` through the link."""
     if n <= 1:
         return 0.0
     return (n - 1) * link.latency + (n - 1) / n * nbytes / link.bandwidth
 
 
+def all_gather_time(nbytes: float, n: int, link: Link) -> float:
+    """`nbytes` is the gathered size; each device starts with nbytes / n."""
+    return _ring_half(nbytes, n, link) * link.gather_factor
+
+
 def reduce_scatter_time(nbytes: float, n: int, link: Link) -> float:
     """`nbytes` is the size before scattering; each device ends with nbytes / n."""
-    return all_gather_time(nbytes, n, link)
+    return _ring_half(nbytes, n, link) * link.scatter_factor
 
 
 def all_to_all_time(nbytes: float, n: int, link: Link) -> float:
     """`nbytes` is what each device holds; it keeps 1/n and sends the rest."""
-    return all_gather_time(nbytes, n, link)
+    return _ring_half(nbytes, n, link)
 
 
 def p2p_time(nbytes: float | np.ndarray, link: Link) -> float | np.ndarray:
@@ -86,8 +92,7 @@ def axis_link(cluster: ClusterSpec, logical: tuple[int, ...], axis: int, submesh
         return cluster.intra_host
     busiest = max(sum(host in g for g in crossing) for host in range(hosts))
     nic_share = cluster.inter_host.bandwidth / busiest
-    return Link(bandwidth=min(cluster.intra_host.bandwidth, nic_share), latency=cluster.inter_host.latency,
-                overlap=cluster.inter_host.overlap)
+    return dataclasses.replace(cluster.inter_host, bandwidth=min(cluster.intra_host.bandwidth, nic_share))
 
 
 def p2p_link(cluster: ClusterSpec, same_host: bool) -> Link:
@@ -105,5 +110,5 @@ def stage_send_link(cluster: ClusterSpec, submesh: tuple[int, int]) -> Link:
     stage does not fill it, else the host's NIC, shared by the host's devices."""
     if submesh[0] == 1 and submesh[1] < cluster.devices_per_host:
         return cluster.intra_host
-    return Link(bandwidth=cluster.inter_host.bandwidth / min(submesh[1], cluster.devices_per_host),
-                latency=cluster.inter_host.latency)
+    return dataclasses.replace(cluster.inter_host, overlap=1.0,
+                               bandwidth=cluster.inter_host.bandwidth / min(submesh[1], cluster.devices_per_host))

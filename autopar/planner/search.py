@@ -265,7 +265,7 @@ def _other_schedules(search: Search, base: Plan, chosen: list, progress: Callabl
         if progress:
             progress("zero-bubble and interleaved schedules")
         zb = None if "interleaved-zb" not in names or schedules.problem("interleaved-zb", p, m) else assemble(
-            dataclasses.replace(search, schedule="interleaved-zb"), chosen, m, "auto")
+            dataclasses.replace(search, schedule="interleaved-zb"), _without_zero(search, chosen, m), m, "auto")
         if zb is not None and runs(zb):
             tried["interleaved-zb"] = zb
         for v in AUTO_VIRTUAL:
@@ -293,6 +293,20 @@ def _other_schedules(search: Search, base: Plan, chosen: list, progress: Callabl
                                 for k, plan in tried.items()}
     best.search["schedules"].update({k: {"busiest_group_s": work, "skipped": True} for k, work in skipped.items()})
     return best
+
+
+def _without_zero(search: Search, chosen: list, m: int) -> list:
+    """The DP's stages with ZeRO-1/2 undone (a split backward does not run under ZeRO: `runs`);
+    where that no longer fits, the simulator says so."""
+    out = []
+    for (i, j), shape, opt in chosen:
+        if opt.zero:
+            atoms = search.atoms(i, j)
+            opt = search.costs.option_for(atoms, shape, opt.logical_mesh, opt.lean, opt.recompute,
+                                          search.costs.range_sums(atoms, shape, opt.logical_mesh, opt.lean), m,
+                                          depth=opt.recompute_layers)
+        out.append(((i, j), shape, opt))
+    return out
 
 
 def balanced_cuts(times: np.ndarray, q: int) -> list[int] | None:

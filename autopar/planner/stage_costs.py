@@ -268,15 +268,17 @@ class StageCosts:
         # with fp32 weights FSDP2's sharded copy of each beside the gathered one
         opt = elements * (OPTIMIZER_STATE_BYTES["adam"] + np.where(width < 4, 4.0, 0.0))
         states = states - opt * (1 - 1 / dp) + np.where(width >= 4, averaged / dp, 0.0)
-        half = q["sync"] / 2  # the ring all-reduce's two halves
+        half = q["sync"] / 2  # the ring all-reduce's two halves, as the link runs each (`Link.*_factor`)
+        scatter, gather = half * link.scatter_factor, half * link.gather_factor
         bwd = q["bwd"]
         if z == 2:
             states, grads = states - grads * (1 - 1 / dp), grads / dp
-            bwd = bwd + exposed_time(half, bwd, link) * (m - 1) / m  # every other microbatch's reduce-scatter
+            bwd = bwd + exposed_time(scatter, bwd, link) * (m - 1) / m  # every other microbatch's reduce-scatter
         valid = (averaged > 0) & np.isclose(averaged, q["trainable"]) & (whole if z == 2 else True)
         return {"states": states, "grads": grads, "averaged": 0.0 * averaged, "elements": elements / dp,
-                "dtensors": q["tensors"], "bwd": bwd, "sync": exposed_time(half, bwd, link) + exposed_time(half, q["fwd"], link),
-                "unhidden": q["sync"], "valid": valid}
+                "dtensors": q["tensors"], "bwd": bwd,
+                "sync": exposed_time(scatter, bwd, link) + exposed_time(gather, q["fwd"], link),
+                "unhidden": scatter + gather, "valid": valid}
 
     def splits_microbatch(self, submesh: tuple[int, int], lm: tuple[int, int], lean: bool, m: int,
                           atoms: tuple[int, int] | None = None) -> bool:

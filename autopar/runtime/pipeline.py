@@ -49,12 +49,12 @@ from autopar.runtime.parallel import (
     _split,
     check_batch,
     check_optimizer,
+    data_sharded,
     data_sync,
     on_device,
     positional,
     refuse_failing,
     shard_data_axis,
-    data_sharded,
 )
 from autopar.runtime.precision import mixed_precision
 from autopar.runtime.sharded_graph import ShardedGraph, cut, defer_partial_grads, reduce_partial_grads
