@@ -125,6 +125,8 @@ class StageCosts:
         self._batch = next(n for n in self.graph if n.op == "input").outputs[0].shape[0]
         self.flops = [(a.flops_fwd, a.flops_bwd) for a in self.atoms]
         self._per_byte: dict = {}
+        self._excess: dict = {}  # `variant_table`'s tied_excess, by (bounds, submesh, logical, lean)
+        self._links: dict = {}  # (submesh, logical) -> the data axis's link
         # the loss runs on the model's output in the last stage, in fp32 (autocast's lists and the usual
         # losses upcast): cross-entropy keeps its log-probabilities for backward (per microbatch in
         # flight), and its backward makes two logits-sized gradients (a transient of one microbatch)
@@ -242,9 +244,11 @@ class StageCosts:
     def variants(self, submesh: tuple[int, int], m: int, logical: list[tuple[int, int]] | None = None,
                  recompute: tuple[bool, ...] = (False, True), zeros: tuple[int, ...] | None = None,
                  ) -> list[tuple[tuple[int, int], bool, bool, int]]:
-        """The (logical mesh, lean, recompute, ZeRO level) combinations a stage on `submesh` may use."""
+        """The (logical mesh, lean, recompute, ZeRO level) combinations a stage on `submesh` may use
+        (ZeRO-2 only where the stage may hold every device: one-stage plans, `zeroed`)."""
+        whole = submesh[0] * submesh[1] == self.world
         return [(lm, lean, rc, z) for lm in (logical or logical_meshes(submesh)) if (self._batch // m) % lm[0] == 0
-                for lean in (False, True) for rc in recompute for z in self.zero_levels(lm, zeros)]
+                for lean in (False, True) for rc in recompute for z in self.zero_levels(lm, zeros) if z < 2 or whole]
 
     def zeroed(self, z: int, submesh: tuple[int, int], lm: tuple[int, int], m: int, whole: bool | np.ndarray,
                q: dict) -> dict:
@@ -261,7 +265,9 @@ class StageCosts:
         `q`: states, grads, averaged, trainable, elements, tensors, sync (seconds, not yet exposed),
         fwd, bwd (per microbatch); arrays or floats. Returns the changed ones, the exposed sync
         (`sync`, `unhidden`) and `valid`."""
-        dp, link = lm[0], axis_link(self.cluster, lm, 0, submesh)
+        if (submesh, lm) not in self._links:
+            self._links[(submesh, lm)] = axis_link(self.cluster, lm, 0, submesh)
+        dp, link = lm[0], self._links[(submesh, lm)]
         states, grads, averaged, elements = q["states"], q["grads"], q["averaged"], q["elements"]
         width = np.where(elements > 0, averaged / np.where(elements > 0, elements, 1), 4.0)  # bytes per element
         # Adam's fp32 moments and, under 16-bit weights, the fp32 master (`model_state_memory`);
@@ -310,7 +316,10 @@ class StageCosts:
         sums = prefix[None, :, :] - prefix[:, None, :]  # [i, j, quantity]
         fwd, bwd, comm, sync, states, acts, trainable, weighted, latency, copies, gathered, grads, averaged, \
             gather, scatter, fixed_f, fixed_b, elements, tensors, dtensors, tp_grad = np.moveaxis(sums, -1, 0)
-        states = states - self.tied_excess(bounds, submesh, lm, lean)
+        key = (bounds.tobytes(), submesh, lm, lean)  # the same for every recompute and ZeRO variant
+        if key not in self._excess:
+            self._excess[key] = self.tied_excess(bounds, submesh, lm, lean)
+        states = states - self._excess[key]
         comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
         with np.errstate(invalid="ignore", divide="ignore"):
             n_buckets = np.where(trainable > 0, np.maximum(1, np.ceil(trainable / BUCKET_BYTES)), 0)
