@@ -262,9 +262,11 @@ class StageCosts:
         overlaps), the same bytes. ZeRO-2 runs in one-stage plans only (`whole`: torch's pipeline
         schedules keep a stage's gradients whole until its last backward); a stage with ZeRO-3
         weights (S(0): not all trainable bytes averaged) or without weights takes neither.
-        `q`: states, grads, averaged, trainable, elements, tensors, sync (seconds, not yet exposed),
-        fwd, bwd (per microbatch); arrays or floats. Returns the changed ones, the exposed sync
-        (`sync`, `unhidden`) and `valid`."""
+        FSDP2 reduce-scatters a unit's gradients from a flat copy of them: a transient of the
+        largest layer's gradients (`unit`), twice under ZeRO-2, whose unsharded gradients are not
+        in the states. `q`: states, grads, averaged, trainable, elements, tensors, sync (seconds,
+        not yet exposed), fwd, bwd (per microbatch), unit; arrays or floats. Returns the changed
+        ones, the exposed sync (`sync`, `unhidden`), the `transient` to add and `valid`."""
         if (submesh, lm) not in self._links:
             self._links[(submesh, lm)] = axis_link(self.cluster, lm, 0, submesh)
         dp, link = lm[0], self._links[(submesh, lm)]
@@ -284,7 +286,7 @@ class StageCosts:
         return {"states": states, "grads": grads, "averaged": 0.0 * averaged, "elements": elements / dp,
                 "dtensors": q["tensors"], "bwd": bwd,
                 "sync": exposed_time(scatter, bwd, link) + exposed_time(gather, q["fwd"], link),
-                "unhidden": scatter + gather, "valid": valid}
+                "unhidden": scatter + gather, "transient": q["unit"] * (2 if z == 2 else 1), "valid": valid}
 
     def splits_microbatch(self, submesh: tuple[int, int], lm: tuple[int, int], lean: bool, m: int,
                           atoms: tuple[int, int] | None = None) -> bool:
@@ -349,11 +351,15 @@ class StageCosts:
         valid = True
         if z:
             whole = (bounds[:, None] == 0) & (bounds[None, :] == len(self.atoms))
+            layer = np.diff(prefix[:, 11])  # each layer's gradient bytes; the largest in each range
+            rows = np.where(np.arange(len(layer))[None, :] >= np.arange(len(bounds))[:, None], layer[None, :], 0.0)
+            unit = np.concatenate([np.zeros((len(bounds), 1)), np.maximum.accumulate(rows, axis=1)], axis=1)
             zq = self.zeroed(z, submesh, lm, m, whole, {"states": states, "grads": grads, "averaged": averaged,
                                                      "trainable": trainable, "elements": elements, "tensors": tensors,
-                                                     "sync": sync, "fwd": fwd, "bwd": bwd})
+                                                     "sync": sync, "fwd": fwd, "bwd": bwd, "unit": unit})
             states, grads, averaged, elements, dtensors, bwd, sync, valid = (
                 zq[k] for k in ("states", "grads", "averaged", "elements", "dtensors", "bwd", "sync", "valid"))
+            transient = transient + zq["transient"]
         else:
             sync = self.exposed_sync(sync, bwd, submesh, lm, trainable)
         cut_after = np.array([self.cut[b - 1] if 0 < b < len(self.atoms) else 0.0 for b in bounds])
@@ -453,9 +459,12 @@ class StageCosts:
         acts += loss * (2 if atoms[0] > 0 else 1)  # log-probabilities; a pipeline's schedule keeps the logits
         fwd, bwd = fwd + float(self.loss_time(loss)) / 2, bwd + float(self.loss_time(loss)) / 2
         if zero:
+            unit = max(float(self.range_sums((a, b), submesh, lm, lean)[11]) for a, b in zip(ends, ends[1:]))
             zq = self.zeroed(zero, submesh, lm, m, tuple(atoms) == (0, len(self.atoms)),
                              {"states": states, "grads": grads, "averaged": averaged, "trainable": trainable,
-                              "elements": elements, "tensors": tensors, "sync": sync, "fwd": fwd, "bwd": bwd})
+                              "elements": elements, "tensors": tensors, "sync": sync, "fwd": fwd, "bwd": bwd,
+                              "unit": unit})
+            transient += float(zq["transient"])
             states, grads, averaged, elements, dtensors, bwd, sync, unhidden = (
                 float(zq[k]) for k in ("states", "grads", "averaged", "elements", "dtensors", "bwd", "sync", "unhidden"))
             bwd = bwd if zq["valid"] else math.inf
