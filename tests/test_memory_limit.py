@@ -1,8 +1,8 @@
 """A plan predicted to fit runs within its limit, on 2 and 4 gloo ranks: gpt-small planned under a
-limit that forces sharding over the data axis (ZeRO-1, 2 or 3: FSDP2 units per layer), and under
-one that forces it and recomputation together, trains with every rank's measured peak of tensors under the limit; a plan
-that promises less than it uses is stopped after its first step with one message naming the
-stage and the category."""
+limit that forces (on 4 ranks) sharding over the data axis (ZeRO-2: FSDP2 units per layer), and
+under one that forces recomputation, trains with every rank's measured peak of tensors under the
+limit; a plan that promises less than it uses is stopped after its first step with one message
+naming the stage and the category."""
 
 import dataclasses
 
@@ -14,9 +14,11 @@ from autopar.contract.placements import Shard
 from tests.distributed import shared_ranks
 
 CASES = [("shards",), ("recomputes",), ("overflows",)]
-# of the peak without ZeRO: in 95 % ZeRO fits (ZeRO-1 today, faster than recomputation, as priced);
-# in this much only ZeRO and recomputation together do (states shrink by 1/dp, the rest does not)
-BOTH = {2: 0.75, 4: 0.5}
+# of the fastest plan's peak without ZeRO: under this much the planner shards (4 ranks: ZeRO-2; on
+# 2 it finds a leaner sharding without ZeRO, ZeRO-1's saving there being about FSDP2's transient)
+SHARDS = {2: 0.95, 4: 0.8}
+# and under this much it must recompute (4 ranks: with ZeRO-2 or not, as priced)
+RECOMPUTES = {2: 0.7, 4: 0.6}
 
 
 def _plan(world, case):
@@ -32,7 +34,7 @@ def _plan(world, case):
     shape = {"stages": 1, "num_microbatches": 4}
     unsharded = dataclasses.replace(data_only, zero=False)  # no ZeRO: the peak the limits are fractions of
     free = plan_auto(Search.start(w, cluster, (1, world), rule=unsharded), **shape).estimate.peak_memory_bytes
-    limit = (BOTH[world] if case == "recomputes" else 0.95) * free
+    limit = (RECOMPUTES if case == "recomputes" else SHARDS)[world] * free
     plan = plan_auto(Search.start(w, cluster, (1, world), rule=data_only, memory_limit=limit), **shape)
     return w, plan, limit
 
@@ -65,7 +67,8 @@ def test_a_plan_runs_within_its_memory_limit(tmp_path, world, case):
         return
     assert not any(isinstance(r, str) for r in results), results[0]
     for losses, measured, limit, recompute, zero in results:
-        assert all(zero), "the limit should force sharding over the data axis (ZeRO-1, 2 or 3)"
+        if world == 4 and case == "shards":
+            assert all(zero), "the limit should force sharding over the data axis (ZeRO-1, 2 or 3)"
         assert all(recompute) == (case == "recomputes"), "only the lower limit should force recomputation"
         assert measured["total"] <= limit, f"{measured['total'] / 2**20:.1f} MiB > {limit / 2**20:.1f} MiB"
         assert all(loss == loss for loss in losses)

@@ -1,0 +1,49 @@
+"""ZeRO levels on this machine: hand-written layouts planned against a cluster (this machine's
+calibration, by default `cpu-local`), run on local ranks started once (`autopar.bench.measure`:
+AdamW, 2 warm-up and 5 timed steps, the slowest rank's median, the largest rank's peak of live
+tensors), beside the plan's predicted step time and peak. A layout is `DP,TP,PP[,MB]` with `+z1`
+/ `+z2` for ZeRO-1/2, or `zero3:` before it for every weight sharded over the data axis.
+
+    autopar calibrate --nproc 2 --out cal.json
+    python benchmarks/zero_levels.py --cluster cal.json --nproc 2 --model gpt-small \\
+        2,1,1,4 2,1,1,4+z1 2,1,1,4+z2 zero3:2,1,1,4 2,1,1,1 2,1,1,1+z1
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+
+import torch
+
+from autopar.bench import measure
+from autopar.cost_models import get_cluster
+from autopar.models import load_workload
+from autopar.planner.manual import Layout, manual_plan, manual_search
+from autopar.planner.search import Search
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("layouts", nargs="+")
+    parser.add_argument("--model", default="gpt-small")
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--cluster", default="cpu-local")
+    args = parser.parse_args()
+    cluster = dataclasses.replace(get_cluster(args.cluster), devices_per_host=args.nproc)
+    w = load_workload(args.model, device="cpu", dtype=torch.float32)
+    search = Search.start(w, cluster, (1, args.nproc))
+    plain, sharded = manual_search(search), manual_search(search, zero3=True)
+    plans = [manual_plan(sharded if text.startswith("zero3:") else plain, Layout.parse(text.removeprefix("zero3:")))
+             for text in args.layouts]
+    print(f"load average at the start: {os.getloadavg()[0]:.2f}")
+    print("| layout | microbatches | predicted ms | measured ms | predicted peak MiB | measured peak MiB |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for text, plan, (step, peak, _) in zip(args.layouts, plans, measure(args.model, args.nproc, None, plans)):
+        print(f"| {text} | {plan.num_microbatches} | {plan.estimate.step_time_s * 1e3:.0f} | {step * 1e3:.0f} | "
+              f"{plan.estimate.peak_memory_bytes / 2**20:.1f} | {peak / 2**20:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
