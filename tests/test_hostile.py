@@ -56,7 +56,8 @@ LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1 as
 
 
 def test_a_local_job_listens_on_loopback_only():
-    job = subprocess.Popen([sys.executable, "-m", "autopar", "train", "mlp-tiny", "--nproc", "2", "--steps", "300"],
+    job = subprocess.Popen([sys.executable, "-m", "autopar", "train", "mlp-tiny", "--nproc", "2", "--steps", "200",
+                            "--plan", "2,1,1"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     seen: set[tuple[str, int]] = set()
     while job.poll() is None:
