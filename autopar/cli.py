@@ -147,8 +147,9 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
         if args.sequence_parallel and not args.manual:
             raise AutoparError("--sequence-parallel lays out a --manual layout; the search weighs sequence "
                                "parallelism itself")
-        if args.zero and not args.manual:
-            raise AutoparError("--zero lays out a --manual layout; the search weighs ZeRO-1/2 per stage itself")
+        if (args.zero or args.offload) and not args.manual:
+            raise AutoparError("--zero and --offload lay out a --manual layout; the search weighs ZeRO-1/2 and "
+                               "offloading per stage itself")
         if args.tune is not None:
             if args.manual or args.compression or args.stages:
                 raise AutoparError("--tune measures the best predicted layouts of the free search: leave out "
@@ -157,7 +158,8 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
 
             plan = tune_locally(search, args.model, args.tune, args.batch, progress=step)
         elif args.manual:
-            layout = Layout.parse(args.manual, args.recompute, args.virtual or 1, args.sequence_parallel, args.zero or 0)
+            layout = Layout.parse(args.manual, args.recompute, args.virtual or 1, args.sequence_parallel, args.zero or 0,
+                                  args.offload)
             plan = plan_compressed(search, args.compression, lambda s: manual_plan(manual_search(s), layout), step)
         else:
             plan = plan_compressed(search, args.compression, lambda s: plan_auto(s, stages=args.stages, progress=step),
@@ -227,7 +229,8 @@ def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
               "mesh": list(search.mesh),
               "auto": {"stages": [{"layers": list(s.layers), "submesh": list(s.submesh),
                                    "logical_mesh": list(s.logical_mesh), "recompute": s.recompute,
-                                   "recompute_layers": s.recompute_layers, "zero": int(_zero_level(s) or 0)}
+                                   "recompute_layers": s.recompute_layers, "zero": int(_zero_level(s).split("+")[0] or 0),
+                                   "offload": bool(s.offload)}
                                   for s in auto.stages],
                        "num_microbatches": auto.num_microbatches, "schedule": auto.schedule, "virtual": auto.virtual,
                        **_estimate(auto)},
@@ -406,7 +409,7 @@ def _estimate(plan) -> dict[str, Any]:
 def _zero_level(stage) -> str:
     """The ZeRO level a stage runs: its own (1, 2), 3 where its weights are sharded on dp (S(0))."""
     if stage.zero:
-        return str(stage.zero)
+        return f"{stage.zero}+offload" if stage.offload else str(stage.zero)
     return "3" if any(p[0] == "S(0)" for p in stage.params.values()) else ""
 
 
@@ -513,6 +516,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--zero", type=int, choices=(1, 2), help="with --manual: ZeRO-1 (optimizer states sharded over the "
                    "data axis, as Megatron-LM's --use-distributed-optimizer) or ZeRO-2 (gradients too; one stage); "
                    "also DP,TP,PP+z1")
+    p.add_argument("--offload", action="store_true", help="with --manual and --zero: the shards in host memory "
+                   "(FSDP2's CPUOffloadPolicy; Adam steps on the host); also DP,TP,PP+z1+offload")
     p.add_argument("--compression", metavar="SPEC|auto",
                    help="price the data axis's gradient averaging through a compressor (e.g. dgc:0.999, "
                         "powersgd:4), or 'auto': weigh none, fp16, powersgd:4 and dgc:0.999 and keep the fastest")

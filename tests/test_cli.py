@@ -160,6 +160,30 @@ def test_manual_layout_with_zero_1_and_2(capsys):
         assert why in capsys.readouterr().err
 
 
+def test_offloading_the_zero_shards_to_host_memory(capsys):
+    """+offload (--offload): ZeRO's shards (fp32 weights, gradients, Adam's moments) leave the device,
+    priced with the host link and the host's memory bandwidth; the free search takes it when the
+    memory binds; a cluster whose devices are the host prices no saving; without ZeRO it is refused."""
+    args = ["plan", "gpt-2.6b", "--cluster", "v100-p3", "--mesh", "1x8", "--manual"]
+    z1, off = (run_json(capsys, *args, text) for text in ("8,1,1+z1", "8,1,1+z1+offload"))
+    assert run_json(capsys, *args, "8,1,1", "--zero", "1", "--offload")["name"] == off["name"] \
+        == "megatron-8,1,1+z1+offload"
+    assert off["stages"][0]["offload"] is True and "offload" not in z1["stages"][0]
+    saved = z1["stages"][0]["cost"]["state_bytes"] - off["stages"][0]["cost"]["state_bytes"]
+    assert saved > 0 and off["estimate"]["peak_memory_bytes"] < z1["estimate"]["peak_memory_bytes"]
+    assert off["estimate"]["step_time_s"] > z1["estimate"]["step_time_s"]  # copies and the host's slower step
+    assert z1["estimate"]["fits"] is False and off["estimate"]["fits"] is True  # 16 GB V100s
+    free = ["plan", "gpt-2.6b", "--cluster", "v100-p3", "--mesh", "1x8"]
+    assert "offload" not in run_json(capsys, *free)["stages"][0]  # ZeRO-2 fits: faster on the device
+    bound = run_json(capsys, *free, "--memory-limit", "9")
+    assert bound["estimate"]["fits"] and bound["stages"][0]["offload"] is True
+    local = ["plan", "gpt-tiny", "--cluster", "cpu-local", "--mesh", "1x2", "--manual"]
+    a, b = (run_json(capsys, *local, text) for text in ("2,1,1,2+z1", "2,1,1,2+z1+offload"))
+    assert a["estimate"]["step_time_s"] == b["estimate"]["step_time_s"] and b["stages"][0]["offload"] is True
+    assert main([*args, "8,1,1+offload"]) == 2
+    assert "add +z1 or +z2" in capsys.readouterr().err
+
+
 def test_manual_layout_and_compare(capsys):
     plan = run_json(capsys, "plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x4", "--manual", "2,1,2,4")
     assert plan["name"] == "megatron-2,1,2,4" and plan["num_microbatches"] == 4 and len(plan["stages"]) == 2
@@ -210,6 +234,7 @@ def test_compare_lists_the_deepspeed_moe_layout_for_moe_models(capsys):
     (lambda p: p.update(mesh=[1, 8]), "the stages use 4 devices, the mesh 1x8 has 8"),
     (lambda p: p["estimate"].pop("fits"), "estimate must have exactly"),
     (lambda p: p["dp_gradient"].update(zero_stage=7), "zero_stage must be 0, 1, 2 or 3"),
+    (lambda p: p["stages"][0].update(offload=True), "offload moves the states ZeRO shards to host memory"),
     (lambda p: p["layers"].__setitem__(0, "wte"), "layers[0] must be"),
     (lambda p: p.update(num_microbatches=3), "num_microbatches 3 must be at least 1 and divide the batch 8"),
     (lambda p: p["stages"][0]["params"].__setitem__("wte.weight", ["R", "X"]), "two placements"),

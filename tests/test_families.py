@@ -24,14 +24,17 @@ WORLD = 4
 # ZeRO-3 (DP with S(0) parameters), and ZeRO-1/2 (optimizer states, and gradients, sharded over dp)
 LAYOUTS = {"dp": "4,1,1,2", "tp": "1,4,1", "pp": "1,1,4,4", "dp-tp": "2,2,1,2", "dp-pp": "2,1,2,2",
            "tp-pp": "1,2,2,2", "tp-sp": "1,4,1+sp", "tp-pp-sp": "1,2,2,2+sp", "searched": None, "zero3": "4,1,1,2",
-           "zero1": "4,1,1,2+z1", "zero2": "4,1,1,2+z2", "zero2-tp": "2,2,1,2+z2", "zero1-pp": "2,1,2,2+z1"}
+           "zero1": "4,1,1,2+z1", "zero2-offload": "4,1,1,2+z2+offload", "zero2-tp": "2,2,1,2+z2",
+           "zero1-pp": "2,1,2,2+z1", "zero1-pp-offload": "2,1,2,2+z1+offload"}
 TABLE = ["dp", "tp", "pp", "dp-tp", "dp-pp", "tp-pp", "searched"]
 # sequence parallelism on the families whose blocks differ most (a CI run has 30 minutes): GPT-2's
 # Conv1D and LayerNorm, Llama's hand-written RMSNorm, Mixtral's experts, T5's encoder-decoder
 SEQUENCE_PARALLEL = (["gpt2", "llama", "mixtral", "t5"], ["tp-sp", "tp-pp-sp"])
-# ZeRO-1/2 on Llama under each, on Mixtral's experts and T5's encoder-decoder in a pipeline
-ZERO = [("llama", "zero1"), ("llama", "zero2"), ("llama", "zero2-tp"), ("llama", "zero1-pp"), ("mixtral", "zero2-tp"),
-        ("t5", "zero1-pp")]
+# ZeRO-1/2 on Llama, ZeRO-2 with its shards offloaded to host memory (on a CPU FSDP2 copies them to
+# itself: the run checks the policy's code path, not a saving), on Mixtral's experts with a tensor
+# axis, on T5's encoder-decoder in a pipeline, offloaded
+ZERO = [("llama", "zero1"), ("llama", "zero2-offload"), ("llama", "zero1-pp"), ("mixtral", "zero2-tp"),
+        ("t5", "zero1-pp-offload")]
 
 
 def _optimizer(params):
@@ -96,7 +99,16 @@ def _parallel(rank, world, name, layout, seeded_apart=False):
     pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
                              plan=_plan(w, world, layout))
     losses = [pm.step(inputs, target) for inputs, target in batches]
-    return losses, pm.full_state_dict(), _momentum_share(pm.optimizer)
+    return losses, pm.full_state_dict(), (_momentum_share(pm.optimizer), _offloaded(pm))
+
+
+def _offloaded(pm) -> set[bool]:
+    """Whether each FSDP2 unit of this rank keeps its shards in host memory (`CPUOffloadPolicy`)."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
+
+    root = getattr(pm, "trained", None) or pm.module
+    return {isinstance(m._get_fsdp_state()._fsdp_param_group.offload_policy, CPUOffloadPolicy)
+            for m in root.modules() if isinstance(m, FSDPModule) and m._get_fsdp_state()._fsdp_param_group}
 
 
 def _momentum_share(optimizer) -> float:
@@ -139,12 +151,15 @@ def test_family_trains_like_one_process_under_every_layout(tmp_path, name, layou
 @pytest.mark.parametrize("name, layout", ZERO)
 def test_zero_shards_the_optimizer_states_and_trains_like_one_process(tmp_path, name, layout):
     """ZeRO-1/2 (FSDP2 keeping the weights gathered through the step): each rank keeps 1/dp of the
-    momentum (a weight whose dim 0 does not split evenly aside: within 10 %), and trains as one process does."""
+    momentum (a weight whose dim 0 does not split evenly aside: within 10 %), every unit offloads
+    its shards where the plan says so, and trains as one process does."""
     losses, params = _single(name)
     dp = int(LAYOUTS[layout].split(",")[0])
-    for got_losses, got_params, held in shared_ranks(_parallel, WORLD, CASES, (name, layout, False), tmp_path):
+    for got_losses, got_params, (held, offloaded) in shared_ranks(_parallel, WORLD, CASES, (name, layout, False),
+                                                                 tmp_path):
         _assert_same_training(got_losses, got_params, losses, params)
         assert held == pytest.approx(1 / dp, rel=0.1)
+        assert offloaded == {layout.endswith("offload")}
 
 
 @pytest.mark.parametrize("layout", [c[1] for c in APART])

@@ -55,6 +55,10 @@ class StagePlan:
     # the step's first forward to its last backward): 1 shards their optimizer states (and fp32
     # master), 2 their gradients too; None: neither. ZeRO-3 is written in `params` (S(0) on dp)
     zero: int | None = None
+    # with `zero`: the sharded parameters, gradients and optimizer states live in host memory
+    # (FSDP2's `CPUOffloadPolicy`), the optimizer steps there; the device holds the gathered
+    # parameters (and ZeRO-1's whole gradients). None: on the device
+    offload: bool | None = None
     cost: dict[str, float] = field(default_factory=dict)  # per microbatch and per step, itemised
 
     @property
@@ -93,7 +97,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data["stages"] = [{**{k: v for k, v in s.items() if k not in ("recompute_layers", "zero") or v is not None},
+        data["stages"] = [{**{k: v for k, v in s.items() if k not in ("recompute_layers", "zero", "offload") or v is not None},
                            "layers": list(s["layers"]), "submesh": list(s["submesh"]),
                            "logical_mesh": list(s["logical_mesh"]), "params": spelled(stage.params),
                            "ops": spelled(stage.ops), "needs": spelled(stage.needs)}
@@ -208,7 +212,8 @@ class Plan:
                          f"devices{group} as dp {s.logical_mesh[0]} × tp {s.logical_mesh[1]}"
                          + (f", recomputing the activations of its first {s.recompute_layers} layer(s)"
                             if s.recompute and s.recompute_layers else ", recomputing activations" if s.recompute else "")
-                         + (f", ZeRO-{s.zero} over dp" if s.zero else ""))
+                         + (f", ZeRO-{s.zero} over dp" if s.zero else "")
+                         + (", its sharded states in host memory" if s.offload else ""))
         if self.estimate:
             e = self.estimate
             lines.append(f"  predicted: {human_time(e.step_time_s)} per step, {e.tflops_per_device:.1f} TFLOP/s per "
@@ -261,11 +266,15 @@ def _parse(data: Any, source: str) -> Plan:
             recompute=need(s, "recompute", bool, where), cost=need(s, "cost", dict, where),
             needs=need(s, "needs", dict, where) if "needs" in s else {},
             recompute_layers=need(s, "recompute_layers", int, where) if s.get("recompute_layers") is not None else None,
-            zero=need(s, "zero", int, where) if s.get("zero") is not None else None)
+            zero=need(s, "zero", int, where) if s.get("zero") is not None else None,
+            offload=need(s, "offload", bool, where) if s.get("offload") is not None else None)
         if stage.zero is not None and not (stage.zero in (1, 2) and stage.logical_mesh[0] > 1
                                            and not any(p[0] == "S(0)" for p in stage.params.values())):
             raise PlanError(f"{source}: {where}zero must be 1 or 2 (null: none) on a stage with a data axis (dp > 1) "
                             f"whose parameters are not sharded on it already (S(0): ZeRO-3), got {stage.zero!r}")
+        if stage.offload and not stage.zero:
+            raise PlanError(f"{source}: {where}offload moves the states ZeRO shards to host memory: it needs zero 1 or 2 "
+                            "on the stage (set zero, or drop offload)")
         if stage.recompute_layers is not None and not (stage.recompute and 1 <= stage.recompute_layers
                                                        < stage.layers[1] - stage.layers[0]):
             raise PlanError(f"{source}: {where}recompute_layers must be, with recompute true, a number of the stage's "

@@ -76,6 +76,11 @@ class ClusterSpec:
     # ranks of a host that compute at once (CPU cores with a thread each); None: every device.
     # More ranks than that share them: each runs at cores / busy ranks (`cost_models.simulator`)
     cores_per_host: int | None = None
+    # where optimizer states may be offloaded (FSDP2's `CPUOffloadPolicy`): the host link per device
+    # (PCIe, one direction) and the bytes/s the host's CPUs stream through its memory, shared by
+    # its devices (Adam's step on the host). None: the devices are the host (cpu-local), nothing moves
+    host_link: Link | None = None
+    host_memory_bandwidth: float = 0.0
 
     @property
     def num_devices(self) -> int:
@@ -177,6 +182,12 @@ def _parse_cluster(data: Any, source: str) -> ClusterSpec:
         for key in ("intra_host", "inter_host")
     }
     cores = data.get("cores_per_host")
+    host, host_memory = data.get("host_link"), 0.0
+    if host is not None:
+        known(section("host_link"), {f.name for f in dataclasses.fields(Link)}, "host_link.")
+        host = Link(bandwidth=float(number(host, "bandwidth", "host_link.")),
+                    latency=float(number(host, "latency", "host_link.")))
+        host_memory = float(number(data, "host_memory_bandwidth", ""))
     return ClusterSpec(
         name=str(data.get("name", Path(source).stem)),
         num_hosts=number(data, "num_hosts", "", integer=True, at_most=MAX_DEVICES),
@@ -184,5 +195,7 @@ def _parse_cluster(data: Any, source: str) -> ClusterSpec:
         device=device,
         description=str(data.get("description", "")),
         cores_per_host=None if cores is None else number(data, "cores_per_host", "", integer=True),
+        host_link=host,
+        host_memory_bandwidth=host_memory,
         **links,
     )

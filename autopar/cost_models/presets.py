@@ -7,6 +7,11 @@ replaces them. `efficiency` 0.5 is what Megatron-LM reaches end to end (44–52 
 GPUs issue kernels asynchronously (`asynchronous`); their per-op floor and small-matmul shortfall
 are not on data sheets and stay 0 until a calibration on the GPU measures them. Adam moves 28
 bytes per parameter (fused), the gradient all-reduce hides behind backward (`overlap` 1).
+Host side (optimizer offload): each GPU's PCIe x16 link at its generation's rate per direction
+(Gen3 15.75 GB/s on p3, Gen4 31.5 on DGX A100, Gen5 63 on DGX H100; PCI-SIG), and the host CPUs'
+memory bandwidth (channels × transfer rate × 8 bytes: p3's 2 × Xeon E5-2686 v4, 4 × DDR4-2400
+each, 153.6 GB/s; DGX A100's 2 × EPYC 7742, 8 × DDR4-3200 each, 409.6; DGX H100's 2 × Xeon 8480C,
+8 × DDR5-4800 each, 614.4), at 10 µs per copy.
 """
 
 from __future__ import annotations
@@ -40,8 +45,9 @@ H100 = DeviceSpec(
 )
 
 
-def _gpu_cluster(name: str, device: DeviceSpec, nvlink: float, nic: float, nic_latency: float, about: str) -> ClusterSpec:
-    """8 hosts of 8 GPUs; `nvlink` per GPU and `nic` per host, bytes/s in one direction."""
+def _gpu_cluster(name: str, device: DeviceSpec, nvlink: float, nic: float, nic_latency: float, pcie: float,
+                 host_memory: float, about: str) -> ClusterSpec:
+    """8 hosts of 8 GPUs; `nvlink` and `pcie` per GPU and `nic` per host, bytes/s in one direction."""
     return ClusterSpec(
         name=name,
         num_hosts=8,
@@ -49,15 +55,17 @@ def _gpu_cluster(name: str, device: DeviceSpec, nvlink: float, nic: float, nic_l
         device=device,
         intra_host=Link(bandwidth=nvlink, latency=5e-6),
         inter_host=Link(bandwidth=nic, latency=nic_latency),
+        host_link=Link(bandwidth=pcie, latency=10e-6),
+        host_memory_bandwidth=host_memory,
         description=about,
     )
 
 
-V100_P3 = _gpu_cluster("v100-p3", V100, 150 * GB, 25e9 / 8, 30e-6,
+V100_P3 = _gpu_cluster("v100-p3", V100, 150 * GB, 25e9 / 8, 30e-6, 15.75 * GB, 153.6 * GB,
                        "AWS p3.16xlarge: 8 V100-16GB on NVLink, 25 Gb/s between hosts (Alpa's testbed)")
-A100_DGX = _gpu_cluster("a100-dgx", A100, 300 * GB, 8 * 200e9 / 8, 10e-6,
+A100_DGX = _gpu_cluster("a100-dgx", A100, 300 * GB, 8 * 200e9 / 8, 10e-6, 31.5 * GB, 409.6 * GB,
                         "DGX A100-80GB: NVLink 600 GB/s, 8x200 Gb/s InfiniBand per host (Megatron-LM's)")
-H100_DGX = _gpu_cluster("h100-dgx", H100, 450 * GB, 8 * 400e9 / 8, 10e-6,
+H100_DGX = _gpu_cluster("h100-dgx", H100, 450 * GB, 8 * 400e9 / 8, 10e-6, 63 * GB, 614.4 * GB,
                         "DGX H100-80GB: NVLink 900 GB/s, 8x400 Gb/s InfiniBand per host")
 
 

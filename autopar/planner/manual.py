@@ -81,30 +81,38 @@ class Layout:
     virtual: int = 1  # stages per device group
     sequence_parallel: bool = False  # Megatron-LM's --sequence-parallel (`MEGATRON_SP`)
     zero: int = 0  # ZeRO-1/2 of every stage (Megatron-LM's --use-distributed-optimizer is ZeRO-1)
+    offload: bool = False  # with `zero`: the shards in host memory (FSDP2's CPUOffloadPolicy)
 
     @property
     def name(self) -> str:
         mb = f",{self.num_microbatches}" if self.num_microbatches else ""
         return (f"megatron-{self.dp},{self.tp},{self.pp}{mb}" + (f"+v{self.virtual}" if self.virtual > 1 else "")
                 + ("+sp" if self.sequence_parallel else "") + (f"+z{self.zero}" if self.zero else "")
-                + ("+recompute" if self.recompute else ""))
+                + ("+offload" if self.offload else "") + ("+recompute" if self.recompute else ""))
+
+    @property
+    def zero_choice(self) -> int:
+        """The ZeRO level as the planner's variants spell it (negative: offloaded)."""
+        return -self.zero if self.offload else self.zero
 
     @staticmethod
     def parse(text: str, recompute: bool = False, virtual: int = 1, sequence_parallel: bool = False,
-              zero: int = 0) -> Layout:
-        """DP,TP,PP[,MICROBATCHES], then "+sp" for sequence parallelism, "+z1" / "+z2" for ZeRO-1/2."""
+              zero: int = 0, offload: bool = False) -> Layout:
+        """DP,TP,PP[,MICROBATCHES], then "+sp" for sequence parallelism, "+z1" / "+z2" for ZeRO-1/2,
+        "+offload" for their shards in host memory."""
         body, *flags = text.split("+")
         try:
             parts = [int(p) for p in body.split(",")]
         except ValueError:
             parts = []
-        if len(parts) not in (3, 4) or any(p < 1 for p in parts) or not set(flags) <= {"sp", "z1", "z2"} \
+        if len(parts) not in (3, 4) or any(p < 1 for p in parts) or not set(flags) <= {"sp", "z1", "z2", "offload"} \
                 or len(set(flags)) < len(flags) or {"z1", "z2"} <= set(flags):
             raise AutoparError(f"malformed layout {text!r}: write DP,TP,PP or DP,TP,PP,MICROBATCHES, e.g. 2,4,8,64, "
-                               "then +sp for sequence parallelism and +z1 or +z2 for ZeRO-1/2 (e.g. 8,1,1+z2)")
+                               "then +sp for sequence parallelism, +z1 or +z2 for ZeRO-1/2 and +offload for their "
+                               "shards in host memory (e.g. 8,1,1+z2+offload)")
         zero = next((int(f[1]) for f in flags if f.startswith("z")), zero)
         return Layout(*parts[:3], parts[3] if len(parts) == 4 else None, recompute, virtual,
-                      sequence_parallel or "sp" in flags, zero)
+                      sequence_parallel or "sp" in flags, zero, offload or "offload" in flags)
 
 
 def manual_search(search: Search, zero3: bool = False, sequence_parallel: bool = False) -> Search:
@@ -167,6 +175,8 @@ def check(search: Search, layout: Layout) -> str | None:
         return f"{search.schedule} splits backward, which recomputation does not run under yet: use interleaved-1f1b"
     if layout.sequence_parallel and layout.tp == 1:
         return "sequence parallelism splits the sequence over the tensor axis: it needs tp ≥ 2"
+    if layout.offload and not layout.zero:
+        return "offload moves the states ZeRO shards to host memory: add +z1 or +z2 (--zero)"
     if layout.zero and layout.dp == 1:
         return f"ZeRO-{layout.zero} shards over the data axis: it needs dp ≥ 2"
     if layout.zero == 2 and layout.pp > 1:
@@ -214,7 +224,7 @@ def manual_plan(search: Search, layout: Layout) -> Plan:
         chosen = []
         for s, (i, j) in enumerate(zip(cuts, cuts[1:])):
             option = search.fastest(i, j, shape, m, *search.budget(s, stages, m), logical=[(layout.dp, layout.tp)],
-                                    recompute=(layout.recompute,), zeros=(layout.zero,)) \
+                                    recompute=(layout.recompute,), zeros=(layout.zero_choice,)) \
                 or _unconstrained(search, i, j, shape, m, layout)
             chosen.append(((i, j), shape, option))
         if any(opt is None for _, _, opt in chosen):
@@ -235,7 +245,7 @@ def manual_plan(search: Search, layout: Layout) -> Plan:
 def _unconstrained(search: Search, i: int, j: int, shape, m: int, layout: Layout):
     """A layout that does not fit is still priced (reported as not fitting), never dropped silently."""
     opts = search.costs.options(search.atoms(i, j), shape, m, [(layout.dp, layout.tp)], (layout.recompute,),
-                                (layout.zero,))
+                                (layout.zero_choice,))
     return min((o for o in opts if not o.lean), key=lambda o: o.time, default=None)
 
 

@@ -115,7 +115,7 @@ class Search:
         microbatches' activations held (the gradient reduction overlaps the last backward, as the
         simulator replays it)."""
         opts = sorted(self.costs.options(self.atoms(i, j), shape, m, logical, recompute, zeros),
-                      key=lambda o: (o.time + (o.grad_sync_s + o.optimizer_s) / m, o.lean, o.recompute, o.zero))
+                      key=lambda o: (o.time + (o.grad_sync_s + o.optimizer_s) / m, o.lean, o.recompute, o.zero, o.offload))
         return next((o for o in opts if o.memory(in_flight) <= limit), None)
 
     def budget(self, index: int, stages: int, m: int) -> tuple[int, float]:
@@ -499,7 +499,7 @@ def recompute_less(search: Search, chosen: list[tuple[tuple[int, int], tuple[int
             sums = search.costs.range_sums(atoms, shape, opt.logical_mesh, opt.lean)
             for k in range(1, j - i):
                 fewer = search.costs.option_for(atoms, shape, opt.logical_mesh, opt.lean, True, sums, m, depth=k,
-                                                zero=opt.zero)
+                                                zero=opt.zero_choice)
                 if fewer.memory(in_flight) <= limit:
                     opt = fewer
                     break
@@ -527,7 +527,7 @@ def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int]
         stages.append(StagePlan(
             layers=(i, j), submesh=shape, logical_mesh=opt.logical_mesh, params=placed(dict(sorted(params.items()))),
             ops=placed(ops), needs=placed(needs), recompute=opt.recompute, recompute_layers=opt.recompute_layers,
-            zero=opt.zero or None,
+            zero=opt.zero or None, offload=opt.offload or None,
             cost={"forward_s": opt.forward_s, "backward_s": opt.backward_s, "weight_s": opt.weight_s, "send_s": opt.send_s,
                   "grad_sync_s": opt.unhidden_sync_s if unhidden else opt.grad_sync_s, "optimizer_s": opt.optimizer_s,
                   "state_bytes": opt.state_bytes,

@@ -74,6 +74,7 @@ class StageOption:
     unhidden_sync_s: float = 0.0  # grad_sync_s when no backward hides any of it (see `assemble`)
     recompute_layers: int | None = None  # with `recompute`: only the range's first this many layers (None: all)
     zero: int = 0  # ZeRO-1 / ZeRO-2 of the data-replicated parameters (`zeroed`); 0: none
+    offload: bool = False  # with `zero`: its shards in host memory
 
     def memory(self, in_flight: int) -> float:
         """The peak with `in_flight` microbatches' activations held (an upper bound: the simulator
@@ -83,6 +84,11 @@ class StageOption:
     @property
     def time(self) -> float:
         return self.forward_s + self.backward_s + self.send_s
+
+    @property
+    def zero_choice(self) -> int:
+        """The ZeRO level as the variants spell it (`StageCosts.zero_levels`: negative offloads)."""
+        return -self.zero if self.offload else self.zero
 
 
 @dataclass
@@ -232,14 +238,17 @@ class StageCosts:
         return out
 
     def zero_levels(self, lm: tuple[int, int], zeros: tuple[int, ...] | None = None) -> tuple[int, ...]:
-        """The ZeRO-1/2 levels a stage on logical mesh `lm` may take (`zeroed`; 0: none): with a data
-        axis and replicated gradients that no compressor needs whole; the free search (no rule, or
-        one allowing ZeRO) weighs all, a hand-written layout its own (`zeros`)."""
+        """The ZeRO-1/2 levels a stage on logical mesh `lm` may take (`zeroed`; 0: none; −1, −2: the
+        level with its sharded states offloaded to host memory, where the cluster has a host link):
+        with a data axis and replicated gradients that no compressor needs whole; the free search
+        (no rule, or one allowing ZeRO) weighs all, a hand-written layout its own (`zeros`)."""
         if lm[0] == 1 or self.compression is not None:
             return (0,)
         if zeros is not None:
             return zeros
-        return (0, 1, 2) if self.rule is None or self.rule.zero else (0,)
+        if self.rule is not None and not self.rule.zero:
+            return (0,)
+        return (0, 1, 2, -1, -2) if self.cluster.host_link is not None else (0, 1, 2)
 
     def variants(self, submesh: tuple[int, int], m: int, logical: list[tuple[int, int]] | None = None,
                  recompute: tuple[bool, ...] = (False, True), zeros: tuple[int, ...] | None = None,
@@ -248,7 +257,7 @@ class StageCosts:
         (ZeRO-2 only where the stage may hold every device: one-stage plans, `zeroed`)."""
         whole = submesh[0] * submesh[1] == self.world
         return [(lm, lean, rc, z) for lm in (logical or logical_meshes(submesh)) if (self._batch // m) % lm[0] == 0
-                for lean in (False, True) for rc in recompute for z in self.zero_levels(lm, zeros) if z < 2 or whole]
+                for lean in (False, True) for rc in recompute for z in self.zero_levels(lm, zeros) if abs(z) < 2 or whole]
 
     def zeroed(self, z: int, submesh: tuple[int, int], lm: tuple[int, int], m: int, whole: bool | np.ndarray,
                q: dict) -> dict:
@@ -264,12 +273,16 @@ class StageCosts:
         weights (S(0): not all trainable bytes averaged) or without weights takes neither.
         FSDP2 reduce-scatters a unit's gradients from a flat copy of them: a transient of the
         largest layer's gradients (`unit`), twice under ZeRO-2, whose unsharded gradients are not
-        in the states. `q`: states, grads, averaged, trainable, elements, tensors, sync (seconds,
+        in the states. z < 0: level −z with FSDP2's `CPUOffloadPolicy` (ZeRO-Offload, Ren et al.,
+        2021, without its overlap): the shards (fp32 weights, gradients, Adam's moments) leave the
+        device; their copies over the host link ride with the collectives, and the optimizer's
+        step runs at the host's memory bandwidth, after backward as on the device. `q`: states, grads, averaged, trainable, elements, tensors, sync (seconds,
         not yet exposed), fwd, bwd (per microbatch), unit; arrays or floats. Returns the changed
         ones, the exposed sync (`sync`, `unhidden`), the `transient` to add and `valid`."""
         if (submesh, lm) not in self._links:
             self._links[(submesh, lm)] = axis_link(self.cluster, lm, 0, submesh)
         dp, link = lm[0], self._links[(submesh, lm)]
+        level, host = abs(z), self.cluster.host_link if z < 0 else None
         states, grads, averaged, elements = q["states"], q["grads"], q["averaged"], q["elements"]
         width = np.where(elements > 0, averaged / np.where(elements > 0, elements, 1), 4.0)  # bytes per element
         # Adam's fp32 moments and, under 16-bit weights, the fp32 master (`model_state_memory`);
@@ -278,15 +291,25 @@ class StageCosts:
         states = states - opt * (1 - 1 / dp) + np.where(width >= 4, averaged / dp, 0.0)
         half = q["sync"] / 2  # the ring all-reduce's two halves, as the link runs each (`Link.*_factor`)
         scatter, gather = half * link.scatter_factor, half * link.gather_factor
-        bwd = q["bwd"]
-        if z == 2:
+        bwd, fwd, host_s = q["bwd"], q["fwd"], 0.0 * elements
+        if level == 2:
             states, grads = states - grads * (1 - 1 / dp), grads / dp
             bwd = bwd + exposed_time(scatter, bwd, link) * (m - 1) / m  # every other microbatch's reduce-scatter
-        valid = (averaged > 0) & np.isclose(averaged, q["trainable"]) & (whole if z == 2 else True)
-        return {"states": states, "grads": grads, "averaged": 0.0 * averaged, "elements": elements / dp,
-                "dtensors": q["tensors"], "bwd": bwd,
-                "sync": exposed_time(scatter, bwd, link) + exposed_time(gather, q["fwd"], link),
-                "unhidden": scatter + gather, "transient": q["unit"] * (2 if z == 2 else 1), "valid": valid}
+        if host is not None:  # the shards to host memory: the device keeps the gathered weights
+            states = states - opt / dp - np.where(width >= 4, averaged / dp, 0.0) - (grads if level == 2 else 0.0)
+            # fp32 shards: copied in before the all-gather, the reduced gradients out after each
+            # reduce-scatter; the optimizer steps on the host's memory, shared by its devices
+            copy = p2p_time(4.0 * elements / dp, host)
+            scatter, gather = scatter + copy, gather + copy
+            if level == 2:
+                bwd = bwd + exposed_time(copy, bwd, host) * (m - 1) / m
+            host_s = elements / dp * self.cluster.device.optimizer_bytes \
+                / (self.cluster.host_memory_bandwidth / self.cluster.devices_per_host)
+        valid = (averaged > 0) & np.isclose(averaged, q["trainable"]) & (whole if level == 2 else True)
+        return {"states": states, "grads": grads, "averaged": 0.0 * averaged,
+                "elements": elements / dp * (host is None), "host_s": host_s, "dtensors": q["tensors"], "bwd": bwd,
+                "sync": exposed_time(scatter, bwd, link) + exposed_time(gather, fwd, link),
+                "unhidden": scatter + gather, "transient": q["unit"] * (2 if level == 2 else 1), "valid": valid}
 
     def splits_microbatch(self, submesh: tuple[int, int], lm: tuple[int, int], lean: bool, m: int,
                           atoms: tuple[int, int] | None = None) -> bool:
@@ -357,9 +380,10 @@ class StageCosts:
             zq = self.zeroed(z, submesh, lm, m, whole, {"states": states, "grads": grads, "averaged": averaged,
                                                      "trainable": trainable, "elements": elements, "tensors": tensors,
                                                      "sync": sync, "fwd": fwd, "bwd": bwd, "unit": unit})
-            states, grads, averaged, elements, dtensors, bwd, sync, valid = (
-                zq[k] for k in ("states", "grads", "averaged", "elements", "dtensors", "bwd", "sync", "valid"))
+            states, grads, averaged, elements, dtensors, bwd, sync, valid, host_s = (
+                zq[k] for k in ("states", "grads", "averaged", "elements", "dtensors", "bwd", "sync", "valid", "host_s"))
             transient = transient + zq["transient"]
+            tp_grad = tp_grad + host_s
         else:
             sync = self.exposed_sync(sync, bwd, submesh, lm, trainable)
         cut_after = np.array([self.cut[b - 1] if 0 < b < len(self.atoms) else 0.0 for b in bounds])
@@ -468,6 +492,7 @@ class StageCosts:
             states, grads, averaged, elements, dtensors, bwd, sync, unhidden = (
                 float(zq[k]) for k in ("states", "grads", "averaged", "elements", "dtensors", "bwd", "sync", "unhidden"))
             bwd = bwd if zq["valid"] else math.inf
+            tp_grad += float(zq["host_s"])
         else:
             unhidden = float(self.exposed_sync(sync, 0.0, submesh, lm, trainable))
             sync = float(self.exposed_sync(sync, bwd, submesh, lm, trainable))
@@ -476,9 +501,10 @@ class StageCosts:
         if last < len(self.atoms) - 1 and self.cut[last] > 0:  # each rank sends its slice (Megatron's scatter)
             send = p2p_time(self.cut[last] / (lm[0] * lm[1] * m), stage_send_link(self.cluster, submesh))
         # after the last backward, before the optimizer: the tensor axis's partial weight gradients
+        # (and an offloaded stage's step on the host)
         optimizer = float(self.optimizer_s(elements, tensors, dtensors)) + tp_grad
         return StageOption(lm, lean, rc, fwd, bwd, send, sync, states, acts, transient, grads, averaged,
-                           optimizer, weight, unhidden, depth, zero)
+                           optimizer, weight, unhidden, depth, abs(zero), zero < 0)
 
     def optimizer_s(self, elements, tensors, dtensors):
         """The optimizer's step on a stage's shard of the weights, and the all-reduce of the loss

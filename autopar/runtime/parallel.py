@@ -58,25 +58,29 @@ def data_sharded(stage: StagePlan, dp: int) -> bool:
     return dp > 1 and (bool(stage.zero) or any(p[0] == Shard(0) for p in stage.params.values()))
 
 
-def shard_data_axis(module: nn.Module, mesh: Any, precision: str | None, zero: int | None = None) -> None:
+def shard_data_axis(module: nn.Module, mesh: Any, precision: str | None, zero: int | None = None,
+                    offload: bool | None = None) -> None:
     """ZeRO-3 through FSDP2: each layer's unit (`ShardedGraph.units`) gathered for its forward and
     again for its backward, then freed, so a step holds about one layer's whole parameters; the
     rest (weights several layers share) in the root unit. Units take their inputs as they come
     (autocast decides the dtypes), the root casts the stage's inputs as FSDP2 does. `zero` 1 or 2
     (ZeRO-1/2): the units are not freed after forward, and the step keeps them gathered until its
     last backward (`keep_gathered`): one all-gather per step; each unit's gradients are still
-    reduce-scattered as its backward ends, overlapping the layers before it."""
+    reduce-scattered as its backward ends, overlapping the layers before it. `offload`: the
+    sharded parameters, gradients and optimizer states in host memory (`CPUOffloadPolicy`, pinned
+    where there is an accelerator to copy to; on a CPU the copies are to itself)."""
     import warnings
 
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
     # the graph's values are never changed in place (export is functional): a view returned from a
     # unit keeps FSDP2's pre-backward hook
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     reshard = not zero
+    host = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if offload else {}
     for unit in getattr(module, "units", ()):
-        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, **fsdp_policy(precision, cast_inputs=False))
-    fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **fsdp_policy(precision))
+        fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, **fsdp_policy(precision, cast_inputs=False), **host)
+    fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **fsdp_policy(precision), **host)
 
 
 def keep_gathered(module: nn.Module, zero: int | None, last: bool) -> None:
@@ -229,7 +233,7 @@ class ParallelModel:
         self.trained: nn.Module = self.graph if self.graph is not None else self.model
         self.sync: GradSync | None = None
         if sharded:
-            shard_data_axis(self.trained, mesh["dp"], plan.precision, plan.stages[0].zero)
+            shard_data_axis(self.trained, mesh["dp"], plan.precision, plan.stages[0].zero, plan.stages[0].offload)
         elif self.dp > 1:
             self.sync = data_sync(list(self.trained.parameters()), self.group, plan)
         if self.tp > 1 and not sharded and not plan.dp_gradient.get("compression"):

@@ -260,7 +260,7 @@ class PipelineModel:
         self.sync = None
         if sharded:
             for s, module in zip(self.local, modules):
-                shard_data_axis(module, g.dp_mesh, plan.precision, plan.stages[s].zero)
+                shard_data_axis(module, g.dp_mesh, plan.precision, plan.stages[s].zero, plan.stages[s].offload)
         elif self.dp > 1:
             self.sync = data_sync(list(self.module.parameters()), self.dp_group, plan)
         if self.tp > 1 and not sharded and not plan.dp_gradient.get("compression"):
