@@ -78,10 +78,12 @@ def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, pre
                         plans.append(dataclasses.replace(plan, name=f"{plan.name} {name}"))
             if valid and tp > 1:  # Megatron's sequence parallelism
                 plans.append(manual_plan(view, dataclasses.replace(valid[-1], sequence_parallel=True)))
-            if valid and valid[-1].dp > 1:  # ZeRO-3 (FSDP2, a unit per layer), ZeRO-1, and ZeRO-2 in one stage
+            if valid and valid[-1].dp > 1:  # ZeRO-3 (FSDP2, a unit per layer), ZeRO-1, ZeRO-2 in one stage
                 plan = manual_plan(sharded, valid[-1])
                 plans.append(dataclasses.replace(plan, name=f"{plan.name} zero3"))
                 plans += [manual_plan(view, dataclasses.replace(valid[-1], zero=z)) for z in ((1, 2) if pp == 1 else (1,))]
+                # ZeRO-1 with its shards in host memory (on a CPU host: FSDP2's offload path, nothing moves)
+                plans.append(manual_plan(view, dataclasses.replace(valid[-1], zero=1, offload=True)))
     return plans
 
 
@@ -186,7 +188,7 @@ def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup
     rows = [{"name": p.name, "num_microbatches": p.num_microbatches, "precision": p.precision or "fp32",
              "recompute": any(s.recompute for s in p.stages),
              "recompute_layers": [s.recompute_layers for s in p.stages if s.recompute],  # null: all of a stage's
-             "zero": p.dp_gradient.get("zero_stage", 0),
+             "zero": p.dp_gradient.get("zero_stage", 0), "offload": any(s.offload for s in p.stages),
              "predicted_step_time_s": p.estimate.step_time_s, "measured_step_time_s": t,
              "predicted_peak_bytes": p.estimate.peak_memory_bytes, "measured_peak_bytes": peak}
             for p, (t, peak, _) in zip(plans, measured)]

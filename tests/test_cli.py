@@ -397,6 +397,7 @@ def test_bench_runs_every_layout_and_ranks_the_predictions(capsys, tmp_path):
     assert any(name.endswith(" zero3") for name in names)  # and ZeRO-3 ones
     assert any(name.endswith("+sp") for name in names)  # and sequence-parallel ones
     assert any(name.endswith("+z1") for name in names) and any(name.endswith("+z2") for name in names)  # ZeRO-1/2
+    assert any(name.endswith("+z1+offload") and r["offload"] for name, r in zip(names, result["layouts"]))
     assert all(r["predicted_step_time_s"] > 0 and r["measured_step_time_s"] > 0 for r in result["layouts"])
     assert all(r["predicted_peak_bytes"] > 0 and r["measured_peak_bytes"] > 0 for r in result["layouts"])
     assert -1 <= result["spearman"] <= 1 and result["auto_vs_fastest"] >= 1
