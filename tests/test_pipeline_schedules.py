@@ -27,6 +27,8 @@ SCHEDULES = {
     "zbv-split-recompute": ("zbv", "2,1,2,4", 2),
 }
 FAMILIES = ["gpt2", "llama", "bert"]
+# BERT under each of torch's three schedule classes once, GPT-2 and Llama under every case (CI has 30 minutes)
+ENCODER = ("interleaved-1f1b", "zb-h1", "zbv")
 
 
 def _plan(w, key):
@@ -83,7 +85,8 @@ REFUSED = {  # refused with one message each until they train as one process doe
     # torch's checkpoint: "a different number of tensors was saved during the original forward and recomputation"
     "zbv-split-recompute": "torch's checkpoint cannot recompute a layer for its input gradient and again",
 }
-CASES = [(name, key) for name in FAMILIES for key in SCHEDULES if key not in REFUSED]
+CASES = [(name, key) for name in FAMILIES for key in SCHEDULES
+         if key not in REFUSED and (name != "bert" or key in ENCODER)]
 
 
 @pytest.mark.parametrize("key", REFUSED)
