@@ -22,3 +22,13 @@ def run_cli(*args: str) -> tuple[dict, float, int]:
     if proc.returncode != 0:
         raise RuntimeError(f"autopar {' '.join(args)} failed:\n{proc.stderr}")
     return json.loads(proc.stdout), wall, int(proc.stderr.rsplit("MAXRSS", 1)[1]) * 1024
+
+
+def memory_choices(stages: list[dict]) -> str:
+    """The stages' ZeRO levels and offloading, as a table cell says them (", ZeRO-2 offloaded ×1")."""
+    counts: dict[str, int] = {}
+    for s in stages:
+        if s.get("zero"):
+            key = f"ZeRO-{s['zero']}" + (" offloaded" if s.get("offload") else "")
+            counts[key] = counts.get(key, 0) + 1
+    return "".join(f", {key} ×{n}" for key, n in sorted(counts.items()))

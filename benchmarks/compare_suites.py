@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import sys
 
-from _cli import run_cli
+from _cli import memory_choices, run_cli
 from rich.progress import track
 
 SUITE = {  # model: (mesh, Alpa measured TFLOP/s per GPU, baseline measured: Megatron-LM for GPT, DeepSpeed for MoE)
@@ -59,7 +59,7 @@ def main() -> None:
         speedup = "–" if ds is None else (f"{ds['step_time_s'] / auto['step_time_s']:.2f}×" if ds["fits"]
                                           else "deepspeed-moe does not fit")
         chose = (f"{len(auto['stages'])} stage(s), {auto['num_microbatches']}, {auto['schedule']}"
-                 + (f" v{auto['virtual']}" if auto["virtual"] > 1 else ""))
+                 + (f" v{auto['virtual']}" if auto["virtual"] > 1 else "") + memory_choices(auto["stages"]))
         was = f"{before['estimate']['tflops_per_device']:.1f}"
         print(f"| {model} | {hosts * per_host} | {chose} | "
               f"{auto['tflops_per_device']:.1f} | {was} | {best['name'] if best else 'none fits'} | "

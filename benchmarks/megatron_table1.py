@@ -16,7 +16,7 @@ before schedules were searched (`--schedule 1f1b`); its planning wall time stand
 
 from __future__ import annotations
 
-from _cli import run_cli
+from _cli import memory_choices, run_cli
 from rich.progress import track
 
 ROWS = [  # model, layers, hidden, tensor, pipeline, GPUs, batch, published TFLOP/s per GPU
@@ -34,7 +34,7 @@ def _chose(plan: dict) -> str:
     shapes = ", ".join(sorted({f"{s['submesh'][0]}x{s['submesh'][1]} ({s['logical_mesh'][0]}×{s['logical_mesh'][1]})"
                                for s in plan["stages"]}))
     schedule = plan["schedule"] + (f" v{plan['virtual']}" if plan["virtual"] > 1 else "")
-    return f"{len(plan['stages'])} × {shapes}, {plan['num_microbatches']}, {schedule}"
+    return f"{len(plan['stages'])} × {shapes}, {plan['num_microbatches']}, {schedule}{memory_choices(plan['stages'])}"
 
 
 def main() -> None:
