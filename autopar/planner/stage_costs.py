@@ -297,6 +297,7 @@ class StageCosts:
             bwd = bwd + exposed_time(scatter, bwd, link) * (m - 1) / m  # every other microbatch's reduce-scatter
         if host is not None:  # the shards to host memory: the device keeps the gathered weights
             states = states - opt / dp - np.where(width >= 4, averaged / dp, 0.0) - (grads if level == 2 else 0.0)
+            grads = grads * (level != 2)
             # fp32 shards: copied in before the all-gather, the reduced gradients out after each
             # reduce-scatter; the optimizer steps on the host's memory, shared by its devices
             copy = p2p_time(4.0 * elements / dp, host)
