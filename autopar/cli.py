@@ -229,7 +229,7 @@ def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
               "mesh": list(search.mesh),
               "auto": {"stages": [{"layers": list(s.layers), "submesh": list(s.submesh),
                                    "logical_mesh": list(s.logical_mesh), "recompute": s.recompute,
-                                   "recompute_layers": s.recompute_layers, "zero": int(_zero_level(s).split("+")[0] or 0),
+                                   "recompute_layers": s.recompute_layers, "zero": _zero_level(s),
                                    "offload": bool(s.offload)}
                                   for s in auto.stages],
                        "num_microbatches": auto.num_microbatches, "schedule": auto.schedule, "virtual": auto.virtual,
@@ -406,11 +406,9 @@ def _estimate(plan) -> dict[str, Any]:
             "peak_memory_bytes": e.peak_memory_bytes, "bubble_fraction": e.bubble_fraction, "fits": e.fits}
 
 
-def _zero_level(stage) -> str:
-    """The ZeRO level a stage runs: its own (1, 2), 3 where its weights are sharded on dp (S(0))."""
-    if stage.zero:
-        return f"{stage.zero}+offload" if stage.offload else str(stage.zero)
-    return "3" if any(p[0] == "S(0)" for p in stage.params.values()) else ""
+def _zero_level(stage) -> int:
+    """The ZeRO level a stage runs: its own (1, 2), 3 where its weights are sharded on dp (S(0)), else 0."""
+    return stage.zero or (3 if any(p[0] == "S(0)" for p in stage.params.values()) else 0)
 
 
 def _print_plan(plan, out: Console) -> None:
@@ -424,7 +422,7 @@ def _print_plan(plan, out: Console) -> None:
         c = {k: s.cost.get(k, 0.0) for k in ("forward_s", "backward_s", "send_s", "grad_sync_s", "state_bytes")}
         table.add_row(str(i), span(names), f"{s.submesh[0]}x{s.submesh[1]}", f"{s.logical_mesh[0]} × {s.logical_mesh[1]}",
                       (f"first {s.recompute_layers}" if s.recompute_layers else "yes") if s.recompute else "",
-                      _zero_level(s), human_time(c["forward_s"]), human_time(c["backward_s"]),
+                      f"{_zero_level(s) or ''}{'+offload' if s.offload else ''}", human_time(c["forward_s"]), human_time(c["backward_s"]),
                       human_time(c["send_s"]), human_time(c["grad_sync_s"]), human_bytes(c["state_bytes"]))
     out.print(table)
     first = plan.stages[0]

@@ -276,9 +276,10 @@ class StageCosts:
         in the states. z < 0: level −z with FSDP2's `CPUOffloadPolicy` (ZeRO-Offload, Ren et al.,
         2021, without its overlap): the shards (fp32 weights, gradients, Adam's moments) leave the
         device; their copies over the host link ride with the collectives, and the optimizer's
-        step runs at the host's memory bandwidth, after backward as on the device. `q`: states, grads, averaged, trainable, elements, tensors, sync (seconds,
-        not yet exposed), fwd, bwd (per microbatch), unit; arrays or floats. Returns the changed
-        ones, the exposed sync (`sync`, `unhidden`), the `transient` to add and `valid`."""
+        step runs at the host's memory bandwidth, after backward as on the device (`host_s`).
+        `q`: states, grads, averaged, trainable, elements, tensors, sync (seconds, not yet
+        exposed), fwd, bwd (per microbatch), unit; arrays or floats. Returns the changed ones, the
+        exposed sync (`sync`, `unhidden`), the `transient` to add and `valid`."""
         if (submesh, lm) not in self._links:
             self._links[(submesh, lm)] = axis_link(self.cluster, lm, 0, submesh)
         dp, link = lm[0], self._links[(submesh, lm)]
