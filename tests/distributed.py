@@ -23,6 +23,8 @@ _CACHE: dict[tuple, list[list[tuple[bool, Any]]]] = {}
 
 
 def _entry(rank: int, jobs: list[tuple[Callable, tuple]], world: int, store: str, out: str) -> None:
+    # one thread per rank: N ranks with a thread per core each would fight over the 2 cores
+    torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     results: list[tuple[bool, Any]] = []
     for fn, args in jobs:

@@ -202,7 +202,7 @@ def _zoo(kind, **cfg):
 
 @pytest.mark.parametrize("make", [
     lambda: _zoo("gpt", layers=6),
-    lambda: _zoo("moe", layers=8, experts=4, expert_group=64, ffn_mult=2),  # dense / MoE blocks: period 2
+    lambda: _zoo("moe", layers=10, experts=4, expert_group=64, ffn_mult=2),  # dense / MoE blocks: period 2
     lambda: _hf_gpt2(5),  # blocks hold their own layer_idx
 ], ids=["gpt", "moe", "hf-gpt2"])
 def test_repeated_blocks_are_copied_into_the_graph_a_full_export_gives(make):

@@ -49,7 +49,9 @@ def find_repeat(model: nn.Module) -> Repeat | None:
         if len(ids) != len(set(ids)):
             continue  # blocks share weights: their placeholders do not shift with the index
         states = [_state(b) for b in blocks]
-        for p in range(1, n // 4 + 1):
+        # at least 5 periods: the short export (3) must spare two, or it costs more than it saves
+        # when its check fails and the whole model is exported after it (transformers' Llama)
+        for p in range(1, n // 5 + 1):
             if n % p == 0 and all(_equal(states[i], i, states[i + p], i + p) for i in range(n - p)):
                 if best is None or n - 3 * p > best.count - 3 * best.period:
                     best = Repeat(name, p, n)
