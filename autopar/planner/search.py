@@ -116,7 +116,8 @@ class Search:
         simulator replays it)."""
         opts = sorted(self.costs.options(self.atoms(i, j), shape, m, logical, recompute, zeros),
                       key=lambda o: (o.time + (o.grad_sync_s + o.optimizer_s) / m, o.lean, o.recompute, o.zero, o.offload))
-        return next((o for o in opts if o.memory(in_flight) <= limit), None)
+        fits = [o for o in opts if o.memory(in_flight) <= limit]
+        return next((o for o in fits if not o.offload), fits[0] if fits else None)  # offloaded: as `_fastest`
 
     def budget(self, index: int, stages: int, m: int) -> tuple[int, float]:
         """(microbatches in flight, bytes) that stage `index` of `stages` may hold: with v stages
@@ -153,7 +154,7 @@ class Search:
                 if s > 1 and in_flight == self.in_flight(s - 1, m, depth):
                     times[s, :, :, k], picks[(s, k)] = times[s - 1, :, :, k], picks[(s - 1, k)]
                     continue
-                chosen, best = _fastest(tables, m, in_flight, self.memory_limit)
+                chosen, best = _fastest(tables, m, in_flight, self.memory_limit, variants)
                 times[s, :, :, k] = np.where(valid, chosen, INF)
                 picks[(s, k)] = (variants, best)
         return times, picks
@@ -169,7 +170,8 @@ class Search:
         variants = self.costs.variants(shape, m, logical, recompute, zeros)
         if not variants:
             return np.full((n + 1, n + 1), INF), (variants, None)
-        chosen, best = _fastest([self.costs.variant_table(bounds, shape, v, m) for v in variants], m, in_flight, limit)
+        chosen, best = _fastest([self.costs.variant_table(bounds, shape, v, m) for v in variants], m, in_flight, limit,
+                                variants)
         return np.where(np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1), chosen, INF), (variants, best)
 
     def option(self, i: int, j: int, shape: tuple[int, int], m: int, variant) -> StageOption:
@@ -179,11 +181,18 @@ class Search:
                                      zero=z)
 
 
-def _fastest(tables: list[dict], m: int, in_flight: int, limit: float) -> tuple[np.ndarray, np.ndarray]:
-    """Over the variants' tables: the time per microbatch of the fastest that fits, and its index."""
+def _fastest(tables: list[dict], m: int, in_flight: int, limit: float, variants: list) -> tuple[np.ndarray, np.ndarray]:
+    """Over the variants' tables: the time per microbatch of the fastest that fits, and its index.
+    An offloaded variant (ZeRO level < 0) only where no other fits: it is never faster than its
+    level on the device, and the once-per-step terms spread over the microbatches here (its host
+    step) hide in the pipeline's bottleneck only when it is one; elsewhere they end the step."""
     key = np.stack([t["time"] + (t["sync"] + t["optimizer"]) / m for t in tables])  # sync, optimizer: once per step
     memory = np.stack([t["states"] + np.maximum(in_flight * t["acts"] + t["transient"], t["averaged"]) for t in tables])
     masked = np.where(memory <= limit, key, INF)
+    offloaded = np.array([v[3] < 0 for v in variants])
+    if offloaded.any():
+        on_device = np.isfinite(masked[~offloaded]).any(axis=0)
+        masked[offloaded] = np.where(on_device[None], INF, masked[offloaded])
     best = np.argmin(masked, axis=0)
     chosen = np.take_along_axis(masked, best[None], axis=0)[0]
     return np.where(np.isfinite(chosen), chosen, INF), best
