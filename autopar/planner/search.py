@@ -136,28 +136,30 @@ class Search:
         may run its fallback, 1F1B GPipe's order, in which every stage holds all of them)."""
         return schedules.in_flight(schedules.runs(self.schedule, depth, m).name, s, 0, m)
 
-    def times(self, shapes: list[tuple[int, int]], m: int, depth: int) -> tuple[np.ndarray, dict]:
+    def times(self, shapes: list[tuple[int, int]], m: int, depth: int) -> list[tuple[np.ndarray, dict]]:
         """times[s, i, j, k] of `stage_table` for every range and shape at once (vectorised), and
-        which (logical mesh, lean, recompute) each entry uses."""
+        which (logical mesh, lean, recompute, ZeRO level) each entry uses: with the weights on the
+        device, then, where the cluster can offload, with offloading too (`_fastest`)."""
         n = len(self.layers)
         bounds = np.array([layer.atoms[0] for layer in self.layers] + [self.layers[-1].atoms[1]])
-        times = np.full((depth + 1, n + 1, n + 1, len(shapes)), INF)
-        picks: dict = {}
+        offloads = (False, True) if self.cluster.host_link is not None else (False,)
+        out = [(np.full((depth + 1, n + 1, n + 1, len(shapes)), INF), {}) for _ in offloads]
         valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
         for k, shape in enumerate(shapes):
             variants = self.costs.variants(shape, m)
             if not variants:
                 continue
             tables = [self.costs.variant_table(bounds, shape, v, m) for v in variants]
-            for s in range(1, depth + 1):
-                in_flight = self.in_flight(s, m, depth)
-                if s > 1 and in_flight == self.in_flight(s - 1, m, depth):
-                    times[s, :, :, k], picks[(s, k)] = times[s - 1, :, :, k], picks[(s - 1, k)]
-                    continue
-                chosen, best = _fastest(tables, m, in_flight, self.memory_limit, variants)
-                times[s, :, :, k] = np.where(valid, chosen, INF)
-                picks[(s, k)] = (variants, best)
-        return times, picks
+            for (times, picks), offload in zip(out, offloads):
+                for s in range(1, depth + 1):
+                    in_flight = self.in_flight(s, m, depth)
+                    if s > 1 and in_flight == self.in_flight(s - 1, m, depth):
+                        times[s, :, :, k], picks[(s, k)] = times[s - 1, :, :, k], picks[(s - 1, k)]
+                        continue
+                    chosen, best = _fastest(tables, m, in_flight, self.memory_limit, variants, offload)
+                    times[s, :, :, k] = np.where(valid, chosen, INF)
+                    picks[(s, k)] = (variants, best)
+        return out
 
     def range_times(self, shape: tuple[int, int], m: int, in_flight: int, limit: float,
                     logical: list[tuple[int, int]] | None = None, recompute: tuple[bool, ...] = (False, True),
@@ -181,18 +183,22 @@ class Search:
                                      zero=z)
 
 
-def _fastest(tables: list[dict], m: int, in_flight: int, limit: float, variants: list) -> tuple[np.ndarray, np.ndarray]:
+def _fastest(tables: list[dict], m: int, in_flight: int, limit: float, variants: list, offload: bool = True,
+             ) -> tuple[np.ndarray, np.ndarray]:
     """Over the variants' tables: the time per microbatch of the fastest that fits, and its index.
-    An offloaded variant (ZeRO level < 0) only where no other fits: it is never faster than its
-    level on the device, and the once-per-step terms spread over the microbatches here (its host
-    step) hide in the pipeline's bottleneck only when it is one; elsewhere they end the step."""
+    An offloaded variant (ZeRO level < 0) only with `offload`, and only where its level on the
+    device does not fit, which is never slower: the once-per-step terms are spread over the
+    microbatches here, and an offloaded stage's host step hides so only in the pipeline's
+    bottleneck (`plan_auto` weighs the plans with and without offloading by the simulator)."""
     key = np.stack([t["time"] + (t["sync"] + t["optimizer"]) / m for t in tables])  # sync, optimizer: once per step
     memory = np.stack([t["states"] + np.maximum(in_flight * t["acts"] + t["transient"], t["averaged"]) for t in tables])
     masked = np.where(memory <= limit, key, INF)
-    offloaded = np.array([v[3] < 0 for v in variants])
-    if offloaded.any():
-        on_device = np.isfinite(masked[~offloaded]).any(axis=0)
-        masked[offloaded] = np.where(on_device[None], INF, masked[offloaded])
+    index = {v: i for i, v in enumerate(variants)}
+    for i, v in enumerate(variants):
+        if v[3] < 0:
+            on_device = index.get((*v[:3], -v[3]))
+            masked[i] = INF if not offload else np.where(
+                on_device is not None and np.isfinite(masked[on_device]), INF, masked[i])
     best = np.argmin(masked, axis=0)
     chosen = np.take_along_axis(masked, best[None], axis=0)[0]
     return np.where(np.isfinite(chosen), chosen, INF), best
@@ -226,21 +232,26 @@ def plan_auto(search: Search, *, stages: int | None = None, num_microbatches: in
     for m in counts:
         if progress:
             progress(f"{m} microbatch{'es' if m > 1 else ''}")
-        times, picks = search.times(shapes, m, depth)
-        total, choice = stage_dp(times, sizes, devices, m, stages, tolerance=DP_TOLERANCE, bound=bound)
-        if not choice:
-            continue
-        bound = min(bound, total)
-        chosen = []
-        for idx, c in enumerate(choice):
-            variants, pick = picks[(len(choice) - idx, c.shape)]
-            variant = variants[pick[c.layers]]
-            chosen.append((c.layers, shapes[c.shape], search.option(*c.layers, shapes[c.shape], m, variant)))
-        chosen = recompute_less(search, chosen, m)
-        plan = assemble(search, chosen, m, name="auto")
-        plan.search["eq2_total_s"] = float(total)
-        if best is None or plan.estimate.step_time_s < best.estimate.step_time_s:
-            best, best_chosen = plan, chosen
+        # with the weights on the device, then offloading too: eq. 2 spreads an offloaded stage's
+        # host step over the microbatches, too hopeful outside the bottleneck, so the simulator
+        # judges, and bounds the later counts with what it found
+        for offloaded, (times, picks) in enumerate(search.times(shapes, m, depth)):
+            total, choice = stage_dp(times, sizes, devices, m, stages, tolerance=DP_TOLERANCE, bound=bound)
+            if not choice:
+                continue
+            chosen = []
+            for idx, c in enumerate(choice):
+                variants, pick = picks[(len(choice) - idx, c.shape)]
+                variant = variants[pick[c.layers]]
+                chosen.append((c.layers, shapes[c.shape], search.option(*c.layers, shapes[c.shape], m, variant)))
+            if offloaded and not any(opt.offload for _, _, opt in chosen):
+                continue  # the plan on the device again
+            chosen = recompute_less(search, chosen, m)
+            plan = assemble(search, chosen, m, name="auto")
+            plan.search["eq2_total_s"] = float(total)
+            bound = min(bound, max(total, plan.estimate.step_time_s) if offloaded else total)
+            if best is None or plan.estimate.step_time_s < best.estimate.step_time_s:
+                best, best_chosen = plan, chosen
     if best is None:
         raise _nothing_fits(search)
     best.search.update({"ilp_solves": search.costs.solves, "cache_hits": search.costs.hits,
