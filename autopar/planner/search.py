@@ -149,16 +149,16 @@ class Search:
             variants = self.costs.variants(shape, m)
             if not variants:
                 continue
-            tables = [self.costs.variant_table(bounds, shape, v, m) for v in variants]
-            for (times, picks), offload in zip(out, offloads):
-                for s in range(1, depth + 1):
-                    in_flight = self.in_flight(s, m, depth)
-                    if s > 1 and in_flight == self.in_flight(s - 1, m, depth):
+            stacked = _stacked([self.costs.variant_table(bounds, shape, v, m) for v in variants], m)
+            for s in range(1, depth + 1):
+                in_flight = self.in_flight(s, m, depth)
+                same = s > 1 and in_flight == self.in_flight(s - 1, m, depth)
+                found = None if same else _fastest(stacked, in_flight, self.memory_limit, variants, offloads)
+                for o, (times, picks) in enumerate(out):
+                    if same:
                         times[s, :, :, k], picks[(s, k)] = times[s - 1, :, :, k], picks[(s - 1, k)]
-                        continue
-                    chosen, best = _fastest(tables, m, in_flight, self.memory_limit, variants, offload)
-                    times[s, :, :, k] = np.where(valid, chosen, INF)
-                    picks[(s, k)] = (variants, best)
+                    else:
+                        times[s, :, :, k], picks[(s, k)] = np.where(valid, found[o][0], INF), (variants, found[o][1])
         return out
 
     def range_times(self, shape: tuple[int, int], m: int, in_flight: int, limit: float,
@@ -172,8 +172,8 @@ class Search:
         variants = self.costs.variants(shape, m, logical, recompute, zeros)
         if not variants:
             return np.full((n + 1, n + 1), INF), (variants, None)
-        chosen, best = _fastest([self.costs.variant_table(bounds, shape, v, m) for v in variants], m, in_flight, limit,
-                                variants)
+        (chosen, best), = _fastest(_stacked([self.costs.variant_table(bounds, shape, v, m) for v in variants], m),
+                                   in_flight, limit, variants)
         return np.where(np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1), chosen, INF), (variants, best)
 
     def option(self, i: int, j: int, shape: tuple[int, int], m: int, variant) -> StageOption:
@@ -183,25 +183,35 @@ class Search:
                                      zero=z)
 
 
-def _fastest(tables: list[dict], m: int, in_flight: int, limit: float, variants: list, offload: bool = True,
-             ) -> tuple[np.ndarray, np.ndarray]:
-    """Over the variants' tables: the time per microbatch of the fastest that fits, and its index.
-    An offloaded variant (ZeRO level < 0) only with `offload`, and only where its level on the
-    device does not fit, which is never slower: the once-per-step terms are spread over the
-    microbatches here, and an offloaded stage's host step hides so only in the pipeline's
-    bottleneck (`plan_auto` weighs the plans with and without offloading by the simulator)."""
-    key = np.stack([t["time"] + (t["sync"] + t["optimizer"]) / m for t in tables])  # sync, optimizer: once per step
-    memory = np.stack([t["states"] + np.maximum(in_flight * t["acts"] + t["transient"], t["averaged"]) for t in tables])
-    masked = np.where(memory <= limit, key, INF)
+def _stacked(tables: list[dict], m: int) -> dict[str, np.ndarray]:
+    """The variants' tables stacked, [variant, i, j], with the key `_fastest` ranks them by."""
+    out = {k: np.stack([t[k] for t in tables]) for k in ("states", "acts", "transient", "averaged")}
+    out["key"] = np.stack([t["time"] + (t["sync"] + t["optimizer"]) / m for t in tables])  # sync, optimizer: per step
+    return out
+
+
+def _fastest(stacked: dict[str, np.ndarray], in_flight: int, limit: float, variants: list,
+             offloads: tuple[bool, ...] = (True,)) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Over the variants (`_stacked`): the time per microbatch of the fastest that fits, and its
+    index, per entry of `offloads`. An offloaded variant (ZeRO level < 0) only with offloading,
+    and only where its level on the device does not fit, which is never slower: the once-per-step
+    terms are spread over the microbatches here, and an offloaded stage's host step hides so only
+    in the pipeline's bottleneck (`plan_auto` weighs plans with and without it by the simulator)."""
+    memory = stacked["states"] + np.maximum(in_flight * stacked["acts"] + stacked["transient"], stacked["averaged"])
+    masked = np.where(memory <= limit, stacked["key"], INF)
     index = {v: i for i, v in enumerate(variants)}
-    for i, v in enumerate(variants):
-        if v[3] < 0:
-            on_device = index.get((*v[:3], -v[3]))
-            masked[i] = INF if not offload else np.where(
-                on_device is not None and np.isfinite(masked[on_device]), INF, masked[i])
-    best = np.argmin(masked, axis=0)
-    chosen = np.take_along_axis(masked, best[None], axis=0)[0]
-    return np.where(np.isfinite(chosen), chosen, INF), best
+    out = []
+    for offload in offloads:
+        kept = masked.copy() if any(v[3] < 0 for v in variants) else masked
+        for i, v in enumerate(variants):
+            if v[3] < 0:
+                on_device = index.get((*v[:3], -v[3]))
+                kept[i] = INF if not offload else np.where(
+                    on_device is not None and np.isfinite(masked[on_device]), INF, masked[i])
+        best = np.argmin(kept, axis=0)
+        chosen = np.take_along_axis(kept, best[None], axis=0)[0]
+        out.append((np.where(np.isfinite(chosen), chosen, INF), best))
+    return out
 
 
 def plan_auto(search: Search, *, stages: int | None = None, num_microbatches: int | None = None,
@@ -232,10 +242,13 @@ def plan_auto(search: Search, *, stages: int | None = None, num_microbatches: in
     for m in counts:
         if progress:
             progress(f"{m} microbatch{'es' if m > 1 else ''}")
-        # with the weights on the device, then offloading too: eq. 2 spreads an offloaded stage's
-        # host step over the microbatches, too hopeful outside the bottleneck, so the simulator
-        # judges, and bounds the later counts with what it found
-        for offloaded, (times, picks) in enumerate(search.times(shapes, m, depth)):
+        # with the weights on the device, then offloading too where it lets a range fit that did
+        # not: eq. 2 spreads an offloaded stage's host step over the microbatches, too hopeful
+        # outside the bottleneck, so only the simulator judges it and it bounds no later count
+        tables = search.times(shapes, m, depth)
+        for offloaded, (times, picks) in enumerate(tables):
+            if offloaded and not np.any((times < tables[0][0]) & (m * times < bound)):
+                break
             total, choice = stage_dp(times, sizes, devices, m, stages, tolerance=DP_TOLERANCE, bound=bound)
             if not choice:
                 continue
@@ -249,7 +262,7 @@ def plan_auto(search: Search, *, stages: int | None = None, num_microbatches: in
             chosen = recompute_less(search, chosen, m)
             plan = assemble(search, chosen, m, name="auto")
             plan.search["eq2_total_s"] = float(total)
-            bound = min(bound, max(total, plan.estimate.step_time_s) if offloaded else total)
+            bound = bound if offloaded else min(bound, total)
             if best is None or plan.estimate.step_time_s < best.estimate.step_time_s:
                 best, best_chosen = plan, chosen
     if best is None:
