@@ -30,7 +30,7 @@ from autopar.planner.search import Search, plan_auto, plan_compressed
 from autopar.planner.strategy_costs import REPLICATED_GRADIENTS
 from autopar.planner.tune import candidates, choose
 from autopar.runtime import default_backend, local_device
-from autopar.runtime.backend import keep_to_loopback
+from autopar.runtime.backend import group_backend, keep_to_loopback
 from autopar.runtime.failures import set_timeouts
 from autopar.runtime.loop import time_steps
 from autopar.runtime.memory import hold_to
@@ -237,11 +237,11 @@ def _init_process_group(backend: str) -> None:
     if dist.is_initialized():
         return
     if "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend)
+        dist.init_process_group(group_backend(backend))
         return
 
     keep_to_loopback()  # one process: a store in memory, no listening port
-    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+    dist.init_process_group(group_backend(backend), store=dist.HashStore(), rank=0, world_size=1)
 
 
 _BUILT: weakref.WeakSet = weakref.WeakSet()  # the models parallelize returned, emptied at exit

@@ -60,6 +60,10 @@ def _valid() -> dict:
         (lambda d: d["intra_host"].update(overlap=1.5), "intra_host.overlap must be a non-negative, finite number of at most 1"),
         (lambda d: d["device"].update(op_overhead_s=-1e-6), "device.op_overhead_s must be a non-negative"),
         (lambda d: d.update(cores_per_host=0), "cores_per_host must be a positive integer"),
+        (lambda d: d.update(host_link=None, host_memory_bandwidth=1e11), "needs host_link"),
+        (lambda d: d.update(host_memory_bandwidth=0), "host_memory_bandwidth must be a positive"),
+        (lambda d: d.update(host_link={"bandwidth": 0, "latency": 1e-5}, host_memory_bandwidth=1e11),
+         "host_link.bandwidth must be a positive"),
     ],
 )
 def test_malformed_cluster_files_name_the_field(mutate, message, tmp_path):

@@ -78,9 +78,15 @@ class ClusterSpec:
     cores_per_host: int | None = None
     # where optimizer states may be offloaded (FSDP2's `CPUOffloadPolicy`): the host link per device
     # (PCIe, one direction) and the bytes/s the host's CPUs stream through its memory, shared by
-    # its devices (Adam's step on the host). None: the devices are the host (cpu-local), nothing moves
+    # its devices (Adam's step on the host). None: offloading is not priced, as on cpu-local (the
+    # devices are the host: nothing moves) and on calibrated clusters (not measured yet)
     host_link: Link | None = None
     host_memory_bandwidth: float = 0.0
+
+    @property
+    def offloads(self) -> bool:
+        """Whether optimizer states may be priced in host memory (`host_link`)."""
+        return self.host_link is not None and self.host_memory_bandwidth > 0
 
     @property
     def num_devices(self) -> int:
@@ -171,23 +177,22 @@ def _parse_cluster(data: Any, source: str) -> ClusterSpec:
     )
     if device.efficiency > 1:
         raise ClusterSpecError(f"{source}: device.efficiency must be in (0, 1], got {device.efficiency}")
-    for key in ("intra_host", "inter_host"):
-        known(section(key), {f.name for f in dataclasses.fields(Link)}, f"{key}.")
-    links = {
-        key: Link(bandwidth=float(number(section(key), "bandwidth", f"{key}.")),
-                  latency=float(number(section(key), "latency", f"{key}.")),
-                  overlap=optional(section(key), "overlap", f"{key}.", 1.0, at_most=1.0),
-                  **{f: float(number(section(key), f, f"{key}.", at_most=1e3))
-                     for f in ("gather_factor", "scatter_factor") if f in section(key)})
-        for key in ("intra_host", "inter_host")
-    }
+    def link(key: str) -> Link:
+        obj = section(key)
+        known(obj, {f.name for f in dataclasses.fields(Link)}, f"{key}.")
+        return Link(bandwidth=float(number(obj, "bandwidth", f"{key}.")), latency=float(number(obj, "latency", f"{key}.")),
+                    overlap=optional(obj, "overlap", f"{key}.", 1.0, at_most=1.0),
+                    **{f: float(number(obj, f, f"{key}.", at_most=1e3))
+                       for f in ("gather_factor", "scatter_factor") if f in obj})
+
+    links = {key: link(key) for key in ("intra_host", "inter_host")}
     cores = data.get("cores_per_host")
-    host, host_memory = data.get("host_link"), 0.0
-    if host is not None:
-        known(section("host_link"), {f.name for f in dataclasses.fields(Link)}, "host_link.")
-        host = Link(bandwidth=float(number(host, "bandwidth", "host_link.")),
-                    latency=float(number(host, "latency", "host_link.")))
-        host_memory = float(number(data, "host_memory_bandwidth", ""))
+    host, host_memory = None, 0.0
+    if data.get("host_link") is not None:
+        host, host_memory = link("host_link"), float(number(data, "host_memory_bandwidth", ""))
+    elif data.get("host_memory_bandwidth"):
+        raise ClusterSpecError(f"{source}: host_memory_bandwidth prices an offloaded optimizer step, which needs "
+                               "host_link (bandwidth, latency) too")
     return ClusterSpec(
         name=str(data.get("name", Path(source).stem)),
         num_hosts=number(data, "num_hosts", "", integer=True, at_most=MAX_DEVICES),

@@ -117,7 +117,8 @@ class Search:
         opts = sorted(self.costs.options(self.atoms(i, j), shape, m, logical, recompute, zeros),
                       key=lambda o: (o.time + (o.grad_sync_s + o.optimizer_s) / m, o.lean, o.recompute, o.zero, o.offload))
         fits = [o for o in opts if o.memory(in_flight) <= limit]
-        return next((o for o in fits if not o.offload), fits[0] if fits else None)  # offloaded: as `_fastest`
+        # offloaded only where nothing fits on the device (stricter than `_fastest`'s per level)
+        return next((o for o in fits if not o.offload), fits[0] if fits else None)
 
     def budget(self, index: int, stages: int, m: int) -> tuple[int, float]:
         """(microbatches in flight, bytes) that stage `index` of `stages` may hold: with v stages
@@ -142,7 +143,7 @@ class Search:
         device, then, where the cluster can offload, with offloading too (`_fastest`)."""
         n = len(self.layers)
         bounds = np.array([layer.atoms[0] for layer in self.layers] + [self.layers[-1].atoms[1]])
-        offloads = (False, True) if self.cluster.host_link is not None else (False,)
+        offloads = (False, True) if self.cluster.offloads else (False,)
         out = [(np.full((depth + 1, n + 1, n + 1, len(shapes)), INF), {}) for _ in offloads]
         valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
         for k, shape in enumerate(shapes):

@@ -248,7 +248,7 @@ class StageCosts:
             return zeros
         if self.rule is not None and not self.rule.zero:
             return (0,)
-        return (0, 1, 2, -1, -2) if self.cluster.host_link is not None else (0, 1, 2)
+        return (0, 1, 2, -1, -2) if self.cluster.offloads else (0, 1, 2)
 
     def variants(self, submesh: tuple[int, int], m: int, logical: list[tuple[int, int]] | None = None,
                  recompute: tuple[bool, ...] = (False, True), zeros: tuple[int, ...] | None = None,
@@ -283,7 +283,8 @@ class StageCosts:
         if (submesh, lm) not in self._links:
             self._links[(submesh, lm)] = axis_link(self.cluster, lm, 0, submesh)
         dp, link = lm[0], self._links[(submesh, lm)]
-        level, host = abs(z), self.cluster.host_link if z < 0 else None
+        level = abs(z)
+        host = self.cluster.host_link if z < 0 and self.cluster.offloads else None
         states, grads, averaged, elements = q["states"], q["grads"], q["averaged"], q["elements"]
         width = np.where(elements > 0, averaged / np.where(elements > 0, elements, 1), 4.0)  # bytes per element
         # Adam's fp32 moments and, under 16-bit weights, the fp32 master (`model_state_memory`);

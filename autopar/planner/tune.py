@@ -18,11 +18,12 @@ from autopar.planner.search import Search, plan_auto
 
 def layout_key(plan: Plan) -> tuple:
     """What makes two plans different layouts: how many stages, and each one's (dp, tp) mesh,
-    recomputation and ZeRO level (1, 2, or 3: S(0) weights); not where the stages cut nor the
+    recomputation, ZeRO level (1, 2, or 3: S(0) weights) and offloading; not where the stages cut nor the
     microbatch count (the cost model's ranking among those is finer than what it gets wrong
     between layouts)."""
     return (plan.precision, tuple((tuple(s.logical_mesh), s.recompute,
-                                   s.zero or (3 if any(p[0] == Shard(0) for p in s.params.values()) else 0))
+                                   s.zero or (3 if any(p[0] == Shard(0) for p in s.params.values()) else 0),
+                                   bool(s.offload))
                                   for s in plan.stages))
 
 

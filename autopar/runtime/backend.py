@@ -21,6 +21,12 @@ def default_backend() -> str:
     return "gloo"
 
 
+def group_backend(backend: str) -> str:
+    """What `init_process_group` gets: NCCL for CUDA tensors with gloo beside it for CPU ones
+    (FSDP2's offloaded shards, gathered for a checkpoint or a gradient norm: torchtitan's pairing)."""
+    return "cuda:nccl,cpu:gloo" if backend == "nccl" else backend
+
+
 def local_device(local_rank: int) -> torch.device:
     """The device a rank computes on: its GPU under NCCL, the CPU under gloo."""
     if default_backend() == "nccl":
@@ -107,4 +113,4 @@ def join_local(backend: str, port: int, rank: int, world: int, timeout_s: float 
     keep_to_loopback()
     timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else datetime.timedelta(minutes=10)
     store = dist.TCPStore(LOOPBACK, port, world, False, timeout)
-    dist.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(group_backend(backend), store=store, rank=rank, world_size=world, timeout=timeout)

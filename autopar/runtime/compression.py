@@ -124,7 +124,7 @@ class Compressed:
         self.spec = parse(text)
         self.group = group
         self.n = dist.get_world_size(group)
-        self.compressor = _compressor(self.spec, dist.get_backend(group) == "nccl")
+        self.compressor = _compressor(self.spec, "nccl" in str(dist.get_backend(group)))
         ef = self.spec.options.get("ef", 1.0 if self.compressor.error_feedback else 0.0)
         if carries_momentum(self.spec):  # DGC masks what it sent; 1-bit's momentum is dense
             self.memory: Any = DGCMemory(self.spec.option("momentum"), self.spec.options.get("clip"),
