@@ -61,6 +61,7 @@ def _valid() -> dict:
         (lambda d: d["device"].update(op_overhead_s=-1e-6), "device.op_overhead_s must be a non-negative"),
         (lambda d: d.update(cores_per_host=0), "cores_per_host must be a positive integer"),
         (lambda d: d.update(host_link=None, host_memory_bandwidth=1e11), "needs host_link"),
+        (lambda d: d.update(num_hosts=2049), "16392 devices; at most 16384"),
         (lambda d: d.update(host_memory_bandwidth=0), "host_memory_bandwidth must be a positive"),
         (lambda d: d.update(host_link={"bandwidth": 0, "latency": 1e-5}, host_memory_bandwidth=1e11),
          "host_link.bandwidth must be a positive"),

@@ -193,10 +193,15 @@ def _parse_cluster(data: Any, source: str) -> ClusterSpec:
     elif data.get("host_memory_bandwidth"):
         raise ClusterSpecError(f"{source}: host_memory_bandwidth prices an offloaded optimizer step, which needs "
                                "host_link (bandwidth, latency) too")
+    hosts = number(data, "num_hosts", "", integer=True, at_most=MAX_DEVICES)
+    per_host = number(data, "devices_per_host", "", integer=True, at_most=MAX_DEVICES_PER_HOST)
+    if hosts * per_host > MAX_DEVICES:
+        raise ClusterSpecError(f"{source}: num_hosts × devices_per_host = {hosts * per_host} devices; at most "
+                               f"{MAX_DEVICES} are planned for")
     return ClusterSpec(
         name=str(data.get("name", Path(source).stem)),
-        num_hosts=number(data, "num_hosts", "", integer=True, at_most=MAX_DEVICES),
-        devices_per_host=number(data, "devices_per_host", "", integer=True, at_most=MAX_DEVICES_PER_HOST),
+        num_hosts=hosts,
+        devices_per_host=per_host,
         device=device,
         description=str(data.get("description", "")),
         cores_per_host=None if cores is None else number(data, "cores_per_host", "", integer=True),
