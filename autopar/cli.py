@@ -229,7 +229,8 @@ def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
               "mesh": list(search.mesh),
               "auto": {"stages": [{"layers": list(s.layers), "submesh": list(s.submesh),
                                    "logical_mesh": list(s.logical_mesh), "recompute": s.recompute,
-                                   "recompute_layers": s.recompute_layers, "zero": _zero_level(s),
+                                   "recompute_layers": s.recompute_layers,
+                                   "recompute_granularity": s.recompute_granularity, "zero": _zero_level(s),
                                    "offload": bool(s.offload)}
                                   for s in auto.stages],
                        "num_microbatches": auto.num_microbatches, "schedule": auto.schedule, "virtual": auto.virtual,
@@ -421,7 +422,8 @@ def _print_plan(plan, out: Console) -> None:
         names = [plan.layers[k]["name"] for k in range(*s.layers)]
         c = {k: s.cost.get(k, 0.0) for k in ("forward_s", "backward_s", "send_s", "grad_sync_s", "state_bytes")}
         table.add_row(str(i), span(names), f"{s.submesh[0]}x{s.submesh[1]}", f"{s.logical_mesh[0]} × {s.logical_mesh[1]}",
-                      (f"first {s.recompute_layers}" if s.recompute_layers else "yes") if s.recompute else "",
+                      (f"first {s.recompute_layers}" if s.recompute_layers else s.recompute_granularity or "yes")
+                      if s.recompute else "",
                       f"{_zero_level(s) or ''}{'+offload' if s.offload else ''}", human_time(c["forward_s"]), human_time(c["backward_s"]),
                       human_time(c["send_s"]), human_time(c["grad_sync_s"]), human_bytes(c["state_bytes"]))
     out.print(table)

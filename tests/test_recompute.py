@@ -1,6 +1,7 @@
 """Activation recomputation as planned, on 2 and 4 gloo ranks: a plan whose stages recompute trains
 exactly as the same plan without (losses and parameters, rel 1e-6), and each recomputing stage
-really runs each of its layers' forward twice per microbatch (once more in backward)."""
+really runs each of its layers' forward twice per microbatch (once more in backward) — under
+selective recomputation each attention core only."""
 
 import dataclasses
 
@@ -15,16 +16,18 @@ from tests.test_parallelize import _layout, _staged
 
 STEPS = 2
 # one stage (DP, TP, an MoE's DP×TP), ZeRO-3 in a pipeline, torch's 1F1B over 4 rotary stages, the
-# fan-out executor (stages of 2 + 1 + 1 ranks), and a searched plan
+# fan-out executor (stages of 2 + 1 + 1 ranks), a searched plan, and selective recomputation of T5's
+# eager attention (self, causal and cross) on a tensor axis and of Llama's fused attention in a pipeline
 CASES = {4: [("gpt-tiny", "4,1,1"), ("gpt-tiny", "1,4,1"), ("moe-tiny", "2,2,1"), ("gpt-tiny", "zero3:2,1,2,2"),
-             ("llama", "1,1,4,4"), ("llama", "first:1,1,4,4"), ("gpt-tiny", "2+1+1"), ("gpt-tiny", "searched")],
+             ("llama", "1,1,4,4"), ("llama", "first:1,1,4,4"), ("gpt-tiny", "2+1+1"), ("gpt-tiny", "searched"),
+             ("t5", "selective:2,2,1,2"), ("llama", "selective:1,1,4,4")],
          2: [("gpt-tiny", "1,2,1"), ("llama", "1,1,2,2"), ("llama", "first:1,1,2,2")]}  # first: its first layer only
 
 
 def _setup(name, layout):
     torch.manual_seed(0)
     batch = 32 if layout == "searched" else 8  # activations that outweigh the weights
-    w = family(name) if name == "llama" else autopar.load_workload(name, batch=batch, device="cpu")
+    w = family(name) if name in ("llama", "t5") else autopar.load_workload(name, batch=batch, device="cpu")
     gen = torch.Generator().manual_seed(5)
     return w, [w.make_batch(w.batch, gen) for _ in range(STEPS)]
 
@@ -47,9 +50,10 @@ def _plan(w, world, layout, recompute):
     if layout == "2+1+1":
         plan = _staged(w, world, ((1, 2), (1, 1), (1, 1)), "1f1b", 4)
     else:
-        plan = _layout(w, world, layout.removeprefix("zero3:").removeprefix("first:"))
+        plan = _layout(w, world, layout.removeprefix("zero3:").removeprefix("first:").removeprefix("selective:"))
     for stage in plan.stages:
         stage.recompute = recompute
+        stage.recompute_granularity = "selective" if recompute and layout.startswith("selective:") else None
         several = stage.layers[1] - stage.layers[0] > 1
         stage.recompute_layers = 1 if recompute and layout.startswith("first:") and several else None
         if layout.startswith("zero3:"):
@@ -129,6 +133,8 @@ def _train(rank, world, name, layout):
         per_step = plan.num_microbatches * STEPS
         again = sum(seg.recomputes(mine.recompute, mine.recompute_layers) for seg in module.segments) * per_step \
             if module is not None else 0
+        if mine.recompute_granularity:  # each attention core runs as a segment of its own, in forward and backward
+            again = 2 * sum(len(seg.cores) for seg in module.segments) * per_step
         runs.append((losses, pm.full_state_dict(), calls[0],
                      len(module.segments) * per_step if module is not None else 0, again, mine.recompute_layers))
     return runs
@@ -145,5 +151,7 @@ def test_recomputing_trains_as_keeping_activations(tmp_path, world, name, layout
         # each recomputed layer's forward once more in backward (not those nothing differentiates: a
         # rotary table); with `recompute_layers` only the stage's first layers
         assert r_segments < r_calls <= r_segments + again if again else r_calls == r_segments
+        if layout.startswith("selective:"):
+            assert r_calls == r_segments + again  # every core in forward, and again before its backward
         if depth:  # a stage of several layers recomputing its first: the others run once
             assert 0 < again < r_segments

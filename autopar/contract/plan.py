@@ -51,6 +51,10 @@ class StagePlan:
     # with `recompute`: only the stage's first this many layers recompute, the later ones keep their
     # activations (as many as memory needs: Mist, AdaPipe); None: every layer
     recompute_layers: int | None = None
+    # with `recompute`: "selective" recomputes only each layer's attention cores (QKᵀ, softmax,
+    # dropout, the product with V: `contract.attention`), Megatron-LM's --recompute-granularity
+    # selective; None: whole layers ("full")
+    recompute_granularity: str | None = None
     # ZeRO-1 / ZeRO-2 of the parameters replicated on the data axis (FSDP2 keeping them gathered from
     # the step's first forward to its last backward): 1 shards their optimizer states (and fp32
     # master), 2 their gradients too; None: neither. ZeRO-3 is written in `params` (S(0) on dp)
@@ -97,7 +101,8 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data["stages"] = [{**{k: v for k, v in s.items() if k not in ("recompute_layers", "zero", "offload") or v is not None},
+        data["stages"] = [{**{k: v for k, v in s.items() if k not in ("recompute_layers", "recompute_granularity", "zero", "offload")
+                              or v is not None},
                            "layers": list(s["layers"]), "submesh": list(s["submesh"]),
                            "logical_mesh": list(s["logical_mesh"]), "params": spelled(stage.params),
                            "ops": spelled(stage.ops), "needs": spelled(stage.needs)}
@@ -211,7 +216,8 @@ class Plan:
             lines.append(f"  stage {i}: layers {s.layers[0]}–{s.layers[1] - 1} ({span(names)}) on {s.submesh[0]}x{s.submesh[1]} "
                          f"devices{group} as dp {s.logical_mesh[0]} × tp {s.logical_mesh[1]}"
                          + (f", recomputing the activations of its first {s.recompute_layers} layer(s)"
-                            if s.recompute and s.recompute_layers else ", recomputing activations" if s.recompute else "")
+                            if s.recompute and s.recompute_layers else ", recomputing attention (selective)"
+                            if s.recompute and s.recompute_granularity else ", recomputing activations" if s.recompute else "")
                          + (f", ZeRO-{s.zero} over dp" if s.zero else "")
                          + (", its sharded states in host memory" if s.offload else ""))
         if self.estimate:
@@ -266,6 +272,8 @@ def _parse(data: Any, source: str) -> Plan:
             recompute=need(s, "recompute", bool, where), cost=need(s, "cost", dict, where),
             needs=need(s, "needs", dict, where) if "needs" in s else {},
             recompute_layers=need(s, "recompute_layers", int, where) if s.get("recompute_layers") is not None else None,
+            recompute_granularity=need(s, "recompute_granularity", str, where)
+            if s.get("recompute_granularity") is not None else None,
             zero=need(s, "zero", int, where) if s.get("zero") is not None else None,
             offload=need(s, "offload", bool, where) if s.get("offload") is not None else None)
         if stage.zero is not None and not (stage.zero in (1, 2) and stage.logical_mesh[0] > 1
@@ -275,6 +283,10 @@ def _parse(data: Any, source: str) -> Plan:
         if stage.offload and not stage.zero:
             raise PlanError(f"{source}: {where}offload moves the states ZeRO shards to host memory: it needs zero 1 or 2 "
                             "on the stage (set zero, or drop offload)")
+        if stage.recompute_granularity is not None and not (
+                stage.recompute_granularity == "selective" and stage.recompute and stage.recompute_layers is None):
+            raise PlanError(f"{source}: {where}recompute_granularity must be \"selective\" (null: whole layers), with "
+                            f"recompute true and recompute_layers null, got {stage.recompute_granularity!r}")
         if stage.recompute_layers is not None and not (stage.recompute and 1 <= stage.recompute_layers
                                                        < stage.layers[1] - stage.layers[0]):
             raise PlanError(f"{source}: {where}recompute_layers must be, with recompute true, a number of the stage's "

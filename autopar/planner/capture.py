@@ -17,6 +17,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
+from autopar.contract.attention import attention_cores, base, core_inputs
 from autopar.contract.export import WRAPPER_PREFIX, export_program
 from autopar.planner.flops import FlopCounter
 from autopar.planner.graph import OpGraph, OpNode, TensorInfo
@@ -80,6 +81,7 @@ def build(
         for name in graph.nodes:
             op = graph.nodes[name]["op"]
             op.saved_outputs, op.saved_hidden = saved.get(name, (frozenset(), 0))
+    _mark_attention(fx_graph, graph, set(param_of))
     _attribute(fx_graph, graph, param_of, params, "params")
     _attribute(fx_graph, graph, buffer_of, buffers, "buffers")
     _fill_layers(graph)
@@ -88,6 +90,23 @@ def build(
     trainable = {param_of[ph] for ph in needs_grad if ph in param_of}
     return OpGraph(graph, params=params, buffers=buffers, outputs=outputs, warnings=warnings, fx_graph=fx_graph,
                    placeholders={**param_of, **buffer_of}, trainable=trainable)
+
+
+def _mark_attention(fx_graph: fx.Graph, graph: nx.DiGraph, weights: set[str]) -> None:
+    """Flag the ops of each attention core, and the outputs of others that a checkpoint of a core
+    would keep beyond what backward saves already (its inputs, through views to their producers)."""
+    nodes = [n for n in fx_graph.nodes if n.op == "call_function"]
+    for core in attention_cores(nodes, {n for n in fx_graph.nodes if n.name in weights}):
+        for node in core:
+            graph.nodes[node.name]["op"].attention = True
+        for value in core_inputs(core):
+            value = base(value)
+            producer, k = (value.args[0], value.args[1]) if value.target is operator.getitem else (value, 0)
+            if not isinstance(producer, fx.Node) or producer.name not in graph or producer.op != "call_function":
+                continue  # a model input, parameter or constant: not an activation
+            op = graph.nodes[producer.name]["op"]
+            if op.saved_outputs is not None and k not in op.saved_outputs:
+                op.attention_inputs = op.attention_inputs | {k}
 
 
 def _op_node(

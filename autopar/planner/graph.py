@@ -49,6 +49,10 @@ class OpNode:
     # op's output; None: unknown, every output counts
     saved_outputs: frozenset[int] | None = None
     saved_hidden: int = 0
+    # selective recomputation (`autopar.contract.attention`): whether it is in an attention's core,
+    # and its outputs a core reads that backward does not save otherwise (a checkpointed core keeps them)
+    attention: bool = False
+    attention_inputs: frozenset[int] = frozenset()
 
     @property
     def output_bytes(self) -> int:

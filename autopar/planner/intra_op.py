@@ -202,6 +202,7 @@ def _result(stage: StageGraph, logical, chosen: dict[str, Evaluation], zero: dic
               "zero_scatter_s": sum(e.zero_scatter for e in per_anchor) + scatter,
               "tp_grad_s": sum(e.tp_grad for e in per_anchor),
               "fixed_s": sum(e.fixed for e in per_anchor),
+              "attention_s": sum(e.attention_s for e in per_anchor),
               # the optimizer's step: fp32 elements and tensors this rank updates (ZeRO-3: its shard)
               "optimizer_elements": sum(trainable_shard(f) / DTYPE_BYTES.get(stage.graph.params[f].dtype, 4)
                                         for f in stage.graph.trainable if f in params),
@@ -214,6 +215,7 @@ def _result(stage: StageGraph, logical, chosen: dict[str, Evaluation], zero: dic
                 "weight_copies": sum(e.weight_copies for e in per_anchor),
                 "gathered": sum(e.gathered for e in per_anchor),
                 "gradients": sum(e.grad_memory for e in per_anchor),
+                "attention": sum(e.attention_memory for e in per_anchor),
                 "total": problem.memory(sol.choice), "limit": problem.memory_limit},
         solver={"status": sol.status, "objective": sol.objective, "gap": sol.gap, "time_s": sol.solve_time_s,
                 "variables": sol.num_variables, "constraints": sol.num_constraints,

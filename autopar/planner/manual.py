@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from autopar.contract import schedules
+from autopar.contract.attention import SELECTIVE
 from autopar.contract.errors import AutoparError
 from autopar.contract.plan import Plan
 from autopar.planner import rules as L
@@ -77,7 +78,7 @@ class Layout:
     tp: int
     pp: int
     num_microbatches: int | None = None
-    recompute: bool = False
+    recompute: bool | str = False  # True: whole layers; SELECTIVE: attention cores only
     virtual: int = 1  # stages per device group
     sequence_parallel: bool = False  # Megatron-LM's --sequence-parallel (`MEGATRON_SP`)
     zero: int = 0  # ZeRO-1/2 of every stage (Megatron-LM's --use-distributed-optimizer is ZeRO-1)
@@ -88,7 +89,8 @@ class Layout:
         mb = f",{self.num_microbatches}" if self.num_microbatches else ""
         return (f"megatron-{self.dp},{self.tp},{self.pp}{mb}" + (f"+v{self.virtual}" if self.virtual > 1 else "")
                 + ("+sp" if self.sequence_parallel else "") + (f"+z{self.zero}" if self.zero else "")
-                + ("+offload" if self.offload else "") + ("+recompute" if self.recompute else ""))
+                + ("+offload" if self.offload else "")
+                + ("+selective" if self.recompute == SELECTIVE else "+recompute" if self.recompute else ""))
 
     @property
     def zero_choice(self) -> int:
@@ -96,21 +98,24 @@ class Layout:
         return -self.zero if self.offload else self.zero
 
     @staticmethod
-    def parse(text: str, recompute: bool = False, virtual: int = 1, sequence_parallel: bool = False,
+    def parse(text: str, recompute: bool | str = False, virtual: int = 1, sequence_parallel: bool = False,
               zero: int = 0, offload: bool = False) -> Layout:
         """DP,TP,PP[,MICROBATCHES], then "+sp" for sequence parallelism, "+z1" / "+z2" for ZeRO-1/2,
-        "+offload" for their shards in host memory."""
+        "+offload" for their shards in host memory, "+recompute" / "+selective" for recomputation
+        of whole layers / of attention only."""
         body, *flags = text.split("+")
         try:
             parts = [int(p) for p in body.split(",")]
         except ValueError:
             parts = []
-        if len(parts) not in (3, 4) or any(p < 1 for p in parts) or not set(flags) <= {"sp", "z1", "z2", "offload"} \
-                or len(set(flags)) < len(flags) or {"z1", "z2"} <= set(flags):
+        if len(parts) not in (3, 4) or any(p < 1 for p in parts) or not set(flags) <= {"sp", "z1", "z2", "offload", "recompute", "selective"} \
+                or len(set(flags)) < len(flags) or {"z1", "z2"} <= set(flags) or {"recompute", "selective"} <= set(flags):
             raise AutoparError(f"malformed layout {text!r}: write DP,TP,PP or DP,TP,PP,MICROBATCHES, e.g. 2,4,8,64, "
-                               "then +sp for sequence parallelism, +z1 or +z2 for ZeRO-1/2 and +offload for their "
-                               "shards in host memory (e.g. 8,1,1+z2+offload)")
+                               "then +sp for sequence parallelism, +z1 or +z2 for ZeRO-1/2, +offload for their "
+                               "shards in host memory and +recompute or +selective for recomputation of whole layers "
+                               "or of attention only (e.g. 8,1,1+z2+offload)")
         zero = next((int(f[1]) for f in flags if f.startswith("z")), zero)
+        recompute = SELECTIVE if "selective" in flags else recompute or "recompute" in flags
         return Layout(*parts[:3], parts[3] if len(parts) == 4 else None, recompute, virtual,
                       sequence_parallel or "sp" in flags, zero, offload or "offload" in flags)
 
@@ -173,6 +178,8 @@ def check(search: Search, layout: Layout) -> str | None:
     stages = layout.pp * layout.virtual
     if layout.recompute and schedules.splits_backward(search.schedule):
         return f"{search.schedule} splits backward, which recomputation does not run under yet: use interleaved-1f1b"
+    if layout.recompute == SELECTIVE and not any(n.attention for n in search.graph):
+        return "selective recomputation recomputes attention (QKᵀ, softmax, the product with V): the model has none"
     if layout.sequence_parallel and layout.tp == 1:
         return "sequence parallelism splits the sequence over the tensor axis: it needs tp ≥ 2"
     if layout.offload and not layout.zero:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.contract import schedules
+from autopar.contract.attention import SELECTIVE
 from autopar.contract.compression import parse
 from autopar.contract.errors import AutoparError
 from autopar.contract.limits import MAX_DEVICES, MAX_DEVICES_PER_HOST
@@ -32,6 +33,7 @@ from autopar.planner.stage_costs import StageCosts, StageOption, gathered_peak
 from autopar.planner.strategy_costs import REPLICATED_GRADIENTS, Rule, gathered_bytes
 
 RESERVE = 0.1  # of device memory kept for the allocator, workspaces and fragmentation
+RECOMPUTES = (False, SELECTIVE, True)  # recompute choices, least recomputed first (ties keep the first)
 DP_TOLERANCE = 0.01  # the stage DP's total is within 1 % of its optimum (stage_dp's t_max grid)
 
 log = logging.getLogger(__name__)
@@ -99,7 +101,7 @@ class Search:
         return self.layers[i].atoms[0], self.layers[j - 1].atoms[1]
 
     def stage_table(self, i: int, j: int, shape: tuple[int, int], m: int, depth: int,
-                    logical: list[tuple[int, int]] | None = None, recompute: tuple[bool, ...] = (False, True),
+                    logical: list[tuple[int, int]] | None = None, recompute: tuple | None = None,
                     ) -> list[StageOption | None]:
         """For s = 1 … depth stages from the end: the fastest way to run layers [i, j) on `shape`
         that fits with the microbatches that stage keeps in flight (index 0 unused)."""
@@ -109,13 +111,14 @@ class Search:
         return table
 
     def fastest(self, i: int, j: int, shape: tuple[int, int], m: int, in_flight: int, limit: float,
-                logical: list[tuple[int, int]] | None = None, recompute: tuple[bool, ...] = (False, True),
+                logical: list[tuple[int, int]] | None = None, recompute: tuple | None = None,
                 zeros: tuple[int, ...] | None = None) -> StageOption | None:
         """The fastest way to run layers [i, j) on `shape` within `limit` bytes with `in_flight`
         microbatches' activations held (the gradient reduction overlaps the last backward, as the
         simulator replays it)."""
         opts = sorted(self.costs.options(self.atoms(i, j), shape, m, logical, recompute, zeros),
-                      key=lambda o: (o.time + (o.grad_sync_s + o.optimizer_s) / m, o.lean, o.recompute, o.zero, o.offload))
+                      key=lambda o: (o.time + (o.grad_sync_s + o.optimizer_s) / m, o.lean,
+                                     RECOMPUTES.index(o.recompute), o.zero, o.offload))
         fits = [o for o in opts if o.memory(in_flight) <= limit]
         # offloaded only where nothing fits on the device (stricter than `_fastest`'s per level)
         return next((o for o in fits if not o.offload), fits[0] if fits else None)
@@ -163,7 +166,7 @@ class Search:
         return out
 
     def range_times(self, shape: tuple[int, int], m: int, in_flight: int, limit: float,
-                    logical: list[tuple[int, int]] | None = None, recompute: tuple[bool, ...] = (False, True),
+                    logical: list[tuple[int, int]] | None = None, recompute: tuple | None = None,
                     zeros: tuple[int, ...] | None = None) -> tuple[np.ndarray, tuple]:
         """time[i, j] of the fastest way to run layers [i, j) on `shape` (on one of the `logical`
         meshes) within `limit` bytes with `in_flight` microbatches held (inf: none fits), and
@@ -388,7 +391,7 @@ def _virtual_plan(search: Search, p: int, shape: tuple[int, int], lm: tuple[int,
     synchronisation and optimizer) already takes `bound` seconds: that time instead."""
     q = p * search.virtual
     in_flight, limit = max((search.budget(s, q, m) for s in range(q)), key=lambda b: b[0])
-    recompute = (False,) if schedules.splits_backward(search.schedule) else (False, True)  # `runs`
+    recompute = (False,) if schedules.splits_backward(search.schedule) else None  # `runs`
     # one mesh; no ZeRO-1/2: a device group's stages would have to take it alike (`runtime.pipeline`)
     times, (variants, picks) = search.range_times(shape, m, in_flight, limit, [lm], recompute, zeros=(0,))
     if not variants:
@@ -527,7 +530,7 @@ def recompute_less(search: Search, chosen: list[tuple[tuple[int, int], tuple[int
     bound the DP checked, with the pipeline's real length); the later layers keep their activations."""
     out = []
     for idx, ((i, j), shape, opt) in enumerate(chosen):
-        if opt.recompute and j - i > 1:
+        if opt.recompute is True and j - i > 1:
             in_flight, limit = search.budget(idx, len(chosen), m)
             atoms = search.atoms(i, j)
             sums = search.costs.range_sums(atoms, shape, opt.logical_mesh, opt.lean)
@@ -560,7 +563,8 @@ def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int]
             needs.update(atom_needs)
         stages.append(StagePlan(
             layers=(i, j), submesh=shape, logical_mesh=opt.logical_mesh, params=placed(dict(sorted(params.items()))),
-            ops=placed(ops), needs=placed(needs), recompute=opt.recompute, recompute_layers=opt.recompute_layers,
+            ops=placed(ops), needs=placed(needs), recompute=bool(opt.recompute), recompute_layers=opt.recompute_layers,
+            recompute_granularity=opt.recompute if opt.recompute == SELECTIVE else None,
             zero=opt.zero or None, offload=opt.offload or None,
             cost={"forward_s": opt.forward_s, "backward_s": opt.backward_s, "weight_s": opt.weight_s, "send_s": opt.send_s,
                   "grad_sync_s": opt.unhidden_sync_s if unhidden else opt.grad_sync_s, "optimizer_s": opt.optimizer_s,

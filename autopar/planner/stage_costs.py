@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from autopar.contract.attention import SELECTIVE
 from autopar.contract.compression import Spec
 from autopar.contract.precision import PRECISIONS
 from autopar.cost_models import ClusterSpec, axis_link, optimizer_time, p2p_time
@@ -33,7 +34,10 @@ from autopar.planner.layering import cut_bytes
 from autopar.planner.stage_graph import layer_hash
 from autopar.planner.strategy_costs import DTYPE_BYTES, Rule
 
-COLUMNS = 21  # of `StageCosts.range_sums`
+COLUMNS = 23  # of `StageCosts.range_sums`
+# selective recomputation is weighed where attention cores hold at least this share of the model's
+# activations (eager attention): fused attention keeps a few kB, and the search stays as small as before
+SELECTIVE_SHARE = 0.1
 
 
 def gathered_peak(per_layer: np.ndarray, precision: str | None, loss: float = 0.0,
@@ -59,7 +63,7 @@ class StageOption:
 
     logical_mesh: tuple[int, int]
     lean: bool  # the least-memory sharding of each atom
-    recompute: bool
+    recompute: bool | str  # False, True (whole layers) or SELECTIVE (attention cores)
     forward_s: float
     backward_s: float
     send_s: float
@@ -136,6 +140,12 @@ class StageCosts:
         # the loss runs on the model's output in the last stage, in fp32 (autocast's lists and the usual
         # losses upcast): cross-entropy keeps its log-probabilities for backward (per microbatch in
         # flight), and its backward makes two logits-sized gradients (a transient of one microbatch)
+        kept = {n.name: sum(o.nbytes for k, o in enumerate(n.outputs) if n.saved_outputs is None or k in n.saved_outputs)
+                + n.saved_hidden for n in self.graph if not n.is_view and n.op != "input"}
+        freed = sum(kept[n.name] for n in self.graph if n.attention and n.name in kept) - sum(
+            n.outputs[k].nbytes for n in self.graph for k in n.attention_inputs)
+        # the recompute choices the search weighs by default
+        self.recomputes = (False, True) + ((SELECTIVE,) if freed >= SELECTIVE_SHARE * sum(kept.values()) > 0 else ())
         self.loss_bytes = float(sum(math.prod(o.shape) * max(4, DTYPE_BYTES.get(o.dtype, 4))
                                     for name in self.graph.outputs for o in self.graph.graph.nodes[name]["op"].outputs))
 
@@ -224,7 +234,7 @@ class StageCosts:
         return params, ops, needs
 
     def options(self, atoms: tuple[int, int], submesh: tuple[int, int], num_microbatches: int,
-                logical: list[tuple[int, int]] | None = None, recompute: tuple[bool, ...] = (False, True),
+                logical: list[tuple[int, int]] | None = None, recompute: tuple | None = None,
                 zeros: tuple[int, ...] | None = None) -> list[StageOption]:
         """Every (logical mesh, variant, recompute, ZeRO level) of atoms [a, b) on `submesh`, per microbatch."""
         out = []
@@ -251,11 +261,12 @@ class StageCosts:
         return (0, 1, 2, -1, -2) if self.cluster.offloads else (0, 1, 2)
 
     def variants(self, submesh: tuple[int, int], m: int, logical: list[tuple[int, int]] | None = None,
-                 recompute: tuple[bool, ...] = (False, True), zeros: tuple[int, ...] | None = None,
-                 ) -> list[tuple[tuple[int, int], bool, bool, int]]:
+                 recompute: tuple | None = None, zeros: tuple[int, ...] | None = None,
+                 ) -> list[tuple[tuple[int, int], bool, bool | str, int]]:
         """The (logical mesh, lean, recompute, ZeRO level) combinations a stage on `submesh` may use
         (ZeRO-2 only where the stage may hold every device: one-stage plans, `zeroed`)."""
         whole = submesh[0] * submesh[1] == self.world
+        recompute = self.recomputes if recompute is None else recompute
         return [(lm, lean, rc, z) for lm in (logical or logical_meshes(submesh)) if (self._batch // m) % lm[0] == 0
                 for lean in (False, True) for rc in recompute for z in self.zero_levels(lm, zeros) if abs(z) < 2 or whole]
 
@@ -345,7 +356,8 @@ class StageCosts:
         prefix = self._prefix[(submesh, lm, lean)][bounds]  # [layer boundary, quantity]
         sums = prefix[None, :, :] - prefix[:, None, :]  # [i, j, quantity]
         fwd, bwd, comm, sync, states, acts, trainable, weighted, latency, copies, gathered, grads, averaged, \
-            gather, scatter, fixed_f, fixed_b, elements, tensors, dtensors, tp_grad = np.moveaxis(sums, -1, 0)
+            gather, scatter, fixed_f, fixed_b, elements, tensors, dtensors, tp_grad, attention, attention_s = \
+            np.moveaxis(sums, -1, 0)
         key = (bounds.tobytes(), submesh, lm, lean)  # the same for every recompute and ZeRO variant
         if key not in self._excess:
             self._excess[key] = self.tied_excess(bounds, submesh, lm, lean)
@@ -362,14 +374,15 @@ class StageCosts:
         loss = np.where(bounds == len(self.atoms), self.loss_bytes / (lm[0] * m), 0.0)[None, :]  # ranges ending the model
         transient = 2 * loss + gathered * self.held_in_pipeline(lm[0])
         if bounds[0] == 0 and bounds[-1] == len(self.atoms):  # the whole model in one stage
-            transient[0, -1] = self.one_stage_transient(prefix, bounds, 2 * loss[0, -1], m, rc)
-        if rc:  # keep each layer's input; one layer's activations (and the weight copies) at a time
+            transient[0, -1] = self.one_stage_transient(prefix, bounds, 2 * loss[0, -1], m, rc is True)
+        if rc == SELECTIVE:  # the attention cores' activations recomputed, one layer's at a time
+            bwd = bwd + attention_s / m
+            acts = acts - attention / m + np.array([self.cut[a - 1] if a > 0 else 0.0 for a in bounds])[:, None] / (lm[0] * m)
+            transient = transient + self._largest(prefix, bounds, 21) / m
+        elif rc:  # keep each layer's input; one layer's activations (and the weight copies) at a time
             bwd = bwd + fwd
             inputs = np.concatenate([[0.0], np.cumsum([self.cut[a - 1] if a > 0 else 0.0 for a in bounds[:-1]])])
-            layer = np.diff(prefix[:, 5]) / m  # each layer's activations per microbatch
-            rows = np.where(np.arange(len(layer))[None, :] >= np.arange(len(bounds))[:, None], layer[None, :], 0.0)
-            largest = np.concatenate([np.zeros((len(bounds), 1)), np.maximum.accumulate(rows, axis=1)], axis=1)
-            transient = transient + largest + copies
+            transient = transient + self._largest(prefix, bounds, 5) / m + copies
             acts = (inputs[None, :] - inputs[:, None]) / (lm[0] * m)
         else:  # a later stage keeps what it received until that microbatch's backward
             acts = acts + np.array([self.cut[a - 1] if a > 0 else 0.0 for a in bounds])[:, None] / (lm[0] * m)
@@ -379,9 +392,7 @@ class StageCosts:
         valid = True
         if z:
             whole = (bounds[:, None] == 0) & (bounds[None, :] == len(self.atoms))
-            layer = np.diff(prefix[:, 11])  # each layer's gradient bytes; the largest in each range
-            rows = np.where(np.arange(len(layer))[None, :] >= np.arange(len(bounds))[:, None], layer[None, :], 0.0)
-            unit = np.concatenate([np.zeros((len(bounds), 1)), np.maximum.accumulate(rows, axis=1)], axis=1)
+            unit = self._largest(prefix, bounds, 11)  # the largest layer's gradient bytes in each range
             zq = self.zeroed(z, submesh, lm, m, whole, {"states": states, "grads": grads, "averaged": averaged,
                                                      "trainable": trainable, "elements": elements, "tensors": tensors,
                                                      "sync": sync, "fwd": fwd, "bwd": bwd, "unit": unit})
@@ -409,7 +420,8 @@ class StageCosts:
         bucket latency × bytes, comm latency, 16-bit weight copies, ZeRO-3's gathered parameters and
         gradients, gradient bytes, bytes the data axis averages from flat copies, ZeRO-3's all-gather
         (bytes) and reduce-scatter times, the fixed per-op time of forward and of backward, the
-        optimizer's elements, tensors and DTensors, the tensor axis's weight-gradient all-reduces] summed over [a, b),
+        optimizer's elements, tensors and DTensors, the tensor axis's weight-gradient all-reduces, the
+        activations selective recomputation frees and the forward it repeats] summed over [a, b),
         from prefix sums."""
         key = (submesh, lm, lean)
         if key not in self._prefix:
@@ -432,7 +444,8 @@ class StageCosts:
                              c.get("zero_gather_s", 0.0), c.get("zero_scatter_s", 0.0),
                              c.get("fixed_s", 0.0) * share, c.get("fixed_s", 0.0) * (1 - share),
                              c.get("optimizer_elements", 0.0), c.get("optimizer_tensors", 0.0),
-                             c.get("optimizer_dtensors", 0.0), c.get("tp_grad_s", 0.0)])
+                             c.get("optimizer_dtensors", 0.0), c.get("tp_grad_s", 0.0),
+                             p.memory.get("attention", 0.0), c.get("attention_s", 0.0)])
             self._prefix[key] = np.vstack([np.zeros(COLUMNS), np.cumsum(np.array(rows), axis=0)])
         prefix = self._prefix[key]
         sums = prefix[atoms[1]] - prefix[atoms[0]]
@@ -444,7 +457,8 @@ class StageCosts:
         as memory needs); the later ones keep their activations. `zero`: ZeRO-1/2 (`zeroed`; an
         option it cannot apply to has infinite time)."""
         (fwd, bwd, comm, sync, states, acts, trainable, weighted_latency, latency, copies, gathered, grads, averaged,
-         gather, scatter, fixed_f, fixed_b, elements, tensors, dtensors, tp_grad) = (float(x) for x in sums)
+         gather, scatter, fixed_f, fixed_b, elements, tensors, dtensors, tp_grad, attention, attention_s) = (
+            float(x) for x in sums)
         states -= float(self.tied_excess(np.array(atoms), submesh, lm, lean)[0, 1])
         comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
         if trainable:  # one bucket latency per 25 MB of the stage's weights (byte-weighted over its atoms)
@@ -465,11 +479,17 @@ class StageCosts:
         transient = 2 * loss + gathered * self.held_in_pipeline(lm[0])
         if tuple(atoms) == (0, len(self.atoms)):  # the whole model in one stage
             bounds = np.array(sorted({0, *(self.layer_starts or range(len(self.atoms))), len(self.atoms)}))
-            transient = self.one_stage_transient(self._prefix[(submesh, lm, lean)][bounds], bounds, 2 * loss, m, rc)
+            transient = self.one_stage_transient(self._prefix[(submesh, lm, lean)][bounds], bounds, 2 * loss, m, rc is True)
         starts = [a for a in (self.layer_starts or range(len(self.atoms))) if atoms[0] < a < atoms[1]]
         ends = [atoms[0], *starts, atoms[1]]
-        depth = depth if rc and depth is not None and 1 <= depth < len(ends) - 1 else None
-        if rc and depth is not None:  # the first `depth` layers as below, the rest as without recomputation
+        depth = depth if rc is True and depth is not None and 1 <= depth < len(ends) - 1 else None
+        if rc == SELECTIVE:  # the attention cores' activations recomputed, one layer's at a time
+            bwd += attention_s / m
+            acts -= attention / m
+            transient += max(float(self.range_sums((a, b), submesh, lm, lean)[21]) for a, b in zip(ends, ends[1:])) / m
+            if atoms[0] > 0:
+                acts += self.cut[atoms[0] - 1] / (lm[0] * m)
+        elif rc and depth is not None:  # the first `depth` layers as below, the rest as without recomputation
             head = (atoms[0], ends[depth])
             head_sums = self.range_sums(head, submesh, lm, lean)
             bwd += self.option_for(head, submesh, lm, lean, False, head_sums, m).forward_s
@@ -510,6 +530,13 @@ class StageCosts:
         optimizer = float(self.optimizer_s(elements, tensors, dtensors)) + tp_grad
         return StageOption(lm, lean, rc, fwd, bwd, send, sync, states, acts, transient, grads, averaged,
                            optimizer, weight, unhidden, depth, abs(zero), zero < 0)
+
+    def _largest(self, prefix: np.ndarray, bounds: np.ndarray, column: int) -> np.ndarray:
+        """[i, j]: the largest layer's `column` among the layers of [bounds[i], bounds[j]) (the prefix
+        sums' rows at `bounds`, one layer between consecutive bounds)."""
+        layer = np.diff(prefix[:, column])
+        rows = np.where(np.arange(len(layer))[None, :] >= np.arange(len(bounds))[:, None], layer[None, :], 0.0)
+        return np.concatenate([np.zeros((len(bounds), 1)), np.maximum.accumulate(rows, axis=1)], axis=1)
 
     def optimizer_s(self, elements, tensors, dtensors):
         """The optimizer's step on a stage's shard of the weights, and the all-reduce of the loss

@@ -73,6 +73,10 @@ class Evaluation:
     tp_grad: float = 0.0  # partial weight gradients all-reduced on the tensor axis, once per step after backward
     param_states: dict[str, float] = field(default_factory=dict)  # fqn -> its share of state_memory
     grad_memory: float = 0.0  # the gradients' part of state_memory (allocated by the step's first backward)
+    # selective recomputation (`autopar.contract.attention`): the activations it frees (the attention
+    # cores' own, less the inputs a checkpoint of them keeps) and the cores' forward it runs again
+    attention_memory: float = 0.0
+    attention_s: float = 0.0
     collectives: list[tuple] = field(default_factory=list)  # (node, kind, phase, bytes[, axis]); axis tp if absent
     letters: dict[str, str | None] = field(default_factory=dict)  # node -> the letter split on the tensor axis
     partial: dict[str, set[int]] = field(default_factory=dict)  # node -> inputs whose gradient it leaves partial
@@ -235,11 +239,21 @@ class StrategyCosts:
             ev.compute += compute_time((node.flops_fwd + node.flops_bwd) / (dp_share * tp_share),
                                        3 * (node.bytes_read + node.bytes_written) / (dp_share * tp_share),
                                        device, dtype, ops=ops, matmuls=matmuls, sharded=sharded)
+            kept = 0.0
             for k, out in enumerate(node.outputs):  # what backward keeps of it (all, when unknown)
+                shared = mesh.tp if shard_dim(ev.out[name][k]) is not None else 1
                 if node.saved_outputs is None or k in node.saved_outputs:
-                    shared = mesh.tp if shard_dim(ev.out[name][k]) is not None else 1
-                    ev.activation_memory += out.nbytes / (self.g.dp_share(name, k) * shared)
-            ev.activation_memory += (node.cast_bytes + node.saved_hidden) / (dp_share * tp_share)
+                    kept += out.nbytes / (self.g.dp_share(name, k) * shared)
+                elif k in node.attention_inputs:  # kept by a checkpointed attention core only
+                    ev.attention_memory -= out.nbytes / (self.g.dp_share(name, k) * shared)
+            kept += (node.cast_bytes + node.saved_hidden) / (dp_share * tp_share)
+            ev.activation_memory += kept
+            if node.attention:
+                ev.attention_memory += kept
+                ev.attention_s += compute_time(node.flops_fwd / (dp_share * tp_share),
+                                               (node.bytes_read + node.bytes_written) / (dp_share * tp_share),
+                                               device, dtype, ops=1, matmuls=1 if node.flops_fwd else 0,
+                                               sharded=sharded)
         if sig.kind == L.UNKNOWN and mesh.dp > 1:  # runs on whole tensors: gather the batch first
             for i, src in self.g.tensor_inputs(name):
                 if src and self.g.batch_of(src, self.g.out_index(name, src)) is not None:

@@ -3,6 +3,10 @@ keeps, per microbatch, only the inputs of each of its layers, and runs each laye
 just before that layer's backward (Megatron-LM's full recomputation, one checkpoint per layer).
 Its peak in backward is then one layer's activations, not the stage's. With `recompute_layers` k,
 only the stage's first k layers do so; the later ones keep their activations (Mist, AdaPipe).
+With `recompute_granularity` "selective" (Megatron-LM's) only each attention's core runs again
+(`contract.attention`): it is a segment of its own inside its layer's (`Segment.cores`), under a
+checkpoint that keeps its inputs (Q, K, V, a mask), while the rest of the layer keeps its
+activations as without recomputation.
 
 The stage's graph (`ShardedGraph`) runs as segments, one per layer of the plan (the nodes it
 lists; nodes no layer lists join the segment they follow), each under one non-reentrant
@@ -13,10 +17,12 @@ read, so nothing else of it stays alive.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import fx
+
+from autopar.contract.attention import core_inputs
 
 
 @dataclass
@@ -25,6 +31,33 @@ class Segment:
     inputs: list[fx.Node]  # values made before it (or the stage's inputs) that it reads
     outputs: list[fx.Node]  # values it makes that later segments, or the stage's outputs, read
     layer: int | None = None  # the index of its layer among the stage's (None: before the first)
+    cores: dict[fx.Node, Segment] = field(default_factory=dict)  # first node -> an attention core in it
+
+    def with_cores(self, cores: list[list[fx.Node]], kept: set[fx.Node], given: set[fx.Node]) -> Segment:
+        """This segment with the attention `cores` among its nodes as sub-segments, each made
+        contiguous (ops between a core's first and last that do not read it run before it)."""
+        mine = [c for c in cores if set(c) <= set(self.nodes)]
+        if not mine:
+            return self
+        nodes = list(self.nodes)
+        subs = {}
+        for core in mine:
+            members = set(core)
+            start, end = nodes.index(core[0]), nodes.index(core[-1])
+            after: set[fx.Node] = set(members)
+            ahead, rest = [], []
+            for n in nodes[start:end + 1]:
+                if n in members:
+                    continue
+                if any(i in after for i in n.all_input_nodes):
+                    after.add(n)
+                    rest.append(n)
+                else:
+                    ahead.append(n)
+            nodes[start:end + 1] = ahead + core + rest
+            outputs = [n for n in core if n in kept or any(u not in members for u in n.users)]
+            subs[core[0]] = Segment(core, [i for i in core_inputs(core) if i not in given], outputs, self.layer)
+        return Segment(nodes, self.inputs, self.outputs, self.layer, subs)
 
     def recomputes(self, recompute: bool, layers: int | None) -> bool:
         """Whether a stage recomputing its first `layers` layers (None: all) recomputes this segment."""

@@ -33,6 +33,7 @@ from torch.distributed.tensor import (
 )
 
 from autopar.contract import placements as planned
+from autopar.contract.attention import SELECTIVE, attention_cores
 from autopar.contract.export import WRAPPER_PREFIX
 from autopar.contract.plan import Plan, StagePlan
 from autopar.runtime.buffers import persistent
@@ -289,7 +290,12 @@ class ShardedGraph(nn.Module):
         self.gather_outputs: dict[int, tuple[int | None, Any]] = {}
         self.copy_views = False  # outputs that are views leave as copies (`forward`)
         given = set(self.fixed) | set(params)
-        self.segments = segments(self.nodes, layers or [], set(self.outputs) | set(self.updates), given)
+        kept = set(self.outputs) | set(self.updates)
+        self.segments = segments(self.nodes, layers or [], kept, given)
+        self.selective = stage.recompute and stage.recompute_granularity == SELECTIVE
+        if self.selective:  # each attention core a checkpointed segment of its own inside its layer's
+            cores = attention_cores(self.nodes, set(params))
+            self.segments = [s.with_cores(cores, kept, given) for s in self.segments]
         self.units = nn.ModuleList()  # with `units`: a module per layer holding its own parameters
         self._unit_at: dict[int, Layer] = {}  # segment index -> its unit
         self._wrapped: dict[fx.Node, DTensor] | None = None  # during a forward without recomputation
@@ -336,6 +342,7 @@ class ShardedGraph(nn.Module):
         # without recomputation, replicated values are wrapped once for the whole part (not passed
         # as an argument: FSDP2's hooks would copy it)
         self._wrapped = None if recompute else {}
+        recompute = recompute and not self.selective  # `_segment` checkpoints the attention cores
         try:
             for i, segment in enumerate(self.segments):
                 unit = self._unit_at.get(i)
@@ -364,7 +371,15 @@ class ShardedGraph(nn.Module):
             env[node] = getattr(module, name)
         env.update(zip(segment.inputs, values))
         wrapped = {} if self._wrapped is None else self._wrapped
+        again = self.selective and torch.is_grad_enabled()
+        done: set[fx.Node] = set()
         for node in segment.nodes:
+            core = segment.cores.get(node) if again else None
+            if core is not None:  # selective recomputation: the core runs again before its backward
+                env.update(zip(core.outputs, checkpointed(partial(self._segment, core), *[env[n] for n in core.inputs])))
+                done.update(core.nodes)
+            if node in done:
+                continue
             try:
                 env[node] = self._run(node, env, wrapped)
             except Exception as exc:

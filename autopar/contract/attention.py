@@ -1,0 +1,101 @@
+"""The ops selective recomputation recomputes: each attention's core, found the same way by the
+planner (which prices it, `planner.capture`) and the runtime (which checkpoints it,
+`runtime.sharded_graph`).
+
+Megatron-LM's selective recomputation (Korthikanti et al., 2022) recomputes only the core of
+attention: QKᵀ, its scaling and masks, softmax, dropout and the product with V. Those hold the
+activations that grow with the square of the sequence (5·a·s/h of a layer's 34 + 5·a·s/h bytes
+per token and hidden unit) for a few percent of its FLOPs. In an exported graph a core is the
+ops between two matrix products of activations (neither operand a weight): the first (QKᵀ), the
+second it reaches without another matrix product or a weight on the way (the product with V),
+and every op on a path between them. A fused attention (`scaled_dot_product_attention` and its
+kernels) is a core by itself: it keeps only its inputs, output and log-sum-exp, so recomputing
+it saves little — the planner prices that, and does not offer the choice where it saves nothing.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+from torch import fx
+
+SELECTIVE = "selective"  # `StagePlan.recompute_granularity` of a stage recomputing its attention cores only
+PRODUCTS = {"bmm", "matmul", "baddbmm"}
+FUSED = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
+         "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
+         "_scaled_dot_product_cudnn_attention"}
+
+
+def _name(node: fx.Node) -> str:
+    """The aten op's name without namespace and overload (`aten.bmm.default` -> `bmm`)."""
+    name = getattr(node.target, "__name__", str(node.target))
+    return name.split(".")[0]
+
+
+def is_view(node: fx.Node) -> bool:
+    return node.op == "call_function" and (node.target is operator.getitem
+                                           or bool(getattr(node.target, "is_view", False)))
+
+
+def base(node: fx.Node) -> fx.Node:
+    """The value a chain of views reads (a getitem of a multi-output op stays: it names the output)."""
+    while is_view(node) and node.target is not operator.getitem and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node
+
+
+def attention_cores(nodes: Sequence[fx.Node], weights: set[fx.Node]) -> list[list[fx.Node]]:
+    """Each attention core among `nodes` (graph order), its ops in graph order. `weights`: the
+    placeholders that are parameters (a product reading one, through views, is a layer's, not
+    attention's)."""
+    inside = set(nodes)
+    order = {n: i for i, n in enumerate(nodes)}
+
+    def product(n: fx.Node) -> bool:
+        return _name(n) in PRODUCTS and not any(base(i) in weights for i in n.all_input_nodes)
+
+    cores: list[list[fx.Node]] = []
+    taken: set[fx.Node] = set()
+    for node in nodes:
+        if node in taken or node.op != "call_function":
+            continue
+        if _name(node) in FUSED:
+            cores.append([node])
+            taken.add(node)
+            continue
+        if not product(node):
+            continue
+        # forward from QKᵀ, stopping at weights' ops and at matrix products
+        reached, frontier, second = {node}, [node], None
+        while frontier:
+            n = frontier.pop()
+            for u in n.users:
+                if u not in inside or u in reached or u in taken:
+                    continue
+                if product(u):
+                    second = u if second is None or order[u] < order[second] else second
+                    continue
+                if any(base(i) in weights for i in u.all_input_nodes) or _name(u) in FUSED:
+                    continue
+                reached.add(u)
+                frontier.append(u)
+        if second is None:
+            continue
+        # the ops reached from QKᵀ that lead to the second product
+        core, frontier = {node, second}, [second]
+        while frontier:
+            n = frontier.pop()
+            for i in n.all_input_nodes:
+                if i in reached and i not in core:
+                    core.add(i)
+                    frontier.append(i)
+        cores.append(sorted(core, key=order.__getitem__))
+        taken |= core
+    return cores
+
+
+def core_inputs(core: Sequence[fx.Node]) -> list[fx.Node]:
+    """The values a core reads from outside it (what a checkpoint of it keeps), in first-use order."""
+    members = set(core)
+    return list(dict.fromkeys(i for n in core for i in n.all_input_nodes if i not in members))
