@@ -28,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.api import parallelize
+from autopar.contract.attention import SELECTIVE
 from autopar.contract.errors import AutoparError
 from autopar.contract.plan import Plan
 from autopar.contract.precision import parse_precision
@@ -46,7 +47,8 @@ log = logging.getLogger(__name__)
 def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, precision: str | None = None,
                     choices: dict | None = None, pin: bool = False) -> list[Any]:
     """The searched plan first, then every valid hand-written layout × microbatch count (in
-    `precision`), and per (dp, tp, pp) its most microbatches recomputing, in bf16, with ZeRO-1/2/3
+    `precision`), and per (dp, tp, pp) its most microbatches recomputing (whole layers, and attention
+    only where the model has attention), in bf16, with ZeRO-1/2/3
     and with sequence parallelism.
     `choices` / `pin` (`StageCosts`): record the shardings chosen, or price them again on this
     cluster (the hand-written layouts only: the search would choose again)."""
@@ -65,8 +67,11 @@ def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, pre
             valid = [Layout(nproc // (tp * pp), tp, pp, m, False) for m in (1, 2, 4, 8)]
             valid = [layout for layout in valid if check(view, layout) is None]
             plans += [manual_plan(view, layout) for layout in valid]
-            if valid:  # recomputing, where it saves most: the most microbatches in flight
-                plans.append(manual_plan(view, dataclasses.replace(valid[-1], recompute=True)))
+            if valid:  # recomputing, where it saves most: the most microbatches in flight; attention only too
+                for recompute in (True, SELECTIVE):
+                    layout = dataclasses.replace(valid[-1], recompute=recompute)
+                    if check(view, layout) is None:
+                        plans.append(manual_plan(view, layout))
             if valid and half is not None:
                 plan = manual_plan(half, valid[-1])
                 plans.append(dataclasses.replace(plan, name=f"{plan.name} bf16"))
@@ -188,6 +193,7 @@ def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup
     rows = [{"name": p.name, "num_microbatches": p.num_microbatches, "precision": p.precision or "fp32",
              "recompute": any(s.recompute for s in p.stages),
              "recompute_layers": [s.recompute_layers for s in p.stages if s.recompute],  # null: all of a stage's
+             "recompute_granularity": next((s.recompute_granularity for s in p.stages if s.recompute), None),
              "zero": p.dp_gradient.get("zero_stage", 0), "offload": any(s.offload for s in p.stages),
              "predicted_step_time_s": p.estimate.step_time_s, "measured_step_time_s": t,
              "predicted_peak_bytes": p.estimate.peak_memory_bytes, "measured_peak_bytes": peak}

@@ -38,11 +38,19 @@ def is_view(node: fx.Node) -> bool:
                                            or bool(getattr(node.target, "is_view", False)))
 
 
-def base(node: fx.Node) -> fx.Node:
-    """The value a chain of views reads (a getitem of a multi-output op stays: it names the output)."""
-    while is_view(node) and node.target is not operator.getitem and node.all_input_nodes:
-        node = node.all_input_nodes[0]
-    return node
+def base(node: fx.Node) -> tuple[fx.Node, int]:
+    """The value a chain of views reads: (the node that made it, which of its outputs). A piece of
+    a view op (`split`'s) is a view of that op's input."""
+    while node.op == "call_function":
+        if node.target is operator.getitem:
+            if not is_view(node.args[0]):
+                return node.args[0], node.args[1]
+            node = node.args[0]
+        elif is_view(node) and node.all_input_nodes:
+            node = node.all_input_nodes[0]
+        else:
+            break
+    return node, 0
 
 
 def attention_cores(nodes: Sequence[fx.Node], weights: set[fx.Node]) -> list[list[fx.Node]]:
@@ -53,7 +61,7 @@ def attention_cores(nodes: Sequence[fx.Node], weights: set[fx.Node]) -> list[lis
     order = {n: i for i, n in enumerate(nodes)}
 
     def product(n: fx.Node) -> bool:
-        return _name(n) in PRODUCTS and not any(base(i) in weights for i in n.all_input_nodes)
+        return _name(n) in PRODUCTS and not any(base(i)[0] in weights for i in n.all_input_nodes)
 
     cores: list[list[fx.Node]] = []
     taken: set[fx.Node] = set()
@@ -76,7 +84,7 @@ def attention_cores(nodes: Sequence[fx.Node], weights: set[fx.Node]) -> list[lis
                 if product(u):
                     second = u if second is None or order[u] < order[second] else second
                     continue
-                if any(base(i) in weights for i in u.all_input_nodes) or _name(u) in FUSED:
+                if any(base(i)[0] in weights for i in u.all_input_nodes) or _name(u) in FUSED:
                     continue
                 reached.add(u)
                 frontier.append(u)

@@ -100,8 +100,7 @@ def _mark_attention(fx_graph: fx.Graph, graph: nx.DiGraph, weights: set[str]) ->
         for node in core:
             graph.nodes[node.name]["op"].attention = True
         for value in core_inputs(core):
-            value = base(value)
-            producer, k = (value.args[0], value.args[1]) if value.target is operator.getitem else (value, 0)
+            producer, k = base(value)
             if not isinstance(producer, fx.Node) or producer.name not in graph or producer.op != "call_function":
                 continue  # a model input, parameter or constant: not an activation
             op = graph.nodes[producer.name]["op"]

@@ -81,6 +81,8 @@ _ENTRIES = [
     _wresnet("wresnet-13b", 101, 320, 16),
     ZooEntry("gpt-tiny", gpt, GPTConfig(vocab=512, seq=32, hidden=64, layers=2, heads=4), 8, torch.float32, "test"),
     ZooEntry("gpt-small", gpt, GPTConfig(vocab=8192, seq=128, hidden=256, layers=4, heads=4), 16, torch.float32, _CPU),
+    ZooEntry("gpt-small-eager", gpt, GPTConfig(vocab=8192, seq=128, hidden=256, layers=4, heads=4,
+                                               fused_attention=False), 16, torch.float32, _CPU),
     ZooEntry("moe-small", moe, MoEConfig(vocab=8192, seq=128, hidden=256, layers=4, heads=4, experts=4,
                                          expert_group=256, ffn_mult=2), 16, torch.float32, _CPU),
     ZooEntry("wresnet-small", wresnet, WResNetConfig(stages=(1, 1, 1, 1), channels=32, width=2, image=64, classes=100),

@@ -23,6 +23,9 @@ class GPTConfig:
     layers: int
     heads: int
     ffn_mult: int = 4
+    # False: attention as Megatron-LM ran it before fused kernels (QKᵀ/√d, causal mask, softmax, the
+    # product with V, each kept for backward: the s² activations selective recomputation frees)
+    fused_attention: bool = True
 
     def megatron_params(self) -> int:
         """Megatron-LM's parameter count (no final LayerNorm)."""
@@ -33,7 +36,7 @@ class GPTConfig:
 class Attention(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
-        self.heads = cfg.heads
+        self.heads, self.fused = cfg.heads, cfg.fused_attention
         # Separate Q, K, V projections (Megatron fuses them with a per-head interleaved layout):
         # column-parallel sharding then splits heads without re-laying out a fused weight.
         self.q = nn.Linear(cfg.hidden, cfg.hidden)
@@ -44,7 +47,12 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, c = x.shape
         q, k, v = (lin(x).view(b, t, self.heads, c // self.heads).transpose(1, 2) for lin in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.fused:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            scores = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
+            causal = torch.ones(t, t, dtype=torch.bool, device=x.device).tril()
+            y = scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v
         return self.proj(y.transpose(1, 2).reshape(b, t, c))
 
 
