@@ -216,6 +216,7 @@ def _result(stage: StageGraph, logical, chosen: dict[str, Evaluation], zero: dic
                 "gathered": sum(e.gathered for e in per_anchor),
                 "gradients": sum(e.grad_memory for e in per_anchor),
                 "attention": sum(e.attention_memory for e in per_anchor),
+                "attention_kept": sum(e.attention_kept for e in per_anchor),
                 "total": problem.memory(sol.choice), "limit": problem.memory_limit},
         solver={"status": sol.status, "objective": sol.objective, "gap": sol.gap, "time_s": sol.solve_time_s,
                 "variables": sol.num_variables, "constraints": sol.num_constraints,

@@ -34,7 +34,7 @@ from autopar.planner.layering import cut_bytes
 from autopar.planner.stage_graph import layer_hash
 from autopar.planner.strategy_costs import DTYPE_BYTES, Rule
 
-COLUMNS = 23  # of `StageCosts.range_sums`
+COLUMNS = 24  # of `StageCosts.range_sums`
 # selective recomputation is weighed where attention cores hold at least this share of the model's
 # activations: where attention keeps its s² scores (eager: 19–21 % in gpt-small-eager and T5; BERT's
 # masked attention on CPU 17 %), not where a fused kernel keeps its output and log-sum-exp (8.6–12 %
@@ -358,8 +358,8 @@ class StageCosts:
         prefix = self._prefix[(submesh, lm, lean)][bounds]  # [layer boundary, quantity]
         sums = prefix[None, :, :] - prefix[:, None, :]  # [i, j, quantity]
         fwd, bwd, comm, sync, states, acts, trainable, weighted, latency, copies, gathered, grads, averaged, \
-            gather, scatter, fixed_f, fixed_b, elements, tensors, dtensors, tp_grad, attention, attention_s = \
-            np.moveaxis(sums, -1, 0)
+            gather, scatter, fixed_f, fixed_b, elements, tensors, dtensors, tp_grad, attention, attention_s, \
+            attention_kept = np.moveaxis(sums, -1, 0)
         key = (bounds.tobytes(), submesh, lm, lean)  # the same for every recompute and ZeRO variant
         if key not in self._excess:
             self._excess[key] = self.tied_excess(bounds, submesh, lm, lean)
@@ -379,7 +379,8 @@ class StageCosts:
             transient[0, -1] = self.one_stage_transient(prefix, bounds, 2 * loss[0, -1], m, rc is True)
         if rc == SELECTIVE:  # the attention cores' activations recomputed, one layer's at a time
             bwd = bwd + attention_s / m
-            acts = acts - attention / m + np.array([self.cut[a - 1] if a > 0 else 0.0 for a in bounds])[:, None] / (lm[0] * m)
+            received = np.array([self.cut[a - 1] if a > 0 else 0.0 for a in bounds])[:, None] / (lm[0] * m)
+            acts = acts - (attention - attention_kept) / m + received
             transient = transient + self._largest(prefix, bounds, 21) / m
         elif rc:  # keep each layer's input; one layer's activations (and the weight copies) at a time
             bwd = bwd + fwd
@@ -423,7 +424,8 @@ class StageCosts:
         gradients, gradient bytes, bytes the data axis averages from flat copies, ZeRO-3's all-gather
         (bytes) and reduce-scatter times, the fixed per-op time of forward and of backward, the
         optimizer's elements, tensors and DTensors, the tensor axis's weight-gradient all-reduces, the
-        activations selective recomputation frees and the forward it repeats] summed over [a, b),
+        activations the attention cores save, the forward selective recomputation repeats, the
+        cores' inputs its checkpoints keep beyond those] summed over [a, b),
         from prefix sums."""
         key = (submesh, lm, lean)
         if key not in self._prefix:
@@ -447,7 +449,8 @@ class StageCosts:
                              c.get("fixed_s", 0.0) * share, c.get("fixed_s", 0.0) * (1 - share),
                              c.get("optimizer_elements", 0.0), c.get("optimizer_tensors", 0.0),
                              c.get("optimizer_dtensors", 0.0), c.get("tp_grad_s", 0.0),
-                             p.memory.get("attention", 0.0), c.get("attention_s", 0.0)])
+                             p.memory.get("attention", 0.0), c.get("attention_s", 0.0),
+                             p.memory.get("attention_kept", 0.0)])
             self._prefix[key] = np.vstack([np.zeros(COLUMNS), np.cumsum(np.array(rows), axis=0)])
         prefix = self._prefix[key]
         sums = prefix[atoms[1]] - prefix[atoms[0]]
@@ -459,7 +462,8 @@ class StageCosts:
         as memory needs); the later ones keep their activations. `zero`: ZeRO-1/2 (`zeroed`; an
         option it cannot apply to has infinite time)."""
         (fwd, bwd, comm, sync, states, acts, trainable, weighted_latency, latency, copies, gathered, grads, averaged,
-         gather, scatter, fixed_f, fixed_b, elements, tensors, dtensors, tp_grad, attention, attention_s) = (
+         gather, scatter, fixed_f, fixed_b, elements, tensors, dtensors, tp_grad, attention, attention_s,
+         attention_kept) = (
             float(x) for x in sums)
         states -= float(self.tied_excess(np.array(atoms), submesh, lm, lean)[0, 1])
         comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
@@ -487,7 +491,7 @@ class StageCosts:
         depth = depth if rc is True and depth is not None and 1 <= depth < len(ends) - 1 else None
         if rc == SELECTIVE:  # the attention cores' activations recomputed, one layer's at a time
             bwd += attention_s / m
-            acts -= attention / m
+            acts -= (attention - attention_kept) / m
             transient += max(float(self.range_sums((a, b), submesh, lm, lean)[21]) for a, b in zip(ends, ends[1:])) / m
             if atoms[0] > 0:
                 acts += self.cut[atoms[0] - 1] / (lm[0] * m)

@@ -73,9 +73,10 @@ class Evaluation:
     tp_grad: float = 0.0  # partial weight gradients all-reduced on the tensor axis, once per step after backward
     param_states: dict[str, float] = field(default_factory=dict)  # fqn -> its share of state_memory
     grad_memory: float = 0.0  # the gradients' part of state_memory (allocated by the step's first backward)
-    # selective recomputation (`autopar.contract.attention`): the activations it frees (the attention
-    # cores' own, less the inputs a checkpoint of them keeps) and the cores' forward it runs again
+    # selective recomputation (`autopar.contract.attention`): what backward saves of the attention
+    # cores' ops, the inputs a checkpoint of them keeps beyond that, and the cores' forward it runs again
     attention_memory: float = 0.0
+    attention_kept: float = 0.0
     attention_s: float = 0.0
     collectives: list[tuple] = field(default_factory=list)  # (node, kind, phase, bytes[, axis]); axis tp if absent
     letters: dict[str, str | None] = field(default_factory=dict)  # node -> the letter split on the tensor axis
@@ -245,7 +246,7 @@ class StrategyCosts:
                 if node.saved_outputs is None or k in node.saved_outputs:
                     kept += out.nbytes / (self.g.dp_share(name, k) * shared)
                 elif k in node.attention_inputs:  # kept by a checkpointed attention core only
-                    ev.attention_memory -= out.nbytes / (self.g.dp_share(name, k) * shared)
+                    ev.attention_kept += out.nbytes / (self.g.dp_share(name, k) * shared)
             kept += (node.cast_bytes + node.saved_hidden) / (dp_share * tp_share)
             ev.activation_memory += kept
             if node.attention:

@@ -1,12 +1,15 @@
-"""ZeRO levels on this machine: hand-written layouts planned against a cluster (this machine's
+"""Memory choices on this machine: hand-written layouts planned against a cluster (this machine's
 calibration, by default `cpu-local`), run on local ranks started once (`autopar.bench.measure`:
 AdamW, 2 warm-up and 5 timed steps, the slowest rank's median, the largest rank's peak of live
 tensors), beside the plan's predicted step time and peak. A layout is `DP,TP,PP[,MB]` with `+z1`
-/ `+z2` for ZeRO-1/2, or `zero3:` before it for every weight sharded over the data axis.
+/ `+z2` for ZeRO-1/2, `+recompute` / `+selective` for recomputation of whole layers / attention,
+or `zero3:` before it for every weight sharded over the data axis.
 
     autopar calibrate --nproc 2 --out cal.json
-    python benchmarks/zero_levels.py --cluster cal.json --nproc 2 --model gpt-small \\
+    python benchmarks/memory_choices.py --cluster cal.json --nproc 2 --model gpt-small \\
         2,1,1,4 2,1,1,4+z1 2,1,1,4+z2 zero3:2,1,1,4 2,1,1,1 2,1,1,1+z1
+    python benchmarks/memory_choices.py --cluster cal.json --nproc 2 --model gpt-small-eager \\
+        2,1,1,4 2,1,1,4+selective 2,1,1,4+recompute
 """
 
 from __future__ import annotations
