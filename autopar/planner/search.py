@@ -191,7 +191,31 @@ def _stacked(tables: list[dict], m: int) -> dict[str, np.ndarray]:
     """The variants' tables stacked, [variant, i, j], with the key `_fastest` ranks them by."""
     out = {k: np.stack([t[k] for t in tables]) for k in ("states", "acts", "transient", "averaged")}
     out["key"] = np.stack([t["time"] + (t["sync"] + t["optimizer"]) / m for t in tables])  # sync, optimizer: per step
+    out["partial"] = {k: (t["again"], t["plain_acts"], t["depth"]) for k, t in enumerate(tables) if "depth" in t}
     return out
+
+
+def _recompute_fewer(stacked: dict, k: int, in_flight: int, limit: float) -> np.ndarray:
+    """[i, j]: the key of recomputing variant k's range with only as many of its first layers as
+    fit (at least one, fewer than all: Mist, AdaPipe), inf where none does. Priced in the DP, so the
+    search weighs a stage that recomputes a few layers at what it costs, not at a whole recomputation;
+    `recompute_less` then sets each chosen stage's depth exactly. The transient is the whole
+    recomputation's (its largest layer), an upper bound."""
+    again, plain, depth = stacked["partial"][k]
+    states, transient, averaged, key = (stacked[name][k] for name in ("states", "transient", "averaged", "key"))
+    n = len(depth)
+    rows, cols = np.arange(n)[:, None], np.arange(n)[None, :]
+    # the first layer boundary whose running minimum of `depth` is low enough (`depth` falls where a
+    # layer's input is smaller than its activations; the fit is checked again at the boundary found)
+    with np.errstate(invalid="ignore"):
+        rhs = (limit - states - transient) / in_flight - plain + depth[:, None]
+    end = np.maximum(np.searchsorted(-np.minimum.accumulate(depth), -np.nan_to_num(rhs, nan=-INF), side="left"),
+                     rows + 1)
+    end = np.minimum(end, cols)  # fewer layers than the range's: `end` < j
+    inside = end < cols
+    end = np.where(inside, end, rows)
+    memory = states + np.maximum(in_flight * (plain + depth[end] - depth[rows]) + transient, averaged)
+    return np.where(inside & (memory <= limit), key - again + again[np.broadcast_to(rows, end.shape), end], INF)
 
 
 def _fastest(stacked: dict[str, np.ndarray], in_flight: int, limit: float, variants: list,
@@ -203,6 +227,8 @@ def _fastest(stacked: dict[str, np.ndarray], in_flight: int, limit: float, varia
     in the pipeline's bottleneck (`plan_auto` weighs plans with and without it by the simulator)."""
     memory = stacked["states"] + np.maximum(in_flight * stacked["acts"] + stacked["transient"], stacked["averaged"])
     masked = np.where(memory <= limit, stacked["key"], INF)
+    for k in stacked["partial"]:  # recomputing as few of a range's layers as fit
+        masked[k] = np.minimum(masked[k], _recompute_fewer(stacked, k, in_flight, limit))
     index = {v: i for i, v in enumerate(variants)}
     out = []
     for offload in offloads:

@@ -383,14 +383,22 @@ class StageCosts:
             acts = acts - (attention - attention_kept) / m + received
             transient = transient + self._largest(prefix, bounds, 21) / m
         elif rc:  # keep each layer's input; one layer's activations (and the weight copies) at a time
+            inbound = np.array([self.cut[a - 1] if a > 0 else 0.0 for a in bounds]) / (lm[0] * m)  # each layer's input
+            # a range's first d layers only (`search._fastest`): acts without recomputation + depth[i + d] - depth[i]
+            # (the inputs of layers i + 1 … i + d kept, the activations of layers i … i + d - 1 not)
+            partial = {"again": fwd, "plain_acts": acts + inbound[:, None],
+                       "depth": np.cumsum(inbound) - np.concatenate([[0.0], np.cumsum(np.diff(prefix[:, 5]) / m
+                                                                                      + np.diff(prefix[:, 9]))])}
             bwd = bwd + fwd
-            inputs = np.concatenate([[0.0], np.cumsum([self.cut[a - 1] if a > 0 else 0.0 for a in bounds[:-1]])])
+            inputs = np.concatenate([[0.0], np.cumsum(inbound[:-1])])
             transient = transient + self._largest(prefix, bounds, 5) / m + copies
-            acts = (inputs[None, :] - inputs[:, None]) / (lm[0] * m)
+            acts = inputs[None, :] - inputs[:, None]
         else:  # a later stage keeps what it received until that microbatch's backward
             acts = acts + np.array([self.cut[a - 1] if a > 0 else 0.0 for a in bounds])[:, None] / (lm[0] * m)
         # the loss keeps its log-probabilities; in a pipeline the schedule keeps the logits as well
         acts = acts + loss * np.where(bounds > 0, 2.0, 1.0)[:, None]
+        if rc is True:
+            partial["plain_acts"] = partial["plain_acts"] + loss * np.where(bounds > 0, 2.0, 1.0)[:, None]
         fwd, bwd = fwd + self.loss_time(loss) / 2, bwd + self.loss_time(loss) / 2
         valid = True
         if z:
@@ -416,7 +424,8 @@ class StageCosts:
                                                      for k in range(len(self.atoms))])])[bounds]
             time = np.where(broken[None, :] - broken[:, None] > 0, np.inf, time)
         return {"time": time, "backward": bwd, "sync": sync, "states": states, "acts": acts, "transient": transient,
-                "grads": grads, "averaged": averaged, "optimizer": self.optimizer_s(elements, tensors, dtensors) + tp_grad}
+                "grads": grads, "averaged": averaged, "optimizer": self.optimizer_s(elements, tensors, dtensors) + tp_grad,
+                **(partial if rc is True else {})}
 
     def range_sums(self, atoms, submesh, lm, lean) -> np.ndarray | None:
         """Per-atom [fwd, bwd, comm, sync without latency, states, acts, trainable bytes,
