@@ -195,27 +195,25 @@ def _stacked(tables: list[dict], m: int) -> dict[str, np.ndarray]:
     return out
 
 
-def _recompute_fewer(stacked: dict, k: int, in_flight: int, limit: float) -> np.ndarray:
-    """[i, j]: the key of recomputing variant k's range with only as many of its first layers as
-    fit (at least one, fewer than all: Mist, AdaPipe), inf where none does. Priced in the DP, so the
-    search weighs a stage that recomputes a few layers at what it costs, not at a whole recomputation;
-    `recompute_less` then sets each chosen stage's depth exactly. The transient is the whole
-    recomputation's (its largest layer), an upper bound."""
-    again, plain, depth = stacked["partial"][k]
-    states, transient, averaged, key = (stacked[name][k] for name in ("states", "transient", "averaged", "key"))
-    n = len(depth)
-    rows, cols = np.arange(n)[:, None], np.arange(n)[None, :]
+def _recompute_fewer(stacked: dict, k: int, in_flight: int, limit: float, rows: np.ndarray, cols: np.ndarray
+                     ) -> np.ndarray:
+    """For ranges [i, j) = (rows, cols): the key of recomputing variant k's range with only as many
+    of its first layers as fit (at least one, fewer than all: Mist, AdaPipe), inf where none does.
+    Priced in the DP, so the search weighs a stage that recomputes a few layers at what it costs,
+    not at a whole recomputation; `recompute_less` then sets each chosen stage's depth exactly.
+    The transient is the whole recomputation's (its largest layer), an upper bound."""
+    again, plain, depth = (a[rows, cols] if a.ndim == 2 else a for a in stacked["partial"][k])
+    at = (k, rows, cols)
+    states, transient, averaged, key = (stacked[name][at] for name in ("states", "transient", "averaged", "key"))
     # the first layer boundary whose running minimum of `depth` is low enough (`depth` falls where a
     # layer's input is smaller than its activations; the fit is checked again at the boundary found)
-    with np.errstate(invalid="ignore"):
-        rhs = (limit - states - transient) / in_flight - plain + depth[:, None]
-    end = np.maximum(np.searchsorted(-np.minimum.accumulate(depth), -np.nan_to_num(rhs, nan=-INF), side="left"),
-                     rows + 1)
-    end = np.minimum(end, cols)  # fewer layers than the range's: `end` < j
-    inside = end < cols
+    rhs = (limit - states - transient) / in_flight - plain + depth[rows]
+    end = np.maximum(np.searchsorted(-np.minimum.accumulate(depth), -rhs, side="left"), rows + 1)
+    inside = end < cols  # fewer layers than the range's
     end = np.where(inside, end, rows)
     memory = states + np.maximum(in_flight * (plain + depth[end] - depth[rows]) + transient, averaged)
-    return np.where(inside & (memory <= limit), key - again + again[np.broadcast_to(rows, end.shape), end], INF)
+    full_again = stacked["partial"][k][0]
+    return np.where(inside & (memory <= limit), key - again + full_again[rows, end], INF)
 
 
 def _fastest(stacked: dict[str, np.ndarray], in_flight: int, limit: float, variants: list,
@@ -227,9 +225,14 @@ def _fastest(stacked: dict[str, np.ndarray], in_flight: int, limit: float, varia
     in the pipeline's bottleneck (`plan_auto` weighs plans with and without it by the simulator)."""
     memory = stacked["states"] + np.maximum(in_flight * stacked["acts"] + stacked["transient"], stacked["averaged"])
     masked = np.where(memory <= limit, stacked["key"], INF)
-    for k in stacked["partial"]:  # recomputing as few of a range's layers as fit
-        masked[k] = np.minimum(masked[k], _recompute_fewer(stacked, k, in_flight, limit))
     index = {v: i for i, v in enumerate(variants)}
+    for k in stacked["partial"]:  # recomputing as few of a range's layers as fit: where the whole
+        twin = index.get((*variants[k][:2], False, variants[k][3]))  # recomputation fits and none does not
+        need = np.isfinite(masked[k]) & (True if twin is None else ~np.isfinite(masked[twin]))
+        rows, cols = np.nonzero(need)
+        if len(rows):
+            masked[k][rows, cols] = np.minimum(masked[k][rows, cols],
+                                               _recompute_fewer(stacked, k, in_flight, limit, rows, cols))
     out = []
     for offload in offloads:
         kept = masked.copy() if any(v[3] < 0 for v in variants) else masked
