@@ -28,9 +28,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.api import parallelize
-from autopar.contract.attention import SELECTIVE
 from autopar.contract.errors import AutoparError
-from autopar.contract.plan import Plan
+from autopar.contract.plan import SELECTIVE, Plan
 from autopar.contract.precision import parse_precision
 from autopar.models import load_workload
 from autopar.planner.manual import Layout, check, manual_plan, manual_search

@@ -15,11 +15,11 @@ from torch import nn
 
 import autopar
 from autopar.contract.attention import attention_cores
+from autopar.contract.plan import SELECTIVE
 from autopar.cost_models import get_cluster
 from autopar.planner.capture import capture
 from autopar.planner.manual import Layout, check, manual_plan, manual_search
 from autopar.planner.search import Search
-from autopar.planner.stage_costs import SELECTIVE
 from tests.families import workload as family
 
 

@@ -8,6 +8,8 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import autopar
 from autopar.contract.placements import Shard
@@ -177,3 +179,17 @@ def test_the_stage_dp_prices_recomputing_a_few_layers(monkeypatch):
                         np.full(len(rows), np.inf))
     whole = plan()
     assert priced.estimate.step_time_s < 0.9 * whole.estimate.step_time_s
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-5, 5), min_size=2, max_size=12), st.data())
+def test_the_depth_search_finds_the_first_boundary_that_fits(steps, data):
+    """`_first_within`: for a range starting at layer i and a bound, the first layer boundary k > i
+    whose kept-activation prefix is within it, as a scan finds it, rises in the prefix included."""
+    from autopar.planner.search import _first_within
+
+    depth = np.cumsum(np.array(steps, dtype=float))
+    rows = np.array(data.draw(st.lists(st.integers(0, len(depth) - 2), min_size=1, max_size=8)))
+    rhs = np.array(data.draw(st.lists(st.integers(-30, 30), min_size=len(rows), max_size=len(rows))), dtype=float)
+    want = [next((k for k in range(i + 1, len(depth)) if depth[k] <= b), len(depth)) for i, b in zip(rows, rhs)]
+    assert list(_first_within(depth, rows, rhs)) == want

@@ -8,7 +8,9 @@ activations that grow with the square of the sequence (5·a·s/h of a layer's 34
 per token and hidden unit) for a few percent of its FLOPs. In an exported graph a core is the
 ops between two matrix products of activations (neither operand a weight): the first (QKᵀ), the
 second it reaches without another matrix product or a weight on the way (the product with V),
-and every op on a path between them. A fused attention (`scaled_dot_product_attention` and its
+and every op on a path between them, a softmax among them (two chained products of activations
+without one — a rotary table's, linear attention's — are not a core); a core that an op outside
+it both reads and feeds is not one either (a checkpoint runs its ops together). A fused attention (`scaled_dot_product_attention` and its
 kernels) is a core by itself: it keeps only its inputs, output and log-sum-exp, so recomputing
 it saves little — the planner prices that, and does not offer the choice where it saves nothing.
 """
@@ -20,8 +22,8 @@ from collections.abc import Sequence
 
 from torch import fx
 
-SELECTIVE = "selective"  # `StagePlan.recompute_granularity` of a stage recomputing its attention cores only
 PRODUCTS = {"bmm", "matmul", "baddbmm"}
+SOFTMAX = {"softmax", "_softmax", "_safe_softmax"}
 FUSED = {"scaled_dot_product_attention", "_scaled_dot_product_flash_attention_for_cpu",
          "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention",
          "_scaled_dot_product_cudnn_attention"}
@@ -98,9 +100,24 @@ def attention_cores(nodes: Sequence[fx.Node], weights: set[fx.Node]) -> list[lis
                 if i in reached and i not in core:
                     core.add(i)
                     frontier.append(i)
+        if not any(_name(n) in SOFTMAX for n in core) or not _convex(core, nodes, order):
+            continue
         cores.append(sorted(core, key=order.__getitem__))
         taken |= core
     return cores
+
+
+def _convex(core: set[fx.Node], nodes: Sequence[fx.Node], order: dict[fx.Node, int]) -> bool:
+    """Whether no op outside `core` reads one of its values and feeds one of its ops."""
+    first, last = min(order[n] for n in core), max(order[n] for n in core)
+    after: set[fx.Node] = set()  # ops outside the core that read it, directly or not
+    for n in nodes[first:last + 1]:
+        if n in core:
+            if any(i in after for i in n.all_input_nodes):
+                return False
+        elif any(i in core or i in after for i in n.all_input_nodes):
+            after.add(n)
+    return True
 
 
 def core_inputs(core: Sequence[fx.Node]) -> list[fx.Node]:

@@ -37,6 +37,9 @@ class PlanError(AutoparError):
     """A plan file that is malformed, of another schema, or for another model or cluster."""
 
 
+SELECTIVE = "selective"  # `StagePlan.recompute_granularity`: recompute attention cores only (`contract.attention`)
+
+
 @dataclass
 class StagePlan:
     layers: tuple[int, int]  # [start, end) in `Plan.layers`
@@ -284,7 +287,7 @@ def _parse(data: Any, source: str) -> Plan:
             raise PlanError(f"{source}: {where}offload moves the states ZeRO shards to host memory: it needs zero 1 or 2 "
                             "on the stage (set zero, or drop offload)")
         if stage.recompute_granularity is not None and not (
-                stage.recompute_granularity == "selective" and stage.recompute and stage.recompute_layers is None):
+                stage.recompute_granularity == SELECTIVE and stage.recompute and stage.recompute_layers is None):
             raise PlanError(f"{source}: {where}recompute_granularity must be \"selective\" (null: whole layers), with "
                             f"recompute true and recompute_layers null, got {stage.recompute_granularity!r}")
         if stage.recompute_layers is not None and not (stage.recompute and 1 <= stage.recompute_layers

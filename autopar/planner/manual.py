@@ -14,9 +14,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from autopar.contract import schedules
-from autopar.contract.attention import SELECTIVE
 from autopar.contract.errors import AutoparError
-from autopar.contract.plan import Plan
+from autopar.contract.plan import SELECTIVE, Plan
 from autopar.planner import rules as L
 from autopar.planner.graph import OpNode
 from autopar.planner.inter_op import microbatch_counts

@@ -10,12 +10,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.contract import schedules
-from autopar.contract.attention import SELECTIVE
 from autopar.contract.compression import parse
 from autopar.contract.errors import AutoparError
 from autopar.contract.limits import MAX_DEVICES, MAX_DEVICES_PER_HOST
 from autopar.contract.placements import Shard, placed
-from autopar.contract.plan import Estimate, Plan, StagePlan
+from autopar.contract.plan import SELECTIVE, Estimate, Plan, StagePlan
 from autopar.contract.units import human_bytes
 from autopar.contract.workload import Workload
 from autopar.cost_models import ClusterSpec
@@ -205,15 +204,26 @@ def _recompute_fewer(stacked: dict, k: int, in_flight: int, limit: float, rows: 
     again, plain, depth = (a[rows, cols] if a.ndim == 2 else a for a in stacked["partial"][k])
     at = (k, rows, cols)
     states, transient, averaged, key = (stacked[name][at] for name in ("states", "transient", "averaged", "key"))
-    # the first layer boundary whose running minimum of `depth` is low enough (`depth` falls where a
-    # layer's input is smaller than its activations; the fit is checked again at the boundary found)
     rhs = (limit - states - transient) / in_flight - plain + depth[rows]
-    end = np.maximum(np.searchsorted(-np.minimum.accumulate(depth), -rhs, side="left"), rows + 1)
+    end = _first_within(depth, rows, rhs)
     inside = end < cols  # fewer layers than the range's
     end = np.where(inside, end, rows)
     memory = states + np.maximum(in_flight * (plain + depth[end] - depth[rows]) + transient, averaged)
-    full_again = stacked["partial"][k][0]
-    return np.where(inside & (memory <= limit), key - again + full_again[rows, end], INF)
+    return np.where(inside & (memory <= limit), key - again + stacked["partial"][k][0][rows, end], INF)
+
+
+def _first_within(depth: np.ndarray, rows: np.ndarray, rhs: np.ndarray) -> np.ndarray:
+    """For each (row i, bound): the first layer boundary k > i with depth[k] ≤ bound (len(depth): none).
+    `depth` falls where a layer's input is smaller than its activations: everywhere after the
+    last rise (an embedding's output is larger than what it keeps), where one `searchsorted`
+    answers every row; the rows before it search their own running minimum."""
+    rises = np.nonzero(np.diff(depth) > 0)[0]
+    start = int(rises[-1]) + 1 if len(rises) else 0  # depth[start:] does not rise
+    out = np.maximum(start + np.searchsorted(-depth[start:], -rhs, side="left"), rows + 1)
+    for i in np.unique(rows[rows + 1 < start]):
+        at = rows == i
+        out[at] = i + 1 + np.searchsorted(-np.minimum.accumulate(depth[i + 1:]), -rhs[at], side="left")
+    return out
 
 
 def _fastest(stacked: dict[str, np.ndarray], in_flight: int, limit: float, variants: list,

@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from autopar.contract.attention import SELECTIVE
 from autopar.contract.compression import Spec
+from autopar.contract.plan import SELECTIVE
 from autopar.contract.precision import PRECISIONS
 from autopar.cost_models import ClusterSpec, axis_link, optimizer_time, p2p_time
 from autopar.cost_models.comm import all_reduce_time, exposed_time, stage_send_link
@@ -139,15 +139,15 @@ class StageCosts:
         self._per_byte: dict = {}
         self._excess: dict = {}  # `variant_table`'s tied_excess, by (bounds, submesh, logical, lean)
         self._links: dict = {}  # (submesh, logical) -> the data axis's link
-        # the loss runs on the model's output in the last stage, in fp32 (autocast's lists and the usual
-        # losses upcast): cross-entropy keeps its log-probabilities for backward (per microbatch in
-        # flight), and its backward makes two logits-sized gradients (a transient of one microbatch)
         kept = {n.name: sum(o.nbytes for k, o in enumerate(n.outputs) if n.saved_outputs is None or k in n.saved_outputs)
                 + n.saved_hidden for n in self.graph if not n.is_view and n.op != "input"}
         freed = sum(kept[n.name] for n in self.graph if n.attention and n.name in kept) - sum(
             n.outputs[k].nbytes for n in self.graph for k in n.attention_inputs)
-        # the recompute choices the search weighs by default
-        self.recomputes = (False, True) + ((SELECTIVE,) if freed >= SELECTIVE_SHARE * sum(kept.values()) > 0 else ())
+        # the recompute choices the search weighs by default, least recomputed first (ties keep the first)
+        self.recomputes = (False,) + ((SELECTIVE,) if freed >= SELECTIVE_SHARE * sum(kept.values()) > 0 else ()) + (True,)
+        # the loss runs on the model's output in the last stage, in fp32 (autocast's lists and the usual
+        # losses upcast): cross-entropy keeps its log-probabilities for backward (per microbatch in
+        # flight), and its backward makes two logits-sized gradients (a transient of one microbatch)
         self.loss_bytes = float(sum(math.prod(o.shape) * max(4, DTYPE_BYTES.get(o.dtype, 4))
                                     for name in self.graph.outputs for o in self.graph.graph.nodes[name]["op"].outputs))
 
@@ -376,14 +376,13 @@ class StageCosts:
         loss = np.where(bounds == len(self.atoms), self.loss_bytes / (lm[0] * m), 0.0)[None, :]  # ranges ending the model
         transient = 2 * loss + gathered * self.held_in_pipeline(lm[0])
         if bounds[0] == 0 and bounds[-1] == len(self.atoms):  # the whole model in one stage
-            transient[0, -1] = self.one_stage_transient(prefix, bounds, 2 * loss[0, -1], m, rc is True)
+            transient[0, -1] = self.one_stage_transient(prefix, bounds, 2 * loss[0, -1], m, rc)
+        inbound = np.array([self.cut[a - 1] if a > 0 else 0.0 for a in bounds]) / (lm[0] * m)  # each layer's input
         if rc == SELECTIVE:  # the attention cores' activations recomputed, one layer's at a time
             bwd = bwd + attention_s / m
-            received = np.array([self.cut[a - 1] if a > 0 else 0.0 for a in bounds])[:, None] / (lm[0] * m)
-            acts = acts - (attention - attention_kept) / m + received
+            acts = acts - (attention - attention_kept) / m + inbound[:, None]
             transient = transient + self._largest(prefix, bounds, 21) / m
         elif rc:  # keep each layer's input; one layer's activations (and the weight copies) at a time
-            inbound = np.array([self.cut[a - 1] if a > 0 else 0.0 for a in bounds]) / (lm[0] * m)  # each layer's input
             # a range's first d layers only (`search._fastest`): acts without recomputation + depth[i + d] - depth[i]
             # (the inputs of layers i + 1 … i + d kept, the activations of layers i … i + d - 1 not)
             partial = {"again": fwd, "plain_acts": acts + inbound[:, None],
@@ -394,7 +393,7 @@ class StageCosts:
             transient = transient + self._largest(prefix, bounds, 5) / m + copies
             acts = inputs[None, :] - inputs[:, None]
         else:  # a later stage keeps what it received until that microbatch's backward
-            acts = acts + np.array([self.cut[a - 1] if a > 0 else 0.0 for a in bounds])[:, None] / (lm[0] * m)
+            acts = acts + inbound[:, None]
         # the loss keeps its log-probabilities; in a pipeline the schedule keeps the logits as well
         acts = acts + loss * np.where(bounds > 0, 2.0, 1.0)[:, None]
         if rc is True:
@@ -494,7 +493,7 @@ class StageCosts:
         transient = 2 * loss + gathered * self.held_in_pipeline(lm[0])
         if tuple(atoms) == (0, len(self.atoms)):  # the whole model in one stage
             bounds = np.array(sorted({0, *(self.layer_starts or range(len(self.atoms))), len(self.atoms)}))
-            transient = self.one_stage_transient(self._prefix[(submesh, lm, lean)][bounds], bounds, 2 * loss, m, rc is True)
+            transient = self.one_stage_transient(self._prefix[(submesh, lm, lean)][bounds], bounds, 2 * loss, m, rc)
         starts = [a for a in (self.layer_starts or range(len(self.atoms))) if atoms[0] < a < atoms[1]]
         ends = [atoms[0], *starts, atoms[1]]
         depth = depth if rc is True and depth is not None and 1 <= depth < len(ends) - 1 else None
@@ -502,9 +501,7 @@ class StageCosts:
             bwd += attention_s / m
             acts -= (attention - attention_kept) / m
             transient += max(float(self.range_sums((a, b), submesh, lm, lean)[21]) for a, b in zip(ends, ends[1:])) / m
-            if atoms[0] > 0:
-                acts += self.cut[atoms[0] - 1] / (lm[0] * m)
-        elif rc and depth is not None:  # the first `depth` layers as below, the rest as without recomputation
+        if depth is not None:  # the first `depth` layers as below, the rest as without recomputation
             head = (atoms[0], ends[depth])
             head_sums = self.range_sums(head, submesh, lm, lean)
             bwd += self.option_for(head, submesh, lm, lean, False, head_sums, m).forward_s
@@ -513,12 +510,12 @@ class StageCosts:
             kept = self.range_sums((ends[depth], atoms[1]), submesh, lm, lean)
             # the recomputed layers' inputs, and the first kept layer's (the last recomputed one's output)
             acts = sum(self.cut[a - 1] for a in ends[:depth + 1] if a > 0) / (lm[0] * m) + kept[5] / m + kept[9]
-        elif rc:  # keep each layer's input per microbatch; recompute one layer at a time before its backward
+        elif rc is True:  # keep each layer's input per microbatch; recompute one layer at a time before its backward
             bwd += fwd
             per_layer = [self.range_sums((a, b), submesh, lm, lean)[5] / m for a, b in zip(ends, ends[1:])]
             transient += max(per_layer) + copies
             acts = sum(self.cut[a - 1] for a in ends[:-1] if a > 0) / (lm[0] * m)
-        elif atoms[0] > 0:  # a later stage keeps what it received until that microbatch's backward
+        elif atoms[0] > 0:  # a later stage keeps what it received until that microbatch's backward (selective too)
             acts += self.cut[atoms[0] - 1] / (lm[0] * m)
         acts += loss * (2 if atoms[0] > 0 else 1)  # log-probabilities; a pipeline's schedule keeps the logits
         fwd, bwd = fwd + float(self.loss_time(loss)) / 2, bwd + float(self.loss_time(loss)) / 2
@@ -567,17 +564,22 @@ class StageCosts:
         width = PRECISIONS[self.graph.precision].itemsize if self.graph.precision else 4
         return (2 * width - 4 / dp) / (2 * width + 4)
 
-    def one_stage_transient(self, prefix: np.ndarray, bounds: np.ndarray, loss: float, m: int, rc: bool) -> float:
+    def one_stage_transient(self, prefix: np.ndarray, bounds: np.ndarray, loss: float, m: int, rc: bool | str
+                            ) -> float:
         """`gathered_peak` over the layers of a one-stage plan (ZeRO-3: `runtime.parallel.shard_data_axis`);
         `prefix`: the prefix sums' rows at `bounds`. A recomputing stage frees little as its
-        backward goes (layer inputs), so nothing is counted as freed. In a pipeline torch's
+        backward goes (layer inputs), so nothing is counted as freed; a selective one frees what
+        its layers keep, the attention cores' aside. In a pipeline torch's
         schedules keep every layer gathered until the last backward: the stage's sum is right there."""
         starts = {0, *(self.layer_starts or range(len(self.atoms)))}
         ends = [i for i, b in enumerate(bounds) if b in starts or i == len(bounds) - 1]
         if len(ends) < 2:
             return loss
         per_layer = np.diff(prefix[ends], axis=0)
-        return gathered_peak(per_layer[:, 10], self.graph.precision, loss, None if rc else per_layer[:, 5] / m)
+        if rc is True:
+            return gathered_peak(per_layer[:, 10], self.graph.precision, loss)
+        held = per_layer[:, 5] - (per_layer[:, 21] - per_layer[:, 23] if rc == SELECTIVE else 0.0)
+        return gathered_peak(per_layer[:, 10], self.graph.precision, loss, held / m)
 
     def tied_excess(self, bounds: np.ndarray, submesh: tuple[int, int], lm: tuple[int, int], lean: bool) -> np.ndarray:
         """[i, j]: the state bytes counted more than once in atoms [bounds[i], bounds[j]) (tied

@@ -21,7 +21,7 @@ def layout_key(plan: Plan) -> tuple:
     recomputation, ZeRO level (1, 2, or 3: S(0) weights) and offloading; not where the stages cut nor the
     microbatch count (the cost model's ranking among those is finer than what it gets wrong
     between layouts)."""
-    return (plan.precision, tuple((tuple(s.logical_mesh), s.recompute,
+    return (plan.precision, tuple((tuple(s.logical_mesh), s.recompute, s.recompute_granularity,
                                    s.zero or (3 if any(p[0] == Shard(0) for p in s.params.values()) else 0),
                                    bool(s.offload))
                                   for s in plan.stages))

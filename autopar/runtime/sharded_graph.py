@@ -14,6 +14,7 @@ independently; the plan only splits such ops along letters present in all their 
 
 from __future__ import annotations
 
+import logging
 import operator
 import weakref
 from dataclasses import dataclass
@@ -33,12 +34,14 @@ from torch.distributed.tensor import (
 )
 
 from autopar.contract import placements as planned
-from autopar.contract.attention import SELECTIVE, attention_cores
+from autopar.contract.attention import attention_cores
 from autopar.contract.export import WRAPPER_PREFIX
-from autopar.contract.plan import Plan, StagePlan
+from autopar.contract.plan import SELECTIVE, Plan, StagePlan
 from autopar.runtime.buffers import persistent
 from autopar.runtime.cross_mesh import gather_batch, slice_batch
 from autopar.runtime.recompute import Segment, checkpointed, segments
+
+log = logging.getLogger(__name__)
 
 _CHECKS = {torch.ops.aten._assert_tensor_metadata.default}
 # attention on CPU: no DTensor rule (DTensor would try propagating through its decomposition, which
@@ -296,6 +299,10 @@ class ShardedGraph(nn.Module):
         if self.selective:  # each attention core a checkpointed segment of its own inside its layer's
             cores = attention_cores(self.nodes, set(params))
             self.segments = [s.with_cores(cores, kept, given) for s in self.segments]
+            spread = len(cores) - sum(len(s.cores) for s in self.segments)
+            if spread:  # the planner priced them as recomputed (`planner.capture`): say where that breaks
+                log.warning("%d attention core(s) of this stage span two of its layers and keep their "
+                            "activations: selective recomputation frees less than the plan says", spread)
         self.units = nn.ModuleList()  # with `units`: a module per layer holding its own parameters
         self._unit_at: dict[int, Layer] = {}  # segment index -> its unit
         self._wrapped: dict[fx.Node, DTensor] | None = None  # during a forward without recomputation
