@@ -175,7 +175,7 @@ def test_the_stage_dp_prices_recomputing_a_few_layers(monkeypatch):
 
     priced = plan()
     assert priced.estimate.fits and all(s.recompute and s.recompute_layers for s in priced.stages)
-    monkeypatch.setattr(searching, "_recompute_fewer", lambda stacked, k, in_flight, limit, rows, cols:
+    monkeypatch.setattr(searching, "_recompute_fewer", lambda stacked, v, in_flight, limit, rows, cols:
                         np.full(len(rows), np.inf))
     whole = plan()
     assert priced.estimate.step_time_s < 0.9 * whole.estimate.step_time_s
@@ -186,10 +186,14 @@ def test_the_stage_dp_prices_recomputing_a_few_layers(monkeypatch):
 def test_the_depth_search_finds_the_first_boundary_that_fits(steps, data):
     """`_first_within`: for a range starting at layer i and a bound, the first layer boundary k > i
     whose kept-activation prefix is within it, as a scan finds it, rises in the prefix included."""
-    from autopar.planner.search import _first_within
+    from autopar.planner.search import _first_within, _rises_until
 
     depth = np.cumsum(np.array(steps, dtype=float))
     rows = np.array(data.draw(st.lists(st.integers(0, len(depth) - 2), min_size=1, max_size=8)))
     rhs = np.array(data.draw(st.lists(st.integers(-30, 30), min_size=len(rows), max_size=len(rows))), dtype=float)
     want = [next((k for k in range(i + 1, len(depth)) if depth[k] <= b), len(depth)) for i, b in zip(rows, rhs)]
-    assert list(_first_within(depth, rows, rhs)) == want
+    assert list(_first_within(depth[None], np.array([_rises_until(depth)]), 0 * rows, rows, rhs)) == want
+    # beside a variant whose prefix is another (its rows lifted above this one's)
+    both = np.stack([depth[::-1].copy(), depth])
+    starts = np.array([_rises_until(both[0]), _rises_until(depth)])
+    assert list(_first_within(both, starts, 0 * rows + 1, rows, rhs)) == want

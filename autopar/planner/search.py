@@ -190,39 +190,59 @@ def _stacked(tables: list[dict], m: int) -> dict[str, np.ndarray]:
     """The variants' tables stacked, [variant, i, j], with the key `_fastest` ranks them by."""
     out = {k: np.stack([t[k] for t in tables]) for k in ("states", "acts", "transient", "averaged")}
     out["key"] = np.stack([t["time"] + (t["sync"] + t["optimizer"]) / m for t in tables])  # sync, optimizer: per step
-    out["partial"] = {k: (t["again"], t["plain_acts"], t["depth"]) for k, t in enumerate(tables) if "depth" in t}
+    ks = [k for k, t in enumerate(tables) if "depth" in t]  # recomputing variants: `_recompute_fewer`
+    out["partial"] = {"k": np.array(ks, dtype=int),
+                      **({"again": np.stack([tables[k]["again"] for k in ks]),
+                          "plain": np.stack([tables[k]["plain_acts"] for k in ks]),
+                          "depth": np.stack([tables[k]["depth"] for k in ks]),
+                          "start": np.array([_rises_until(tables[k]["depth"]) for k in ks])} if ks else {})}
     return out
 
 
-def _recompute_fewer(stacked: dict, k: int, in_flight: int, limit: float, rows: np.ndarray, cols: np.ndarray
-                     ) -> np.ndarray:
-    """For ranges [i, j) = (rows, cols): the key of recomputing variant k's range with only as many
-    of its first layers as fit (at least one, fewer than all: Mist, AdaPipe), inf where none does.
-    Priced in the DP, so the search weighs a stage that recomputes a few layers at what it costs,
-    not at a whole recomputation; `recompute_less` then sets each chosen stage's depth exactly.
-    The transient is the whole recomputation's (its largest layer), an upper bound."""
-    again, plain, depth = (a[rows, cols] if a.ndim == 2 else a for a in stacked["partial"][k])
-    at = (k, rows, cols)
+def _recompute_fewer(stacked: dict, v: np.ndarray, in_flight: int, limit: float, rows: np.ndarray,
+                     cols: np.ndarray) -> np.ndarray:
+    """For ranges [i, j) = (rows, cols) of recomputing variants `stacked["partial"]["k"][v]`: the key
+    of recomputing only as many of a range's first layers as fit (at least one, fewer than all:
+    Mist, AdaPipe), inf where none does. Priced in the DP, so the search weighs a stage that
+    recomputes a few layers at what it costs, not at a whole recomputation; `recompute_less` then
+    sets each chosen stage's depth exactly. The transient is the whole recomputation's (its
+    largest layer), an upper bound."""
+    p = stacked["partial"]
+    at = (p["k"][v], rows, cols)
     states, transient, averaged, key = (stacked[name][at] for name in ("states", "transient", "averaged", "key"))
-    rhs = (limit - states - transient) / in_flight - plain + depth[rows]
-    end = _first_within(depth, rows, rhs)
+    plain, depth = p["plain"][v, rows, cols], p["depth"]
+    rhs = (limit - states - transient) / in_flight - plain + depth[v, rows]
+    end = _first_within(depth, p["start"], v, rows, rhs)
     inside = end < cols  # fewer layers than the range's
     end = np.where(inside, end, rows)
-    memory = states + np.maximum(in_flight * (plain + depth[end] - depth[rows]) + transient, averaged)
-    return np.where(inside & (memory <= limit), key - again + stacked["partial"][k][0][rows, end], INF)
+    memory = states + np.maximum(in_flight * (plain + depth[v, end] - depth[v, rows]) + transient, averaged)
+    return np.where(inside & (memory <= limit), key - p["again"][v, rows, cols] + p["again"][v, rows, end], INF)
 
 
-def _first_within(depth: np.ndarray, rows: np.ndarray, rhs: np.ndarray) -> np.ndarray:
-    """For each (row i, bound): the first layer boundary k > i with depth[k] ≤ bound (len(depth): none).
-    `depth` falls where a layer's input is smaller than its activations: everywhere after the
-    last rise (an embedding's output is larger than what it keeps), where one `searchsorted`
-    answers every row; the rows before it search their own running minimum."""
+def _rises_until(depth: np.ndarray) -> int:
+    """The first index from which `depth` does not rise (0: it never does)."""
     rises = np.nonzero(np.diff(depth) > 0)[0]
-    start = int(rises[-1]) + 1 if len(rises) else 0  # depth[start:] does not rise
-    out = np.maximum(start + np.searchsorted(-depth[start:], -rhs, side="left"), rows + 1)
-    for i in np.unique(rows[rows + 1 < start]):
-        at = rows == i
-        out[at] = i + 1 + np.searchsorted(-np.minimum.accumulate(depth[i + 1:]), -rhs[at], side="left")
+    return int(rises[-1]) + 1 if len(rises) else 0
+
+
+def _first_within(depth: np.ndarray, start: np.ndarray, v: np.ndarray, rows: np.ndarray, rhs: np.ndarray
+                  ) -> np.ndarray:
+    """For each (variant v, row i, bound): the first layer boundary k > i with depth[v, k] ≤ bound
+    (depth.shape[1]: none). Each variant's `depth` falls where a layer's input is smaller than its
+    activations: everywhere from `start[v]` on (`_rises_until`; before, an embedding's output is
+    larger than what it keeps). There one `searchsorted` answers every query of every variant (the
+    variants' negated rows laid end to end, each lifted above the last); the rows before `start`
+    search their own running minimum."""
+    n = depth.shape[1]
+    big = float(np.abs(depth).max()) + 1.0
+    lifted = -depth.copy()
+    lifted[np.arange(n)[None, :] < start[:, None]] = -big  # before `start`: never the first within
+    lifted += 4 * big * np.arange(len(depth))[:, None]
+    found = np.searchsorted(lifted.ravel(), 4 * big * v + np.clip(-rhs, -big + 0.5, big - 0.5), side="left") - n * v
+    out = np.maximum(found, rows + 1)
+    for w, i in {(w, i) for w, i in zip(v[rows + 1 < start[v]], rows[rows + 1 < start[v]])}:
+        at = (v == w) & (rows == i)
+        out[at] = i + 1 + np.searchsorted(-np.minimum.accumulate(depth[w, i + 1:]), -rhs[at], side="left")
     return out
 
 
@@ -236,13 +256,14 @@ def _fastest(stacked: dict[str, np.ndarray], in_flight: int, limit: float, varia
     memory = stacked["states"] + np.maximum(in_flight * stacked["acts"] + stacked["transient"], stacked["averaged"])
     masked = np.where(memory <= limit, stacked["key"], INF)
     index = {v: i for i, v in enumerate(variants)}
-    for k in stacked["partial"]:  # recomputing as few of a range's layers as fit: where the whole
-        twin = index.get((*variants[k][:2], False, variants[k][3]))  # recomputation fits and none does not
-        need = np.isfinite(masked[k]) & (True if twin is None else ~np.isfinite(masked[twin]))
-        rows, cols = np.nonzero(need)
-        if len(rows):
-            masked[k][rows, cols] = np.minimum(masked[k][rows, cols],
-                                               _recompute_fewer(stacked, k, in_flight, limit, rows, cols))
+    ks = stacked["partial"]["k"]
+    if len(ks):  # recomputing as few of a range's layers as fit: where the whole recomputation fits and none does not
+        twins = np.array([index.get((*variants[k][:2], False, variants[k][3]), -1) for k in ks])
+        kept = np.isfinite(masked[np.maximum(twins, 0)]) & (twins >= 0)[:, None, None]
+        v, rows, cols = np.nonzero(np.isfinite(masked[ks]) & ~kept)
+        if len(v):
+            at = (ks[v], rows, cols)
+            masked[at] = np.minimum(masked[at], _recompute_fewer(stacked, v, in_flight, limit, rows, cols))
     out = []
     for offload in offloads:
         kept = masked.copy() if any(v[3] < 0 for v in variants) else masked
