@@ -10,9 +10,10 @@ ops between two matrix products of activations (neither operand a weight): the f
 second it reaches without another matrix product or a weight on the way (the product with V),
 and every op on a path between them, a softmax among them (two chained products of activations
 without one — a rotary table's, linear attention's — are not a core); a core that an op outside
-it both reads and feeds is not one either (a checkpoint runs its ops together). A fused attention (`scaled_dot_product_attention` and its
-kernels) is a core by itself: it keeps only its inputs, output and log-sum-exp, so recomputing
-it saves little — the planner prices that, and does not offer the choice where it saves nothing.
+it both reads and feeds is not one either (a checkpoint runs its ops together). A fused
+attention (`scaled_dot_product_attention` and its kernels) is a core by itself: it keeps only
+its inputs, output and log-sum-exp, so recomputing it saves little — the planner prices that,
+and the search does not weigh it where the cores hold little (`StageCosts.recomputes`).
 """
 
 from __future__ import annotations
