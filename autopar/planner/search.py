@@ -234,8 +234,10 @@ def _first_within(depth: np.ndarray, start: np.ndarray, v: np.ndarray, rows: np.
     variants' negated rows laid end to end, each lifted above the last); the rows before `start`
     search their own running minimum."""
     n = depth.shape[1]
-    big = float(np.abs(depth).max()) + 1.0
-    lifted = -depth.copy()
+    finite = np.isfinite(depth)
+    big = float(np.abs(depth[finite]).max(initial=0.0)) + 1.0
+    # past an atom without a sharding on this mesh (nan onwards): found, then refused by the memory check
+    lifted = np.where(finite, -depth, big - 0.25)
     lifted[np.arange(n)[None, :] < start[:, None]] = -big  # before `start`: never the first within
     lifted += 4 * big * np.arange(len(depth))[:, None]
     found = np.searchsorted(lifted.ravel(), 4 * big * v + np.clip(-rhs, -big + 0.5, big - 0.5), side="left") - n * v
