@@ -17,7 +17,7 @@ import torch
 from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
-from autopar.contract.attention import attention_cores, base, core_inputs
+from autopar.contract.attention import attention_cores, base, core_inputs, is_view
 from autopar.contract.export import WRAPPER_PREFIX, export_program
 from autopar.planner.flops import FlopCounter
 from autopar.planner.graph import OpGraph, OpNode, TensorInfo
@@ -112,7 +112,7 @@ def _op_node(
     node: fx.Node, counter: FlopCounter, needs_grad: set[str], lists: set[str]
 ) -> OpNode:
     target = node.target
-    is_view = target is operator.getitem or bool(getattr(target, "is_view", False))
+    view = is_view(node)
     val_of = {n.name: n.meta.get("val") for n in node.all_input_nodes}
     grad_of = {id(val_of[n.name]) for n in node.all_input_nodes if n.name in needs_grad}
     out_infos = _infos(node.meta.get("val"))
@@ -120,7 +120,7 @@ def _op_node(
     if grad_of and any(t.dtype.startswith(("float", "bfloat", "complex")) for t in out_infos):
         needs_grad.add(node.name)
     flops = (0.0, 0.0)
-    if not is_view and isinstance(target, torch._ops.OpOverload):
+    if not view and isinstance(target, torch._ops.OpOverload):
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: val_of[n.name])
         flops = counter.count(target, args, kwargs, grad_of)
     elif isinstance(target, torch._ops.HigherOrderOperator):
@@ -133,11 +133,11 @@ def _op_node(
         outputs=out_infos,
         flops_fwd=flops[0],
         flops_bwd=flops[1],
-        bytes_read=0 if is_view else _bytes_read(target, in_infos, out_infos),
-        bytes_written=0 if is_view else sum(o.nbytes for o in out_infos),
+        bytes_read=0 if view else _bytes_read(target, in_infos, out_infos),
+        bytes_written=0 if view else sum(o.nbytes for o in out_infos),
         module_path=mod_path,
         layer=layer,
-        is_view=is_view,
+        is_view=view,
         requires_grad=node.name in needs_grad,
     )
 
