@@ -7,6 +7,7 @@ import dataclasses
 import gc
 import logging
 import os
+import uuid
 import weakref
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.contract.compression import parse
 from autopar.contract.errors import AutoparError
+from autopar.contract.inputs import as_args
 from autopar.contract.plan import Plan
 from autopar.contract.precision import parse_precision
 from autopar.contract.units import human_bytes
@@ -29,12 +31,13 @@ from autopar.planner.manual import Layout, manual_plan, manual_search
 from autopar.planner.search import Search, plan_auto, plan_compressed
 from autopar.planner.strategy_costs import REPLICATED_GRADIENTS
 from autopar.planner.tune import candidates, choose
+from autopar.planner.unruled import warn_replicated
 from autopar.runtime import default_backend, local_device
 from autopar.runtime.backend import group_backend, keep_to_loopback
-from autopar.runtime.failures import set_timeouts
+from autopar.runtime.failures import PeerFailed, collective_failures, set_timeouts
 from autopar.runtime.loop import time_steps
 from autopar.runtime.memory import hold_to
-from autopar.runtime.parallel import ParallelModel, UnsupportedPlan, positional, zero3
+from autopar.runtime.parallel import ParallelModel, UnsupportedPlan, zero3
 from autopar.runtime.pipeline import PipelineModel
 
 log = logging.getLogger(__name__)
@@ -98,26 +101,48 @@ def parallelize(
     if hosts * per_host != world:
         raise AutoparError(f"mesh {hosts}x{per_host} has {hosts * per_host} devices, the job has {world} ranks: "
                            f"launch with torchrun --nproc-per-node {hosts * per_host}, or pass mesh=(1, {world})")
-    args = positional(model.forward, example_inputs)
+    args = as_args(model.forward, example_inputs, "example_inputs")
     graph = capture(model, args)
     batch = next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
-    chosen: list[Any] = [None]
+    chosen: list[Any] = [None, uuid.uuid4().hex[:12]]  # the plan, and the scope of this model's failures
     if tune and (plan is not None or compression or delay or example_target is None):
         raise AutoparError("tune=K measures the free search's best layouts on a real batch: pass example_target, "
                            "and no plan, compression or delay")
+    failed: BaseException | None = None
     if rank == 0:
         try:
-            chosen = [_candidates(model, args, batch, graph, cluster, (hosts, per_host), precision, memory_limit, tune)
-                      if tune else _resolve(plan, model, args, batch, graph, cluster, (hosts, per_host), compression,
-                                            delay, precision, memory_limit)]
-        except AutoparError as exc:  # every rank reports it, none waits for a plan that never comes
-            chosen = [exc]
+            chosen[0] = (_candidates(model, args, batch, graph, cluster, (hosts, per_host), precision, memory_limit, tune)
+                         if tune else _resolve(plan, model, args, batch, graph, cluster, (hosts, per_host), compression,
+                                               delay, precision, memory_limit))
+            if isinstance(chosen[0], Plan):
+                warn_replicated(graph, chosen[0])
+        except Exception as exc:  # every rank reports it, none waits for a plan that never comes
+            failed, chosen[0] = exc, PeerFailed(0, "planning", str(exc) if isinstance(exc, AutoparError) else
+                                                f"{type(exc).__name__}: {exc}", isinstance(exc, AutoparError))
     dist.broadcast_object_list(chosen, src=0)
-    if isinstance(chosen[0], AutoparError):
-        raise AutoparError(str(chosen[0]))
-    resolved = chosen[0]
-    if tune:
-        resolved = _tuned(resolved, model, args, example_target, loss_fn, optimizer, max_grad_norm)
+    if failed is not None:
+        raise failed
+    if isinstance(chosen[0], PeerFailed):
+        raise AutoparError(chosen[0].message) if chosen[0].user else chosen[0]  # a user's error: the same words
+    resolved, scope = chosen
+    with collective_failures("building the model", scope):  # one rank's error is every rank's
+        if tune:
+            resolved = _tuned(resolved, model, args, example_target, loss_fn, optimizer, max_grad_norm)
+        pm = _build(resolved, model, graph, args, loss_fn, optimizer, world, precision, mixed_precision, memory_limit,
+                    compression, delay, max_grad_norm)
+        pm.failure_scope = scope
+        if timeout is not None:
+            set_timeouts(timeout)  # every group, the model's too; not before: rank 0 may plan for minutes
+        if memory_limit is not None:
+            hold_to(pm, memory_limit)
+    _BUILT.add(pm)
+    return pm
+
+
+def _build(resolved: Plan, model: nn.Module, graph: Any, args: tuple, loss_fn: Callable, optimizer: Callable,
+           world: int, precision: str, mixed_precision: str | None, memory_limit: float | None,
+           compression: str | None, delay: int, max_grad_norm: float | None) -> Any:
+    """The plan checked against this model and job, and the model built under it on this rank."""
     resolved.check_graph(graph.fingerprint())
     resolved.check_placements(graph, {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)})
     if mixed_precision is not None:
@@ -140,7 +165,7 @@ def parallelize(
             zero3(resolved) or any(s.zero for s in resolved.stages)):
         raise AutoparError("compression and delayed averaging work on replicated gradients; this plan shards them "
                            "over the data axis (ZeRO): use a plan without S(0) parameters or stage zero levels")
-    device = local_device(int(os.environ.get("LOCAL_RANK", rank)))
+    device = local_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's object collectives and new groups use the current device
     _start_equal(model.to(device))
@@ -151,11 +176,6 @@ def parallelize(
             pm = ParallelModel(model, resolved, loss_fn, optimizer, args, device=device, max_grad_norm=max_grad_norm)
     except UnsupportedPlan as exc:
         raise AutoparError(str(exc)) from None
-    if timeout is not None:
-        set_timeouts(timeout)  # every group, the model's too; not before: rank 0 may plan for minutes
-    if memory_limit is not None:
-        hold_to(pm, memory_limit)
-    _BUILT.add(pm)
     return pm
 
 

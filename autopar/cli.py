@@ -31,6 +31,7 @@ from autopar.cost_models import PRESETS, ClusterSpec, calibration_file, collecti
 from autopar.models import load_workload
 from autopar.planner.manual import Layout, deepspeed_moe_plan, has_experts, layout_grid, manual_plan, manual_search
 from autopar.planner.search import RESERVE, Search, parse_mesh, plan_auto, plan_compressed, warn_time_limited
+from autopar.planner.unruled import warn_replicated
 from autopar.summary import inspect_workload
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -165,6 +166,7 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
             plan = plan_compressed(search, args.compression, lambda s: plan_auto(s, stages=args.stages, progress=step),
                                    step)
     elapsed = time.perf_counter() - start
+    warn_replicated(search.graph, plan)
     if args.out:
         plan.save(args.out)
     if args.json:

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from autopar.contract.errors import ModelSpecError
+from autopar.contract.inputs import as_args
 from autopar.contract.limits import MAX_BATCH
 from autopar.contract.workload import Workload
 from autopar.zoo import ZOO
@@ -64,7 +65,7 @@ def _from_function(spec: str, batch: int | None) -> Workload:
             f"(model, example_inputs, loss_fn, make_batch), got {type(result).__name__}"
         )
     model, inputs = result[0], result[1]
-    inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
+    inputs = as_args(model.forward, inputs, f"{spec}: example_inputs")
     first = next((x for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
     if first is None:
         raise ModelSpecError(f"{spec}: example_inputs has no tensor with a batch dimension")

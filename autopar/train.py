@@ -167,7 +167,8 @@ def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
     except AutoparError as exc:
         # a peer's death is not the user's input; either way this rank fails, so the launcher stops
         # the others at once (a rank that returned would leave them waiting for it in a collective)
-        failures.record(progress_dir, rank, step, phase, error=str(exc), user=not isinstance(exc, failures.PeerLost))
+        peer = isinstance(exc, failures.PeerLost)
+        failures.record(progress_dir, rank, step, phase, error=str(exc), user=not peer, peer=peer)
         raise
     except (KeyboardInterrupt, SystemExit):
         raise

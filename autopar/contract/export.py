@@ -14,6 +14,7 @@ import io
 import logging
 import os
 import sys
+import sysconfig
 import traceback
 from typing import Any
 
@@ -25,6 +26,8 @@ from autopar.contract.errors import CaptureError
 
 WRAPPER_PREFIX = "inner."  # the wrapper holds the model as `inner`
 _PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_STDLIB = sysconfig.get_paths()["stdlib"] + os.sep
+_INSTALLED = (sysconfig.get_paths()["purelib"] + os.sep, sysconfig.get_paths()["platlib"] + os.sep)
 
 
 class _TensorOutput(nn.Module):
@@ -67,7 +70,7 @@ def export_program(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.
     shapes.setLevel(logging.ERROR)
     said = io.StringIO()
     try:
-        with contextlib.redirect_stderr(said):
+        with contextlib.redirect_stderr(said), _unchanging_to():
             exported = torch.export.export(_TensorOutput(model), args, kwargs, strict=False)
     except CaptureError:
         raise
@@ -77,6 +80,29 @@ def export_program(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.
         shapes.setLevel(level)
     sys.stderr.write(said.getvalue())
     return exported
+
+
+@contextlib.contextmanager
+def _unchanging_to():
+    """`module.to(dtype)` that changes nothing returns the module while exporting. Some models cast
+    a submodule in their forward (Switch Transformers' router: `self.classifier =
+    self.classifier.to(self.dtype)`); export cannot swap a traced parameter, and nothing changes."""
+    original = nn.Module.to
+
+    def to(self: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        device, dtype, _, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        tensors = [*self.parameters(), *self.buffers()]
+        if memory_format is None and all((device is None or t.device == device) and
+                                         (dtype is None or not t.is_floating_point() or t.dtype == dtype)
+                                         for t in tensors):
+            return self
+        return original(self, *args, **kwargs)
+
+    nn.Module.to = to
+    try:
+        yield
+    finally:
+        nn.Module.to = original
 
 
 def _explain(exc: Exception, model: nn.Module) -> str:
@@ -114,8 +140,10 @@ def _culprit(exc: BaseException) -> str:
 
 
 def _is_user_file(filename: str) -> bool:
-    return not filename.startswith((os.path.dirname(torch.__file__), _PACKAGE, "<")) \
-        and "site-packages" not in filename.split(os.sep)[-4:]
+    """The model's own code: not torch's, autopar's or Python's (a model from an installed package,
+    `transformers` say, counts: its line is where the construct is)."""
+    stdlib = filename.startswith(_STDLIB) and not filename.startswith(_INSTALLED)
+    return not stdlib and not filename.startswith((os.path.dirname(torch.__file__), _PACKAGE, "<"))
 
 
 def _user_frame(exc: BaseException) -> str:
@@ -124,3 +152,14 @@ def _user_frame(exc: BaseException) -> str:
         return ""
     f = frames[-1]
     return f"{f.filename}:{f.lineno} in {f.name}: {(f.line or '').strip()}"
+
+
+def source_line(node: Any) -> str:
+    """The model's own line that made this node (export records the stack), as ' at FILE:LINE: code'."""
+    trace = node.meta.get("stack_trace") or ""
+    frames = [line.strip() for line in trace.splitlines() if line.strip()]
+    for i in range(len(frames) - 1, -1, -1):
+        if frames[i].startswith("File "):
+            code = frames[i + 1] if i + 1 < len(frames) else ""
+            return f" at {frames[i].removeprefix('File ')}: {code}"
+    return ""

@@ -9,6 +9,7 @@ work: planning never needs real weights.
 
 from __future__ import annotations
 
+import logging
 import operator
 from typing import Any
 
@@ -19,28 +20,30 @@ from torch.utils._pytree import tree_leaves
 
 from autopar.contract.attention import attention_cores, base, core_inputs, is_view
 from autopar.contract.export import WRAPPER_PREFIX, export_program
+from autopar.contract.inputs import as_args
 from autopar.planner.flops import FlopCounter
 from autopar.planner.graph import OpGraph, OpNode, TensorInfo
 from autopar.planner.replicate import capture_replicated
 from autopar.planner.saved import saved_outputs
+from autopar.planner.unruled import summary
+
+log = logging.getLogger(__name__)
 
 
-def capture(
-    model: nn.Module, example_inputs: Any, example_kwargs: dict | None = None, *, replicate: bool = True
-) -> OpGraph:
-    """Export `model` on `example_inputs` and annotate every op with its costs.
+def capture(model: nn.Module, example_inputs: Any, *, replicate: bool = True) -> OpGraph:
+    """Export `model` on `example_inputs` (a tuple of positional inputs, a dict of keyword inputs or
+    one tensor: `autopar.contract.inputs`) and annotate every op with its costs.
 
     With `replicate`, a model whose blocks repeat (GPT-3's 96 identical layers) is exported with
     three periods of blocks and the rest is copied from the last one (`autopar.planner.replicate`): the
     same graph, node names included, at a fraction of the tracing time.
     """
-    args = tuple(example_inputs) if isinstance(example_inputs, (tuple, list)) else (example_inputs,)
-    kwargs = example_kwargs or {}
+    args = as_args(model.forward, example_inputs, "example_inputs")
     if replicate:
-        graph = capture_replicated(model, lambda m: export_program(m, args, kwargs), build)
+        graph = capture_replicated(model, lambda m: export_program(m, args, {}), build)
         if graph is not None:
             return graph
-    exported = export_program(model, args, kwargs)
+    exported = export_program(model, args, {})
     sig = exported.graph_signature
     return build(exported.graph, model, sig.inputs_to_parameters, sig.inputs_to_buffers, set(sig.user_inputs))
 
@@ -88,8 +91,12 @@ def build(
     outputs = [a.name for a in tree_leaves(next(iter(fx_graph.find_nodes(op="output"))).args) if isinstance(a, fx.Node)]
     warnings = [f"FLOPs of {op} not counted: {why}" for op, why in counter.failures.items()]
     trainable = {param_of[ph] for ph in needs_grad if ph in param_of}
-    return OpGraph(graph, params=params, buffers=buffers, outputs=outputs, warnings=warnings, fx_graph=fx_graph,
-                   placeholders={**param_of, **buffer_of}, trainable=trainable)
+    captured = OpGraph(graph, params=params, buffers=buffers, outputs=outputs, warnings=warnings, fx_graph=fx_graph,
+                       placeholders={**param_of, **buffer_of}, trainable=trainable)
+    note = summary(captured)
+    if note:
+        log.info("%s: %s", type(model).__name__, note)
+    return captured
 
 
 def _mark_attention(fx_graph: fx.Graph, graph: nx.DiGraph, weights: set[str]) -> None:

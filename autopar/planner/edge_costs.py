@@ -30,13 +30,9 @@ def edge_costs(stage: StageGraph, evals: dict[str, list[Evaluation]]) -> list[tu
                                  partial_share=share if i in b.partial.get(name, ()) else 0)
                        for b in evals[g]] for a in evals[gs]])
         out.append((gs, g, m * count))
-    users: dict[str, set[str]] = {}
-    for n in stage.names:
-        for fqn in stage.graph.node(n).params:
-            users.setdefault(fqn, set()).add(stage.root[n])
     for fqn, owner in stage.owner.items():
         go = stage.root[owner]
-        for user in users[fqn] - {go}:
+        for user in stage.param_users[fqn] - {go}:
             if stage.cls[user] != user or stage.cls[go] != go:
                 continue  # weights shared inside repeated layers: costed with their layer
             nbytes = stage.graph.params[fqn].nbytes

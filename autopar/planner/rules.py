@@ -362,18 +362,30 @@ def _reshape(node, ins, outs):
     return Signature(_place(node, ins, {0: a}), ["".join(b)], FOLLOWER, view=True)
 
 
-@rule(aten.transpose, aten.t, aten.permute)
+@rule(aten.transpose, aten.t, aten.permute, aten.numpy_T, aten.mT, aten.mH, aten.adjoint, aten.swapaxes,
+      aten.swapdims, aten.movedim)
 def _permute(node, ins, outs):
+    """Every way of reordering dims: `x.T` (numpy_T, all of them reversed), `x.mT` and its conjugate
+    forms (the last two swapped), transpose and its aliases, permute, movedim."""
     args = _args(node)
     letters = string.ascii_lowercase[: len(ins[0])]
-    if node.target in (aten.t.default,):
-        perm = [1, 0][: len(letters)]
-    elif node.target == aten.transpose.int:
-        perm = list(range(len(letters)))
-        d0, d1 = args[1] % len(letters), args[2] % len(letters)
+    n = len(letters)
+    packet = node.target.overloadpacket
+    perm = list(range(n))
+    if packet in (aten.t, aten.numpy_T):
+        perm.reverse()
+    elif packet in (aten.mT, aten.mH, aten.adjoint):
+        perm[-2:] = perm[:-3:-1]
+    elif packet in (aten.transpose, aten.swapaxes, aten.swapdims):
+        d0, d1 = args[1] % n, args[2] % n
         perm[d0], perm[d1] = perm[d1], perm[d0]
+    elif packet is aten.movedim:
+        src, dst = ([d % n for d in a] if isinstance(a, (list, tuple)) else [a % n] for a in args[1:3])
+        rest = iter(d for d in perm if d not in src)
+        moved = dict(zip(dst, src))
+        perm = [moved[i] if i in moved else next(rest) for i in range(n)]
     else:
-        perm = [d % len(letters) for d in args[1]]
+        perm = [d % n for d in args[1]]
     return Signature(_place(node, ins, {0: letters}), ["".join(letters[p] for p in perm)], FOLLOWER, view=True)
 
 

@@ -7,7 +7,6 @@ the tensors between groups."""
 from __future__ import annotations
 
 import hashlib
-import logging
 import operator
 from dataclasses import dataclass
 
@@ -18,8 +17,6 @@ from autopar.planner import rules as L
 from autopar.planner.graph import OpGraph
 from autopar.planner.ilp import InfeasibleError
 from autopar.planner.placement import R, shard, shard_dim
-
-log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -49,7 +46,7 @@ class StageGraph:
         self.batch = self._batch_dims()
         self._check_batch()
         self.root = self._roots()
-        self.owner = self._param_owners()
+        self.owner, self.param_users = self._param_owners()
         self.owning_groups = {self.root[n] for n in self.owner.values()}  # groups that store a weight
         self._size_cache: dict[str, dict[str, int]] = {}
         self._batch_letter_cache: dict[str, set[str]] = {}
@@ -63,12 +60,7 @@ class StageGraph:
         if node.op == "input":
             letters = "abcdefgh"[: len(node.outputs[0].shape)] if node.outputs else ""
             return L.Signature([], [letters], L.ANCHOR, set(letters))
-        sig = L.signature(self.fx[name])
-        warning = f"no sharding rule for {node.op}: it runs replicated"
-        if sig.kind == L.UNKNOWN and warning not in self.graph.warnings:  # once per op kind and graph
-            self.graph.warnings.append(warning)
-            log.warning("%s (first: %s)", warning, name)
-        return sig
+        return L.signature(self.fx[name])  # without a rule: replicated (`planner.unruled` says so once)
 
     def tensor_inputs(self, name: str) -> list[tuple[int, str | None]]:
         """(position in fx all_input_nodes, producer op name, or None for parameters, their views,
@@ -170,9 +162,11 @@ class StageGraph:
             root[name] = name
         return root
 
-    def _param_owners(self) -> dict[str, str]:
-        """Each parameter's first user (through views): it stores and synchronises the weight."""
+    def _param_owners(self) -> tuple[dict[str, str], dict[str, set[str]]]:
+        """Each parameter's first user (through views: it stores and synchronises the weight), and
+        the groups of all its users (they must agree on its placement, or pay to move it)."""
         owner: dict[str, str] = {}
+        users: dict[str, set[str]] = {}
         for name in self.names:
             if self.root.get(name) is None:
                 continue
@@ -180,7 +174,8 @@ class StageGraph:
                 fqn, _ = self.param_input(name, i, R)
                 if fqn is not None:
                     owner.setdefault(fqn, name)
-        return owner
+                    users.setdefault(fqn, set()).add(self.root[name])
+        return owner, users
 
     def sizes(self, name: str) -> dict[str, int]:
         if name not in self._size_cache:

@@ -39,17 +39,79 @@ class PeerLost(AutoparError):
     """A collective failed because another rank died or stopped responding."""
 
 
+class PeerFailed(PeerLost):
+    """A collective failed because another rank raised an error: which rank, where, and its message
+    (`user`: an `AutoparError`, what the user gave or a plan refused)."""
+
+    def __init__(self, rank: int, where: str, message: str, user: bool) -> None:
+        super().__init__(f"rank {rank} failed in {where}: {message}")
+        self.rank, self.where, self.message, self.user = rank, where, message, user
+
+    def __reduce__(self) -> tuple:  # sent between ranks
+        return PeerFailed, (self.rank, self.where, self.message, self.user)
+
+
+_FAILED = "autopar/failed/{scope}/{rank}"  # the job's store: why a rank failed, for the others to say
+
+
+def announce(scope: str | None, where: str, exc: BaseException) -> None:
+    """Leave this rank's error where the others find it (the job's store) before it ends the rank:
+    they will see a collective fail, and say this instead. `scope` tells the models one job builds apart."""
+    store = _store()
+    if store is None or scope is None or not dist.is_initialized():
+        return
+    message = str(exc) if isinstance(exc, AutoparError) else f"{type(exc).__name__}: {exc}"
+    with contextlib.suppress(Exception):  # a store already gone: the others report the peer lost
+        store.set(_FAILED.format(scope=scope, rank=dist.get_rank()), json.dumps(
+            {"where": where, "message": message[:4000], "user": isinstance(exc, AutoparError)}))
+
+
+def peer_failure(scope: str | None) -> PeerFailed | None:
+    """The error another rank announced in `scope`, if one did (the lowest rank's)."""
+    store = _store()
+    if store is None or scope is None or not dist.is_initialized():
+        return None
+    for rank in range(dist.get_world_size()):
+        key = _FAILED.format(scope=scope, rank=rank)
+        with contextlib.suppress(Exception):
+            if rank != dist.get_rank() and store.check([key]):
+                said = json.loads(store.get(key))
+                return PeerFailed(rank, said["where"], said["message"], said["user"])
+    return None
+
+
+def _store() -> Any:
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store() if dist.is_initialized() else None
+    except (ImportError, RuntimeError, ValueError):
+        return None
+
+
 @contextlib.contextmanager
-def collective_failures(what: str) -> Iterator[None]:
-    """Turn a transport error of a dead or silent peer into one clear `PeerLost`."""
+def collective_failures(what: str, scope: str | None = None) -> Iterator[None]:
+    """One rank's error is every rank's: this rank's own is announced (`announce`), and a transport
+    error of a dead or silent peer becomes the error that peer announced (`PeerFailed`) or, where
+    it announced none (killed, frozen), one clear `PeerLost`."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
         yield
-    except (RuntimeError, CheckpointException) as exc:  # DCP gathers its ranks' errors into the latter
+    except PeerLost:
+        raise
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # DCP gathers its ranks' errors into CheckpointException
         text = str(exc)
-        if not (isinstance(exc, (dist.DistNetworkError, dist.DistStoreError)) or any(s in text for s in _LOST)):
+        lost = isinstance(exc, (RuntimeError, CheckpointException)) and (
+            isinstance(exc, (dist.DistNetworkError, dist.DistStoreError)) or any(s in text for s in _LOST))
+        if not lost:
+            announce(scope, what, exc)
             raise
+        cause = peer_failure(scope)
+        if cause is not None:
+            raise cause from exc
         rank = dist.get_rank() if dist.is_initialized() else "?"
         detail = next((line for line in text.splitlines() if any(s in line for s in _LOST)), text.strip())
         raise PeerLost(f"rank {rank} gave up in {what}: another rank died or stopped responding "
@@ -71,24 +133,29 @@ def set_timeouts(timeout_s: float) -> None:
             _set_pg_timeout(datetime.timedelta(seconds=timeout_s), group)
 
 
+_CALLS = {"step": "a training step"}
+
+
 def guarded(step: Callable) -> Callable:
-    """A model's `step` that raises `PeerLost` when a peer dies under it."""
+    """A model's method that every rank calls together (`step`, `predict`): its error is announced
+    to the others, and a peer's death or error under it raised as `PeerLost` / `PeerFailed`."""
     @functools.wraps(step)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with collective_failures("a training step"):
-            return step(*args, **kwargs)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with collective_failures(_CALLS.get(step.__name__, f"{step.__name__}()"), getattr(self, "failure_scope", None)):
+            return step(self, *args, **kwargs)
 
     return run
 
 
 def record(directory: str | Path, rank: int, step: int, phase: str, error: str | None = None,
-           user: bool = False) -> None:
+           user: bool = False, peer: bool = False) -> None:
     """This rank is at `step` doing `phase`, or failed there with `error` (`user`: an error in what
-    the user gave, reported as it is) (replaced atomically: readers never see half a file)."""
+    the user gave, reported as it is; `peer`: another rank's death or error, not this rank's own)
+    (replaced atomically: readers never see half a file)."""
     path = Path(directory) / f"rank{rank}.json"
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps({"pid": os.getpid(), "step": step, "phase": phase, "time": time.time(),
-                               "error": error, "user": user}))
+                               "error": error, "user": user, "peer": peer}))
     os.replace(tmp, path)
 
 
@@ -194,7 +261,7 @@ def blame(failed: dict[int, Any], seen: dict[int, Watched], steps: int) -> str:
     signalled = [r for r, f in failed.items() if f.exitcode < 0 and not error(r)]
     silent = sorted((w.died_at, r not in signalled, r) for r, w in seen.items()
                     if w.died_at is not None and not error(r))
-    own = [r for r in failed if error(r) and "another rank died or stopped responding" not in error(r)]
+    own = [r for r in failed if error(r) and not (seen[r].where or {}).get("peer")]
     rank = (frozen or [r for *_, r in silent[:1]] or signalled or own or sorted(failed))[0]
     w = seen[rank].where if rank in seen else None
     if rank in frozen:

@@ -20,8 +20,10 @@ from torch import nn
 from autopar.contract.compression import carries_momentum, parse
 from autopar.contract.errors import AutoparError
 from autopar.contract.export import first_tensor
+from autopar.contract.inputs import as_args
 from autopar.contract.placements import Shard
 from autopar.contract.plan import Plan, StagePlan
+from autopar.runtime import rng
 from autopar.runtime.breakdown import phase
 from autopar.runtime.buffers import AveragedBuffers, persistent
 from autopar.runtime.comm_count import CollectiveBytes
@@ -155,28 +157,6 @@ def check_optimizer(optimizer: torch.optim.Optimizer, plan: Plan) -> None:
                                                         if spec.method == "onebit" else ""))
 
 
-def positional(forward: Callable, inputs: Any) -> tuple:
-    """The model's inputs as positional arguments: a tuple as it is, a dict of keyword arguments
-    bound to `forward`'s parameters, the ones skipped before the last given at their defaults
-    (T5's `attention_mask=None` between `input_ids` and `decoder_input_ids`)."""
-    if not isinstance(inputs, dict):
-        return tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-    import inspect
-
-
-    params = list(inspect.signature(forward).parameters.values())
-    known = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    unknown = set(inputs) - set(known)
-    if unknown:
-        raise AutoparError(f"the model's forward takes no positional parameter {', '.join(sorted(unknown))}: "
-                           f"its parameters are {', '.join(known)}")
-    last = max(known.index(name) for name in inputs)
-    missing = [p.name for p in params[:last + 1] if p.name not in inputs and p.default is p.empty]
-    if missing:
-        raise AutoparError(f"keyword inputs skip {', '.join(missing)}, which the model's forward needs")
-    return tuple(inputs[p.name] if p.name in inputs else p.default for p in params[:last + 1])
-
-
 def on_device(batch: Any, device: torch.device) -> Any:
     """Every tensor of `batch` on the rank's device (as DDP moves a single-device module's inputs):
     data loaders and `make_batch` produce CPU tensors."""
@@ -244,13 +224,15 @@ class ParallelModel:
         check_optimizer(self.optimizer, plan)
         self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [0, 0]}
         self._issued: list[dict[str, Any]] = []
+        if self.tp > 1:  # replicated values draw one dropout mask on every rank of the tensor axis
+            rng.share(self.tp_group, device)
 
     @guarded
     def step(self, inputs: Any, target: torch.Tensor, local: bool = False) -> float:
         """One training step on the global batch, or with `local` on this rank's data-parallel slice
         of it (slice `data_parallel_rank` of `data_parallel_size` equal ones); returns the global
         mean loss (same on every rank)."""
-        inputs, target = on_device(positional(self.model.forward, inputs), self.device), target.to(self.device)
+        inputs, target = on_device(as_args(self.model.forward, inputs), self.device), target.to(self.device)
         check_batch(inputs, self.plan, self.dp if local else None)
         m = self.plan.num_microbatches
         local_in, local_target = (inputs, target) if local else (_split(inputs, self.dp, self.rank),
@@ -330,7 +312,7 @@ class ParallelModel:
         """The model's output (reduced as the loss gets it) for the global batch, without gradients,
         the same on every rank; run in the plan's microbatches. Training is left as it was
         (buffers, random state). A collective: every rank calls it."""
-        inputs = on_device(positional(self.model.forward, inputs), self.device)
+        inputs = on_device(as_args(self.model.forward, inputs), self.device)
         check_batch(inputs, self.plan)
         m = self.plan.num_microbatches
         mine = _split(inputs, self.dp, self.rank)

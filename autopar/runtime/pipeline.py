@@ -32,8 +32,10 @@ from torch.distributed.tensor import DTensor, Replicate
 from autopar.contract import schedules
 from autopar.contract.errors import AutoparError
 from autopar.contract.export import first_tensor
+from autopar.contract.inputs import as_args
 from autopar.contract.plan import Plan
 from autopar.contract.precision import retyped
+from autopar.runtime import rng
 from autopar.runtime.breakdown import phase
 from autopar.runtime.buffers import AveragedBuffers
 from autopar.runtime.comm_count import CollectiveBytes
@@ -52,7 +54,6 @@ from autopar.runtime.parallel import (
     data_sharded,
     data_sync,
     on_device,
-    positional,
     refuse_failing,
     shard_data_axis,
 )
@@ -282,6 +283,8 @@ class PipelineModel:
         pp = self.m * (fan[0] * nbytes[0] + fan[1] * nbytes[1])
         self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [pp, pp]}  # pp: activations out, their gradients back
         self.overlapped = 0  # gradient buckets of the last step launched during backward
+        if g.tp_mesh is not None:  # replicated values draw one dropout mask on every rank of the tensor axis
+            rng.share(g.tp_mesh.get_group(), device)
 
     def _tied_groups(self, g: _Groups) -> list[tuple[nn.Parameter, dist.ProcessGroup | None, int | None]]:
         """For each weight stages of several device groups use: this rank's copy, the group that
@@ -325,7 +328,7 @@ class PipelineModel:
 
     @guarded
     def step(self, inputs: Any, target: torch.Tensor, local: bool = False) -> float:
-        inputs, target = on_device(positional(self.forward, inputs), self.device), target.to(self.device)
+        inputs, target = on_device(as_args(self.forward, inputs), self.device), target.to(self.device)
         if local and len({s.logical_mesh[0] for s in self.plan.stages}) > 1:
             raise AutoparError("step(local=True) needs the same data-parallel size on every stage; this plan's "
                                   f"are {[s.logical_mesh[0] for s in self.plan.stages]}: pass the global batch")
@@ -403,7 +406,7 @@ class PipelineModel:
         """The model's output for the global batch without gradients, on every rank: the stages
         run the microbatches forward (activations to the next stage's peers, as the schedule
         sends them) and the last stage's slices are shared. Training is left as it was."""
-        inputs = on_device(positional(self.forward, inputs), self.device)
+        inputs = on_device(as_args(self.forward, inputs), self.device)
         check_batch(inputs, self.plan)
         args = tuple(x for x in self._local(inputs) if isinstance(x, torch.Tensor))
         where, here = self.plan.stage_ranks, self.stage_index

@@ -35,8 +35,9 @@ from torch.distributed.tensor import (
 
 from autopar.contract import placements as planned
 from autopar.contract.attention import attention_cores
-from autopar.contract.export import WRAPPER_PREFIX
+from autopar.contract.export import WRAPPER_PREFIX, source_line
 from autopar.contract.plan import SELECTIVE, Plan, StagePlan
+from autopar.runtime import rng
 from autopar.runtime.buffers import persistent
 from autopar.runtime.cross_mesh import gather_batch, slice_batch
 from autopar.runtime.recompute import Segment, checkpointed, segments
@@ -53,6 +54,18 @@ _CONV = {torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, torch.ops
          torch.ops.aten.convolution.default}
 _LOCAL |= _CONV
 _EMBEDDING = torch.ops.aten.embedding.default
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """The identity, whose gradient leaves contiguous."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.contiguous()
 
 
 def _grouped(target: Any) -> bool:
@@ -164,17 +177,6 @@ def first_failure(module: ShardedGraph, inputs: tuple, group: Any = None) -> str
     said: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(said, failed, group=group)
     return next((s for s in said if s is not None), None)
-
-
-def source_line(node: fx.Node) -> str:
-    """The model's own line that made this node (export records the stack), as ' at FILE:LINE: code'."""
-    trace = node.meta.get("stack_trace") or ""
-    frames = [line.strip() for line in trace.splitlines() if line.strip()]
-    for i in range(len(frames) - 1, -1, -1):
-        if frames[i].startswith("File "):
-            code = frames[i + 1] if i + 1 < len(frames) else ""
-            return f" at {frames[i].removeprefix('File ')}: {code}"
-    return ""
 
 
 @dataclass
@@ -342,6 +344,9 @@ class ShardedGraph(nn.Module):
 
     def forward(self, *inputs: torch.Tensor) -> Any:
         inputs = tuple(x for x in inputs if isinstance(x, torch.Tensor))  # None and flags: constants of the export
+        # the gradients of values received from the stage before go back to it: in one block, as
+        # gloo and NCCL send (the gradient of a permuted or channels-last activation may not be)
+        inputs = tuple(_ContiguousGrad.apply(x) if x.requires_grad else x for x in inputs)
         inputs = tuple(slice_batch(x, *self.slice_inputs[i]) if i in self.slice_inputs else x
                        for i, x in enumerate(inputs))
         env: dict[fx.Node, Any] = {**self.fixed, **dict(zip(self.inputs, inputs))}  # outputs may be constants
@@ -447,6 +452,14 @@ class ShardedGraph(nn.Module):
 
         args = fx.node.map_arg(node.args, arg)
         kwargs = fx.node.map_arg(node.kwargs, arg)
+        if rng.is_random(node.target) and any(isinstance(a, DTensor) and not a.placements[0].is_replicate()
+                                              for a in (*args, *kwargs.values())):
+            with rng.independent(self.mesh.get_local_rank(), torch.device(self.mesh.device_type)):
+                return self._op(node, args, kwargs, want)
+        return self._op(node, args, kwargs, want)
+
+    def _op(self, node: fx.Node, args: Any, kwargs: dict, want: Placement | None) -> Any:
+        """`node` on its inputs as the plan places them; its output placed as the plan says."""
         if node.target in _LOCAL or _grouped(node.target):
             out = self._run_local(node, args, kwargs, want)
         elif node.target is _EMBEDDING and _split_rows(args[0]) and not _split_rows(args[1]):

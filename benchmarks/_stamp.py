@@ -1,0 +1,38 @@
+"""What a generated result is stamped with: date, commit, machine, load, library versions."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+
+
+def commit() -> str:
+    """The checkout's short commit, `+` when it has uncommitted changes."""
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+    return head + ("+" if dirty else "")
+
+
+def stamp() -> dict:
+    import torch
+
+    try:
+        import transformers
+        hf = transformers.__version__
+    except ImportError:
+        hf = None
+    return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or platform.node()}",
+            "load": round(os.getloadavg()[0], 2), "torch": torch.__version__, "transformers": hf}
+
+
+def line(s: dict) -> str:
+    return (f"{s['date']}, commit {s['commit']}, {s['machine']}, load average {s['load']}, torch {s['torch']}"
+            + (f", transformers {s['transformers']}" if s.get("transformers") else ""))
