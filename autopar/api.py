@@ -34,7 +34,7 @@ from autopar.planner.tune import candidates, choose
 from autopar.planner.unruled import warn_replicated
 from autopar.runtime import default_backend, local_device
 from autopar.runtime.backend import group_backend, keep_to_loopback
-from autopar.runtime.failures import PeerFailed, collective_failures, set_timeouts
+from autopar.runtime.failures import PeerFailed, agreed, collective_failures, set_timeouts
 from autopar.runtime.loop import time_steps
 from autopar.runtime.memory import hold_to
 from autopar.runtime.parallel import ParallelModel, UnsupportedPlan, zero3
@@ -104,7 +104,8 @@ def parallelize(
     args = as_args(model.forward, example_inputs, "example_inputs")
     graph = capture(model, args)
     batch = next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
-    chosen: list[Any] = [None, uuid.uuid4().hex[:12]]  # the plan, and the scope of this model's failures
+    # the plan, the scope of this model's failures, the graph rank 0 captured
+    chosen: list[Any] = [None, uuid.uuid4().hex[:12], graph.fingerprint()]
     if tune and (plan is not None or compression or delay or example_target is None):
         raise AutoparError("tune=K measures the free search's best layouts on a real batch: pass example_target, "
                            "and no plan, compression or delay")
@@ -124,12 +125,13 @@ def parallelize(
         raise failed
     if isinstance(chosen[0], PeerFailed):
         raise AutoparError(chosen[0].message) if chosen[0].user else chosen[0]  # a user's error: the same words
-    resolved, scope = chosen
+    resolved, scope, captured = chosen
     with collective_failures("building the model", scope):  # one rank's error is every rank's
         if tune:
             resolved = _tuned(resolved, model, args, example_target, loss_fn, optimizer, max_grad_norm)
-        pm = _build(resolved, model, graph, args, loss_fn, optimizer, world, precision, mixed_precision, memory_limit,
-                    compression, delay, max_grad_norm)
+        resolved = agreed("checking the plan", lambda: _checked(resolved, model, graph, captured, world, precision,
+                                                                mixed_precision, memory_limit, compression, delay))
+        pm = _build(resolved, model, args, loss_fn, optimizer, max_grad_norm)
         pm.failure_scope = scope
         if timeout is not None:
             set_timeouts(timeout)  # every group, the model's too; not before: rank 0 may plan for minutes
@@ -139,10 +141,15 @@ def parallelize(
     return pm
 
 
-def _build(resolved: Plan, model: nn.Module, graph: Any, args: tuple, loss_fn: Callable, optimizer: Callable,
-           world: int, precision: str, mixed_precision: str | None, memory_limit: float | None,
-           compression: str | None, delay: int, max_grad_norm: float | None) -> Any:
-    """The plan checked against this model and job, and the model built under it on this rank."""
+def _checked(resolved: Plan, model: nn.Module, graph: Any, captured: str, world: int, precision: str,
+             mixed_precision: str | None, memory_limit: float | None, compression: str | None, delay: int) -> Plan:
+    """The plan checked against this rank's model and the job, with the caller's gradient choices."""
+    if graph.fingerprint() != captured:
+        raise AutoparError(
+            f"this rank captured another graph of {type(model).__name__} than rank 0 did ({graph.fingerprint()} "
+            f"against {captured}): its forward depends on something that differs between processes, most often "
+            "Python's hash order (a set iterated in forward, as transformers' ModernBERT does with its layer types); "
+            "start every rank with the same PYTHONHASHSEED, e.g. PYTHONHASHSEED=0 torchrun ...")
     resolved.check_graph(graph.fingerprint())
     resolved.check_placements(graph, {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)})
     if mixed_precision is not None:
@@ -165,6 +172,12 @@ def _build(resolved: Plan, model: nn.Module, graph: Any, args: tuple, loss_fn: C
             zero3(resolved) or any(s.zero for s in resolved.stages)):
         raise AutoparError("compression and delayed averaging work on replicated gradients; this plan shards them "
                            "over the data axis (ZeRO): use a plan without S(0) parameters or stage zero levels")
+    return resolved
+
+
+def _build(resolved: Plan, model: nn.Module, args: tuple, loss_fn: Callable, optimizer: Callable,
+           max_grad_norm: float | None) -> Any:
+    """The model built under the plan on this rank (every rank together)."""
     device = local_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's object collectives and new groups use the current device

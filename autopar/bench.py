@@ -35,7 +35,7 @@ from autopar.models import load_workload
 from autopar.planner.manual import Layout, check, manual_plan, manual_search
 from autopar.planner.search import Search, plan_auto, replay
 from autopar.planner.tune import candidates, choose
-from autopar.runtime.backend import join_local, local_store
+from autopar.runtime.backend import join_local, local_store, same_hash_order
 from autopar.runtime.breakdown import measuring, summarise
 from autopar.runtime.loop import time_steps
 from autopar.runtime.memory import measured_step
@@ -129,6 +129,7 @@ def measure(model: str, nproc: int, batch: int | None, plans: list[Any], warmup:
             breakdown: bool = False) -> list[tuple[float, float, list | None]]:
     """Each plan run on `nproc` local ranks started once: (median step time, the largest rank's
     peak tensor bytes, the per-rank breakdown or None)."""
+    same_hash_order()
     with tempfile.TemporaryDirectory() as tmp, local_store() as port:
         out = os.path.join(tmp, "times.pt")
         mp.spawn(_rank, args=(nproc, port, model, batch, [p.to_json() for p in plans], warmup, steps, out, breakdown),

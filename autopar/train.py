@@ -22,7 +22,7 @@ from autopar.contract.errors import AutoparError
 from autopar.contract.limits import MAX_MEMORY_BYTES, MAX_SECONDS, check_counts
 from autopar.models import load_workload
 from autopar.runtime import checkpoint, failures, local_device
-from autopar.runtime.backend import LOOPBACK, local_store, register_loopback_rendezvous
+from autopar.runtime.backend import LOOPBACK, local_store, register_loopback_rendezvous, same_hash_order
 from autopar.runtime.checkpoint import is_step, latest, verify
 from autopar.runtime.memory import measured_step
 
@@ -187,6 +187,7 @@ def launch(job: TrainJob, quiet: bool = True) -> dict[str, Any]:
 
 
     job.check()
+    same_hash_order()
     with tempfile.TemporaryDirectory(prefix="autopar-progress-") as scratch, local_store() as port:
         progress_dir = str(Path(job.checkpoint_dir) / "progress") if job.checkpoint_dir else scratch
         Path(progress_dir).mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ from tests.families import FAMILIES  # noqa: E402
 RESULTS = ROOT / "benchmarks" / "results" / "families.jsonl"
 TABLE = ROOT / "docs" / "families.md"
 LAYOUTS = {2: {"dp": "2,1,1", "tp": "1,2,1", "pp": "1,1,2,2", "searched": None},
-           4: {"dp": "4,1,1,2", "tp": "1,4,1", "pp": "1,1,4,4", "dp-tp": "2,2,1,2", "dp-pp": "2,1,2,2",
+           4: {"dp": "4,1,1", "tp": "1,4,1", "pp": "1,1,4,4", "dp-tp": "2,2,1,2", "dp-pp": "2,1,2,2",
                "tp-pp": "1,2,2,2", "searched": None}}
 TITLES = {"dp": "DP", "tp": "TP", "pp": "PP", "dp-tp": "DP×TP", "dp-pp": "DP×PP", "tp-pp": "TP×PP",
           "searched": "searched"}

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from autopar.runtime.backend import same_hash_order
+
 _CACHE: dict[tuple, list[list[tuple[bool, Any]]]] = {}
 
 
@@ -51,6 +53,7 @@ def _spawn(jobs: list[tuple[Callable, tuple]], world: int, tmp: Path) -> list[li
     """Per job, per rank: (ok, result or traceback)."""
     out = tmp / "ranks"
     out.mkdir(parents=True, exist_ok=True)
+    same_hash_order()  # every rank captures a model that iterates a set as one graph
     try:
         mp.spawn(_entry, args=(jobs, world, str(tmp / "store"), str(out)), nprocs=world, join=True)
     except mp.ProcessExitedException as exc:

@@ -307,7 +307,18 @@ def _cut(inputs, parts: int, index: int):
 def single(name: str, steps: int = STEPS, device: str = "cpu", slices: int = 1):
     """Losses and final parameters of one process training the family. `slices` > 1 (families whose
     forward couples samples): each step's batch is cut into that many equal slices, in order, and
-    the mean of their losses trained, as data-parallel replicas and microbatches compute it."""
+    the mean of their losses trained, as data-parallel replicas and microbatches compute it. One
+    thread, as each rank of the tests runs: kernels then sum in the same order (a BatchNorm network
+    amplifies the last bits)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _single(name, steps, device, slices)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _single(name: str, steps: int, device: str, slices: int):
     w, batches = setup(name, steps=steps, device=device)
     opt = optimizer(list(w.model.parameters()))
     losses = []

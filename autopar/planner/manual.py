@@ -134,19 +134,40 @@ def manual_search(search: Search, zero3: bool = False, sequence_parallel: bool =
                   search.memory_limit, "1f1b" if search.schedule == "auto" else search.schedule, search.virtual)
 
 
-def blocks(search: Search) -> list[int]:
+def blocks(search: Search, stages: int = 1) -> list[int]:
     """Indices of the layers that begin a Megatron block: the layers of the most common structure
     with FLOPs (GPT's blocks; GShard's dense-and-MoE pairs begin at the first kind). A model with
     several stacks of blocks (`ModuleList`s: an encoder and a decoder) splits each stack every p
     layers, p the period of its structure; a stack's first block may differ from the rest (T5's
-    holds the relative-position bias). A stack whose blocks all differ (a ResNet's) splits by them."""
+    holds the relative-position bias). A stack whose blocks all differ (a ResNet's) splits by them.
+    Where those blocks do not split evenly into `stages`, the stack with the most FLOPs splits by
+    its own (DeepSeek-V3's dense first block and three MoE ones: four blocks; MobileNetV2's
+    inverted residuals of every width), if they do."""
+    common = _common_blocks(search)
+    stacks = _stacks(search)
+    if len(common) % stages and stacks:
+        stack = max(stacks.values(), key=lambda s: sum(search.layers[i].flops for i in s))
+        period = _period([search.costs.hashes[i] for i in stack])
+        own = stack[::period] if period < len(stack) else stack
+        if not len(own) % stages:
+            return own
+    return common
+
+
+def _stacks(search: Search) -> dict[str, list[int]]:
+    """The layers with FLOPs of each `ModuleList` of blocks, by its path."""
+    stacks: dict[str, list[int]] = {}
+    for i, layer in enumerate(search.layers):
+        prefix, _, index = layer.name.rpartition(".")
+        if layer.flops > 0 and prefix and index.isdigit():
+            stacks.setdefault(prefix, []).append(i)
+    return stacks
+
+
+def _common_blocks(search: Search) -> list[int]:
     hashes = search.costs.hashes
     heavy = [i for i, layer in enumerate(search.layers) if layer.flops > 0]
-    stacks: dict[str, list[int]] = {}
-    for i in heavy:
-        prefix, _, index = search.layers[i].name.rpartition(".")
-        if prefix and index.isdigit():
-            stacks.setdefault(prefix, []).append(i)
+    stacks = _stacks(search)
     if len(stacks) > 1:
         return [i for stack in stacks.values() for i in stack[::_period([hashes[i] for i in stack])]]
     kinds = list(dict.fromkeys(hashes[i] for i in heavy))  # first appearance breaks ties (MoE: the MoE block)
@@ -167,7 +188,7 @@ def _period(kinds: list) -> int:
 def check(search: Search, layout: Layout) -> str | None:
     """Why a layout is not valid for this model and mesh, or None."""
     hosts, per_host = search.mesh
-    block = blocks(search)
+    block = blocks(search, layout.pp * layout.virtual)
     if layout.dp * layout.tp * layout.pp != hosts * per_host:
         return f"dp × tp × pp = {layout.dp * layout.tp * layout.pp}, the mesh has {hosts * per_host} devices"
     if layout.tp > per_host or per_host % layout.tp:
@@ -200,6 +221,9 @@ def check(search: Search, layout: Layout) -> str | None:
         return f"data parallelism {layout.dp} does not divide the batch {batch}"
     if layout.num_microbatches and (batch % layout.num_microbatches or (batch // layout.num_microbatches) % layout.dp):
         return f"batch {batch} does not split into {layout.num_microbatches} microbatches of a multiple of {layout.dp}"
+    if layout.num_microbatches and batch // layout.num_microbatches // layout.dp < search.costs.fewest:
+        return (f"a rank's microbatch would hold {batch // layout.num_microbatches // layout.dp} sample(s); the model "
+                f"needs {search.costs.fewest} (a BatchNorm normalises a 1×1 map over them): use fewer microbatches")
     # without a microbatch count, only counts the schedule runs are tried (one round: any runs)
     return schedules.problem(search.schedule, layout.pp, layout.num_microbatches or layout.pp, layout.virtual)
 
@@ -218,12 +242,13 @@ def manual_plan(search: Search, layout: Layout) -> Plan:
     rule = search.costs.rule
     if rule is not None and layout.sequence_parallel != rule.sequence_parallel:
         search = manual_search(search, rule.zero_only, layout.sequence_parallel)
-    block = blocks(search)
     stages = layout.pp * layout.virtual
+    block = blocks(search, stages)
     per_stage = len(block) // stages
     cuts = [0] + [block[per_stage * s] for s in range(1, stages)] + [len(search.layers)]
+    batch = search.workload.batch
     counts = [layout.num_microbatches] if layout.num_microbatches else [
-        m for m in microbatch_counts(search.workload.batch) if (search.workload.batch // m) % layout.dp == 0
+        m for m in microbatch_counts(batch) if (batch // m) % layout.dp == 0 and batch // m // layout.dp >= search.costs.fewest
         and not schedules.problem(search.schedule, layout.pp, m, layout.virtual)]
     best = None
     for m in counts:

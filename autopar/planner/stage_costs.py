@@ -135,6 +135,7 @@ class StageCosts:
         self._splits: dict = {}  # (submesh, logical, lean) -> each atom's tp_batch
         self.cut = cut_bytes(self.graph, self.atoms)  # bytes crossing the boundary after atom k
         self._batch = next(n for n in self.graph if n.op == "input").outputs[0].shape[0]
+        self.fewest = fewest_samples(self.graph, self._batch)  # samples a rank's microbatch needs
         self.flops = [(a.flops_fwd, a.flops_bwd) for a in self.atoms]
         self._per_byte: dict = {}
         self._excess: dict = {}  # `variant_table`'s tied_excess, by (bounds, submesh, logical, lean)
@@ -266,10 +267,12 @@ class StageCosts:
                  recompute: tuple | None = None, zeros: tuple[int, ...] | None = None,
                  ) -> list[tuple[tuple[int, int], bool, bool | str, int]]:
         """The (logical mesh, lean, recompute, ZeRO level) combinations a stage on `submesh` may use
-        (ZeRO-2 only where the stage may hold every device: one-stage plans, `zeroed`)."""
+        (ZeRO-2 only where the stage may hold every device: one-stage plans, `zeroed`); a rank's
+        microbatch holds at least the samples the model needs (`fewest_samples`)."""
         whole = submesh[0] * submesh[1] == self.world
         recompute = self.recomputes if recompute is None else recompute
         return [(lm, lean, rc, z) for lm in (logical or logical_meshes(submesh)) if (self._batch // m) % lm[0] == 0
+                and self._batch // m // lm[0] >= self.fewest
                 for lean in (False, True) for rc in recompute for z in self.zero_levels(lm, zeros) if abs(z) < 2 or whole]
 
     def zeroed(self, z: int, submesh: tuple[int, int], lm: tuple[int, int], m: int, whole: bool | np.ndarray,
@@ -594,3 +597,20 @@ class StageCosts:
                     if len(inside) > 1:
                         excess[i, j] += sum(inside) - max(inside)
         return excess
+
+
+_BATCH_NORMS = ("aten.batch_norm", "aten._native_batch_norm_legit_functional", "aten.native_batch_norm",
+                "aten.cudnn_batch_norm", "aten._batch_norm_with_update")
+
+
+def fewest_samples(graph: OpGraph, batch: int) -> int:
+    """The fewest samples a rank's microbatch may hold: a BatchNorm that trains needs more than one
+    value per channel (torch refuses one), and where it normalises a 1×1 map, one sample gives one."""
+    fewest = 1
+    for node in graph:
+        if node.op.startswith(_BATCH_NORMS) and node.inputs and len(node.inputs[0].shape) >= 2:
+            shape = node.inputs[0].shape
+            per_sample = math.prod(shape) // (shape[0] * shape[1])  # values per channel of one sample
+            if shape[0] == batch:
+                fewest = max(fewest, 2 if per_sample == 1 else 1)
+    return fewest

@@ -15,6 +15,13 @@ import torch.distributed as dist
 LOOPBACK = "127.0.0.1"
 
 
+def same_hash_order() -> None:
+    """The ranks this process starts iterate sets in one order (`PYTHONHASHSEED`, unless the caller
+    chose one): a model whose forward iterates a set of strings (transformers' ModernBERT does, over
+    its layer types) is captured as one graph on every rank, as planning and running need."""
+    os.environ.setdefault("PYTHONHASHSEED", "0")
+
+
 def default_backend() -> str:
     if torch.cuda.is_available() and dist.is_nccl_available():
         return "nccl"

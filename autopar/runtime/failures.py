@@ -80,6 +80,35 @@ def peer_failure(scope: str | None) -> PeerFailed | None:
     return None
 
 
+def agreed(what: str, check: Callable[[], Any]) -> Any:
+    """Run `check` on every rank and agree on it before anyone goes on: where it raises on any rank,
+    every rank raises (its own error, or the first failing rank's as `PeerFailed`). For checks that
+    may come out differently on different ranks, run before the collectives that would hang on it.
+    A collective over the job."""
+    result, failed = None, None
+    try:
+        result = check()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except Exception as exc:  # noqa: BLE001 - every rank hears of it
+        failed = exc
+    if dist.get_world_size() == 1:
+        if failed is not None:
+            raise failed
+        return result
+    said: list = [None] * dist.get_world_size()
+    message = None if failed is None else str(failed) if isinstance(failed, AutoparError) else \
+        f"{type(failed).__name__}: {failed}"
+    dist.all_gather_object(said, None if failed is None else (message, isinstance(failed, AutoparError)))
+    if failed is not None:
+        raise failed
+    first = next(((r, s) for r, s in enumerate(said) if s is not None), None)
+    if first is not None:
+        rank, (message, user) = first
+        raise PeerFailed(rank, what, message, user)
+    return result
+
+
 def _store() -> Any:
     try:
         from torch.distributed.distributed_c10d import _get_default_store

@@ -61,7 +61,7 @@ def data_sharded(stage: StagePlan, dp: int) -> bool:
 
 
 def shard_data_axis(module: nn.Module, mesh: Any, precision: str | None, zero: int | None = None,
-                    offload: bool | None = None) -> None:
+                    offload: bool | None = None) -> list[nn.Parameter]:
     """ZeRO-3 through FSDP2: each layer's unit (`ShardedGraph.units`) gathered for its forward and
     again for its backward, then freed, so a step holds about one layer's whole parameters; the
     rest (weights several layers share) in the root unit. Units take their inputs as they come
@@ -70,7 +70,9 @@ def shard_data_axis(module: nn.Module, mesh: Any, precision: str | None, zero: i
     last backward (`keep_gathered`): one all-gather per step; each unit's gradients are still
     reduce-scattered as its backward ends, overlapping the layers before it. `offload`: the
     sharded parameters, gradients and optimizer states in host memory (`CPUOffloadPolicy`, pinned
-    where there is an accelerator to copy to; on a CPU the copies are to itself)."""
+    where there is an accelerator to copy to; on a CPU the copies are to itself). Scalar parameters
+    (CLIP's logit scale), which FSDP2 cannot shard, stay whole on every rank: returned, for the
+    step to average their gradients (`average_grads`)."""
     import warnings
 
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
@@ -80,9 +82,21 @@ def shard_data_axis(module: nn.Module, mesh: Any, precision: str | None, zero: i
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view tensor")
     reshard = not zero
     host = {"offload_policy": CPUOffloadPolicy(pin_memory=torch.cuda.is_available())} if offload else {}
+    scalars = [p for p in module.parameters() if p.dim() == 0]
+    host["ignored_params"] = set(scalars)
     for unit in getattr(module, "units", ()):
         fully_shard(unit, mesh=mesh, reshard_after_forward=reshard, **fsdp_policy(precision, cast_inputs=False), **host)
     fully_shard(module, mesh=mesh, reshard_after_forward=reshard, **fsdp_policy(precision), **host)
+    return scalars
+
+
+def average_grads(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Each gradient averaged over `group` (the data axis), in place."""
+    for p in params:
+        if p.grad is not None:
+            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            dist.all_reduce(grad, group=group)
+            grad /= dist.get_world_size(group)
 
 
 def keep_gathered(module: nn.Module, zero: int | None, last: bool) -> None:
@@ -212,8 +226,10 @@ class ParallelModel:
         # what trains: the model, or the graph holding its parameters (DTensors with a tensor axis)
         self.trained: nn.Module = self.graph if self.graph is not None else self.model
         self.sync: GradSync | None = None
+        self.whole: list[nn.Parameter] = []  # kept whole under FSDP2: their gradients averaged by the step
         if sharded:
-            shard_data_axis(self.trained, mesh["dp"], plan.precision, plan.stages[0].zero, plan.stages[0].offload)
+            self.whole = shard_data_axis(self.trained, mesh["dp"], plan.precision, plan.stages[0].zero,
+                                         plan.stages[0].offload)
         elif self.dp > 1:
             self.sync = data_sync(list(self.trained.parameters()), self.group, plan)
         if self.tp > 1 and not sharded and not plan.dp_gradient.get("compression"):
@@ -252,13 +268,15 @@ class ParallelModel:
             stats = self.sync.reset_stats()
             self._bytes["dp"] = [stats.bytes_raw, stats.bytes_sent]
             self._issued = [{"axis": "dp", "kind": kind, "bytes": nbytes} for kind, nbytes in stats.collectives]
+        average_grads(self.whole, self.group)
         if self.tp > 1:  # the partial gradients left to the end of the step (after the data axis: sums commute)
             with counter:
                 reduce_partial_grads(list(self.trained.parameters()))
             self._bytes["tp"] = [counter.nbytes, counter.nbytes]
         if self.sync is None and data_sharded(self.plan.stages[0], self.dp):  # FSDP2's collectives
             def whole(params: Any) -> int:
-                return sum(p.to_local().numel() * p.to_local().element_size() * self.dp for p in params)
+                return sum(p.to_local().numel() * p.to_local().element_size() * self.dp for p in params
+                           if hasattr(p, "to_local"))  # scalars stay whole (`shard_data_axis`)
 
             root = whole(self.trained.parameters(recurse=False))
             layers = whole(p for unit in self.trained.units for p in unit.parameters())

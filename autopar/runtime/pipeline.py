@@ -26,6 +26,7 @@ import torch.distributed as dist
 import torch.distributed.pipelining as pipelining
 from torch import nn
 from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining._backward import stage_backward_weight
 from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor, Replicate
 
@@ -49,6 +50,7 @@ from autopar.runtime.loop import clip, evaluating, squared_grad_norm
 from autopar.runtime.parallel import (
     UnsupportedPlan,
     _split,
+    average_grads,
     check_batch,
     check_optimizer,
     data_sharded,
@@ -154,6 +156,15 @@ class SyncingStage(PipelineStage):
         with phase("backward"):  # the weights' part of a split backward (its gradients are written, not hooked)
             return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
 
+    def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        """The weights' part of a split backward keeps the graph until each group of weights has its
+        gradients: groups that share a part of it (DeBERTa's relative-position embeddings, read by
+        every layer) would find it freed by the group before (torch frees it after each group). It
+        goes when the microbatch's state does. (FSDP2 under a split backward is refused.)"""
+        if backward_type != "weight":
+            return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
+        return stage_backward_weight(self.submod.parameters(), bwd_kwargs["param_groups"], retain_graph=True), None
+
 
 class PipelineModel:
     """`step(inputs, target)`: the global batch on every rank; the global mean loss back."""
@@ -196,7 +207,8 @@ class PipelineModel:
         modules = []
         for s in self.local:  # one model: a weight two local stages use is one parameter
             module = ShardedGraph(model, plan.stages[s], g.tp_mesh, ep, parts[s],
-                                  layers=[plan.layers[k]["nodes"] for k in range(*plan.stages[s].layers)], units=sharded)
+                                  layers=[plan.layers[k]["nodes"] for k in range(*plan.stages[s].layers)], units=sharded,
+                                  keep_unused=s == 0)
             module.forward = self.precision.autocasting(module.forward)
             module.copy_views = schedules.splits_backward(plan.schedule) and s < self.pp - 1
             modules.append(module)
@@ -259,9 +271,11 @@ class PipelineModel:
             else:
                 self.schedule = kind(stages, self.m, loss_fn=loss_m, scale_grads=False)
         self.sync = None
+        self.whole: list[nn.Parameter] = []  # kept whole under FSDP2: their gradients averaged by the step
         if sharded:
             for s, module in zip(self.local, modules):
-                shard_data_axis(module, g.dp_mesh, plan.precision, plan.stages[s].zero, plan.stages[s].offload)
+                self.whole += shard_data_axis(module, g.dp_mesh, plan.precision, plan.stages[s].zero,
+                                              plan.stages[s].offload)
         elif self.dp > 1:
             self.sync = data_sync(list(self.module.parameters()), self.dp_group, plan)
         if self.tp > 1 and not sharded and not plan.dp_gradient.get("compression"):
@@ -356,14 +370,15 @@ class PipelineModel:
             stats = self.sync.reset_stats()
             self._bytes["dp"] = [stats.bytes_raw, stats.bytes_sent]
             self.overlapped = stats.overlapped
+        average_grads(self.whole, self.dp_group)
         if self.tp > 1:  # the partial gradients left to the end of the step (after the data axis: sums commute)
             with counter:
                 reduce_partial_grads(list(self.module.parameters()))
             self._bytes["tp"] = [counter.nbytes, counter.nbytes]
         for weight, group, share in self.tied:  # copies of one weight: each gets the sum of their gradients
+            if weight.grad is None:  # a copy no microbatch reached still joins the sum (all ranks call it)
+                weight.grad = torch.zeros_like(weight)
             grad = weight.grad
-            if grad is None:
-                continue
             if share is None:
                 dist.all_reduce(local_part(grad), group=group)
                 continue

@@ -34,7 +34,7 @@ from torch.distributed.tensor import (
 )
 
 from autopar.contract import placements as planned
-from autopar.contract.attention import attention_cores
+from autopar.contract.attention import attention_cores, is_view
 from autopar.contract.export import WRAPPER_PREFIX, source_line
 from autopar.contract.plan import SELECTIVE, Plan, StagePlan
 from autopar.runtime import rng
@@ -56,6 +56,27 @@ _LOCAL |= _CONV
 _EMBEDDING = torch.ops.aten.embedding.default
 
 
+def mutates(node: fx.Node) -> bool:
+    """An op that writes into its first argument (`add_`, `copy_`, `index_put_`)."""
+    schema = getattr(node.target, "_schema", None)
+    first = schema.arguments[0] if schema is not None and schema.arguments else None
+    return first is not None and first.alias_info is not None and first.alias_info.is_write
+
+
+def written(nodes: list[fx.Node]) -> set[fx.Node]:
+    """The values an op writes into in place, and the values they are views of (`x[..., :4].copy_(y)`
+    writes into x): their tensors must be the model's own, not a view `to_local` returned."""
+    out = set()
+    for node in nodes:
+        if mutates(node) and isinstance(node.args[0], fx.Node):
+            value = node.args[0]
+            out.add(value)
+            while is_view(value) and value.all_input_nodes:
+                value = value.all_input_nodes[0]
+                out.add(value)
+    return out
+
+
 class _ContiguousGrad(torch.autograd.Function):
     """The identity, whose gradient leaves contiguous."""
 
@@ -66,6 +87,11 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
         return grad.contiguous()
+
+
+def _whole(env: dict, mesh: DeviceMesh, inp: fx.Node) -> Any:
+    value = env[inp]
+    return value.redistribute(mesh, [Replicate()]).to_local() if isinstance(value, DTensor) else value
 
 
 def _grouped(target: Any) -> bool:
@@ -240,10 +266,12 @@ class ShardedGraph(nn.Module):
     rank's samples of it (`output_shard`; the loss is then computed per shard). Without a mesh
     (tp = 1) the ops run on plain tensors. `layers`: the node names of each of the stage's layers,
     the units it recomputes when the plan says so (`runtime.recompute`); with `units` each layer's
-    own parameters live in a submodule of `units`, the unit of FSDP2 under ZeRO-3 (`_homes`)."""
+    own parameters live in a submodule of `units`, the unit of FSDP2 under ZeRO-3 (`_homes`).
+    Parameters no op uses (a mask token for inputs this model is not given) are kept by the whole
+    graph or `keep_unused` (the first stage): checkpoints and state dicts hold every parameter."""
 
     def __init__(self, model: nn.Module, stage: StagePlan, mesh: DeviceMesh | None, ep: Any, part: Part | None = None,
-                 layers: list[list[str]] | None = None, units: bool = False) -> None:
+                 layers: list[list[str]] | None = None, units: bool = False, keep_unused: bool = False) -> None:
         super().__init__()
         self.mesh, self.stage = mesh, stage
         self.graph = ep.graph_module.graph
@@ -256,6 +284,9 @@ class ShardedGraph(nn.Module):
         self.inputs = [by_name[n] for n in self.part.inputs]
         self.outputs = [by_name[n] for n in self.part.outputs]
         inputs_used = {i for n in self.nodes for i in n.all_input_nodes if i.op == "placeholder"}
+        if part is None or keep_unused:
+            inputs_used |= {n for n in self.graph.nodes if n.op == "placeholder" and not n.users
+                            and n.name in sig.inputs_to_parameters}
         # graph order: every rank registers the parameters in the same order (FSDP and the
         # gradient buckets pair them up across ranks by position)
         used = [n for n in self.graph.nodes if n in inputs_used]
@@ -297,6 +328,7 @@ class ShardedGraph(nn.Module):
         given = set(self.fixed) | set(params)
         kept = set(self.outputs) | set(self.updates)
         self.segments = segments(self.nodes, layers or [], kept, given)
+        self.written = written(self.nodes)
         self.selective = stage.recompute and stage.recompute_granularity == SELECTIVE
         if self.selective:  # each attention core a checkpointed segment of its own inside its layer's
             cores = attention_cores(self.nodes, set(params))
@@ -431,8 +463,16 @@ class ShardedGraph(nn.Module):
         if isinstance(node.target, torch._ops.HigherOrderOperator) and (want is None or want.is_replicate()):
             return self._replicated(node, env)
         inputs = node.all_input_nodes
+        if mutates(node) and not isinstance(env[node.args[0]], DTensor):  # written in place: kept whole
+            return node.target(*fx.node.map_arg(node.args, partial(_whole, env, self.mesh)),
+                               **fx.node.map_arg(node.kwargs, partial(_whole, env, self.mesh)))
         need = {inp: dtensor_placement(needs[i]) for i, inp in enumerate(inputs)
                 if i < len(needs) and needs[i] is not None}
+        if want is not None and want.is_replicate() and all(p.is_replicate() for p in need.values()):
+            # replicated by the plan: on whole tensors, without DTensor's dispatch (ops DTensor has no
+            # rule for, forward or backward, run too: a weight norm's); split inputs are gathered
+            return node.target(*fx.node.map_arg(node.args, partial(_whole, env, self.mesh)),
+                               **fx.node.map_arg(node.kwargs, partial(_whole, env, self.mesh)))
         split = (want is not None and not want.is_replicate()) or any(not p.is_replicate() for p in need.values()) \
             or any(isinstance(env[i], DTensor) for i in inputs)
         if not split:
@@ -479,7 +519,10 @@ class ShardedGraph(nn.Module):
                 if not _reduced(out, want):
                     out = out.redistribute(self.mesh, [want])
             if isinstance(out.placements[0], Replicate):
-                out = out.to_local()
+                # a value without gradient (a tensor the op created) leaves as a plain tensor, not as the
+                # output of `to_local`'s autograd function, a view autograd forbids writing into
+                out = out._local_tensor if not out.requires_grad else \
+                    out.to_local().clone() if node in self.written else out.to_local()
         return out
 
     def _replicated(self, node: fx.Node, env: dict) -> Any:
