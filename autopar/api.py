@@ -19,7 +19,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from autopar.contract.compression import parse
-from autopar.contract.errors import AutoparError
+from autopar.contract.errors import AutoparError, CaptureError
 from autopar.contract.inputs import as_args
 from autopar.contract.plan import Plan
 from autopar.contract.precision import parse_precision
@@ -27,7 +27,7 @@ from autopar.contract.units import human_bytes
 from autopar.contract.workload import Workload
 from autopar.cost_models import get_cluster
 from autopar.planner.capture import capture
-from autopar.planner.manual import Layout, manual_plan, manual_search
+from autopar.planner.manual import Layout, manual_plan, manual_search, uncaptured_plan
 from autopar.planner.search import Search, plan_auto, plan_compressed
 from autopar.planner.strategy_costs import REPLICATED_GRADIENTS
 from autopar.planner.tune import candidates, choose
@@ -102,20 +102,29 @@ def parallelize(
         raise AutoparError(f"mesh {hosts}x{per_host} has {hosts * per_host} devices, the job has {world} ranks: "
                            f"launch with torchrun --nproc-per-node {hosts * per_host}, or pass mesh=(1, {world})")
     args = as_args(model.forward, example_inputs, "example_inputs")
-    graph = capture(model, args)
     batch = next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
+    graph, uncaptured = _capture_or_why(model, args, plan, tune)
     # the plan, the scope of this model's failures, the graph rank 0 captured
-    chosen: list[Any] = [None, uuid.uuid4().hex[:12], graph.fingerprint()]
+    chosen: list[Any] = [None, uuid.uuid4().hex[:12], graph.fingerprint() if graph is not None else None]
     if tune and (plan is not None or compression or delay or example_target is None):
         raise AutoparError("tune=K measures the free search's best layouts on a real batch: pass example_target, "
                            "and no plan, compression or delay")
     failed: BaseException | None = None
     if rank == 0:
         try:
-            chosen[0] = (_candidates(model, args, batch, graph, cluster, (hosts, per_host), precision, memory_limit, tune)
-                         if tune else _resolve(plan, model, args, batch, graph, cluster, (hosts, per_host), compression,
-                                               delay, precision, memory_limit))
-            if isinstance(chosen[0], Plan):
+            if uncaptured is not None:
+                chosen[0] = uncaptured_plan(type(model).__name__, [n for n, _ in model.named_parameters()], batch,
+                                            world, (hosts, per_host), cluster or "cpu-local",
+                                            Layout.parse(plan) if isinstance(plan, str) else None, str(uncaptured))
+                log.warning("%s trains data-parallel without its graph (every rank runs the whole model on its "
+                            "samples, as DDP does), because %s", type(model).__name__, uncaptured)
+            elif tune:
+                chosen[0] = _candidates(model, args, batch, graph, cluster, (hosts, per_host), precision,
+                                        memory_limit, tune)
+            else:
+                chosen[0] = _resolve(plan, model, args, batch, graph, cluster, (hosts, per_host), compression, delay,
+                                     precision, memory_limit)
+            if isinstance(chosen[0], Plan) and graph is not None:
                 warn_replicated(graph, chosen[0])
         except Exception as exc:  # every rank reports it, none waits for a plan that never comes
             failed, chosen[0] = exc, PeerFailed(0, "planning", str(exc) if isinstance(exc, AutoparError) else
@@ -144,14 +153,17 @@ def parallelize(
 def _checked(resolved: Plan, model: nn.Module, graph: Any, captured: str, world: int, precision: str,
              mixed_precision: str | None, memory_limit: float | None, compression: str | None, delay: int) -> Plan:
     """The plan checked against this rank's model and the job, with the caller's gradient choices."""
-    if graph.fingerprint() != captured:
+    if graph is None:
+        pass  # plain data parallelism of a model that could not be captured: nothing to check it against
+    elif graph.fingerprint() != captured:
         raise AutoparError(
             f"this rank captured another graph of {type(model).__name__} than rank 0 did ({graph.fingerprint()} "
             f"against {captured}): its forward depends on something that differs between processes, most often "
             "Python's hash order (a set iterated in forward, as transformers' ModernBERT does with its layer types); "
             "start every rank with the same PYTHONHASHSEED, e.g. PYTHONHASHSEED=0 torchrun ...")
-    resolved.check_graph(graph.fingerprint())
-    resolved.check_placements(graph, {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)})
+    else:
+        resolved.check_graph(graph.fingerprint())
+        resolved.check_placements(graph, {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)})
     if mixed_precision is not None:
         resolved.check_precision(precision)
     if memory_limit is not None and resolved.estimate is not None and resolved.estimate.peak_memory_bytes > memory_limit:
@@ -190,6 +202,17 @@ def _build(resolved: Plan, model: nn.Module, args: tuple, loss_fn: Callable, opt
     except UnsupportedPlan as exc:
         raise AutoparError(str(exc)) from None
     return pm
+
+
+def _capture_or_why(model: nn.Module, args: tuple, plan: Any, tune: int) -> tuple[Any, CaptureError | None]:
+    """The model's graph; or, where `torch.export` cannot capture it and the caller asked for no
+    plan or a data-parallel layout, None and why (`uncaptured_plan` then runs it without one)."""
+    try:
+        return capture(model, args), None
+    except CaptureError as exc:
+        if tune or not (plan is None or isinstance(plan, str) and not plan.endswith(".json")):
+            raise
+        return None, exc
 
 
 def _mesh_shape(mesh: DeviceMesh | tuple[int, int] | None, world: int) -> tuple[int, int]:

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 
 from autopar.contract import schedules
 from autopar.contract.errors import AutoparError
-from autopar.contract.plan import SELECTIVE, Plan
+from autopar.contract.placements import Replicate
+from autopar.contract.plan import SELECTIVE, Plan, StagePlan
 from autopar.planner import rules as L
 from autopar.planner.graph import OpNode
 from autopar.planner.inter_op import microbatch_counts
@@ -333,3 +334,23 @@ def deepspeed_moe_plan(search: Search) -> Plan:
     if best is None:
         raise AutoparError(f"{DEEPSPEED_MOE_NAME}: the batch {batch} does not split over {devices} devices")
     return best
+
+
+def uncaptured_plan(model: str, params: list[str], batch: int, world: int, mesh: tuple[int, int], cluster: str,
+                    layout: Layout | None, why: str) -> Plan:
+    """Plain data parallelism for a model `torch.export` cannot capture (a Python loop over a
+    data-dependent count, say): every rank runs the whole model eagerly on its samples and the
+    gradients are averaged, as DDP does. It needs no graph, and nothing is priced: there is none.
+    A layout asking for more than data parallelism (and microbatches) needs the graph: refused."""
+    if layout is not None and (layout.tp, layout.pp, layout.dp) != (1, 1, world) or layout is not None and (
+            layout.recompute or layout.zero or layout.sequence_parallel or layout.virtual > 1):
+        raise AutoparError(f"layout {layout.name} needs the model's graph: {why}\n  without it only plain data "
+                           f"parallelism ({world},1,1[,MB]) runs")
+    m = layout.num_microbatches if layout is not None and layout.num_microbatches else 1
+    if batch % (world * m):
+        raise AutoparError(f"batch {batch} does not split into {world} ranks × {m} microbatches")
+    stage = StagePlan(layers=(0, 1), submesh=mesh, logical_mesh=(world, 1),
+                      params={fqn: [Replicate(), Replicate()] for fqn in params})
+    return Plan(model=model, graph_hash="", batch=batch, cluster=cluster, mesh=mesh,
+                layers=[{"name": "", "nodes": []}], stages=[stage], num_microbatches=m, name=f"uncaptured-{world},1,1",
+                search={"uncaptured": True})
