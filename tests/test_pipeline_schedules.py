@@ -10,7 +10,8 @@ import pytest
 import autopar
 from autopar.contract.placements import Shard
 from tests.distributed import shared_ranks
-from tests.test_families import _assert_same_training, _optimizer, _setup, _single
+from tests.families import optimizer, setup, single
+from tests.test_families import assert_same_training
 
 WORLD = 4
 # (schedule, layout DP,TP,PP,MB, stages per device group)
@@ -61,18 +62,18 @@ def _make_plan(w, key):
 
 
 def _parallel(rank, world, name, key):
-    w, batches = _setup(name)
+    w, batches = setup(name)
     plan = _plan(w, key)
-    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=optimizer,
                              plan=plan)
     losses = [pm.step(inputs, target) for inputs, target in batches]
     return losses, pm.full_state_dict(), (plan.schedule, plan.virtual, len(plan.stages), type(pm.schedule).__name__)
 
 
 def _refused(rank, world, name, key):
-    w, _ = _setup(name)
+    w, _ = setup(name)
     try:
-        autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
+        autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=optimizer,
                             plan=_plan(w, key))
     except autopar.AutoparError as exc:
         return str(exc)
@@ -98,13 +99,13 @@ def test_what_a_split_backward_does_not_run_yet_is_refused(tmp_path, key):
 
 @pytest.mark.parametrize("name, key", CASES)
 def test_schedule_trains_like_one_process(tmp_path, name, key):
-    losses, params = _single(name)
+    losses, params = single(name)
     schedule, layout, virtual = SCHEDULES[key]
     for got_losses, got_params, (planned, v, stages, ran) in shared_ranks(_parallel, WORLD, CASES, (name, key), tmp_path):
         assert (planned, v, stages) == (schedule, virtual, int(layout.split(",")[2]) * virtual)
         assert ran == {"interleaved-1f1b": "ScheduleInterleaved1F1B", "interleaved-zb": "ScheduleInterleavedZeroBubble",
                        "zbv": "ScheduleZBVZeroBubble"}[schedule]
-        _assert_same_training(got_losses, got_params, losses, params)
+        assert_same_training(got_losses, got_params, losses, params)
 
 
 def _checkpointed(rank, world, name, saved, loaded):
@@ -118,16 +119,16 @@ def _checkpointed(rank, world, name, saved, loaded):
 
     directory = [tempfile.mkdtemp(prefix="autopar-ckpt-") if rank == 0 else None]
     dist.broadcast_object_list(directory, src=0)
-    w, batches = _setup(name)
-    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
+    w, batches = setup(name)
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=optimizer,
                              plan=_plan(w, saved) if saved in SCHEDULES else saved)
     for inputs, target in batches:
         pm.step(inputs, target)
     path = checkpoint.save(pm, directory[0], 2)
     before = pm.full_state_dict()
-    other, _ = _setup(name, seed=7)
+    other, _ = setup(name, seed=7)
     om = autopar.parallelize(other.model, (1, world), other.example_inputs, loss_fn=other.loss_fn,
-                             optimizer=_optimizer, plan=_plan(other, loaded) if loaded in SCHEDULES else loaded)
+                             optimizer=optimizer, plan=_plan(other, loaded) if loaded in SCHEDULES else loaded)
     checkpoint.load(om, path)
     after = om.full_state_dict()
     return all(torch.equal(after[k], v) for k, v in before.items()) and after.keys() == before.keys()

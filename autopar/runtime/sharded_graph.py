@@ -89,11 +89,6 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-def _whole(env: dict, mesh: DeviceMesh, inp: fx.Node) -> Any:
-    value = env[inp]
-    return value.redistribute(mesh, [Replicate()]).to_local() if isinstance(value, DTensor) else value
-
-
 def _grouped(target: Any) -> bool:
     """A grouped matmul (aten's, or the fallback custom op transformers runs experts through)."""
     return "grouped_mm" in str(target)
@@ -463,16 +458,15 @@ class ShardedGraph(nn.Module):
         if isinstance(node.target, torch._ops.HigherOrderOperator) and (want is None or want.is_replicate()):
             return self._replicated(node, env)
         inputs = node.all_input_nodes
-        if mutates(node) and not isinstance(env[node.args[0]], DTensor):  # written in place: kept whole
-            return node.target(*fx.node.map_arg(node.args, partial(_whole, env, self.mesh)),
-                               **fx.node.map_arg(node.kwargs, partial(_whole, env, self.mesh)))
         need = {inp: dtensor_placement(needs[i]) for i, inp in enumerate(inputs)
                 if i < len(needs) and needs[i] is not None}
-        if want is not None and want.is_replicate() and all(p.is_replicate() for p in need.values()):
-            # replicated by the plan: on whole tensors, without DTensor's dispatch (ops DTensor has no
-            # rule for, forward or backward, run too: a weight norm's); split inputs are gathered
-            return node.target(*fx.node.map_arg(node.args, partial(_whole, env, self.mesh)),
-                               **fx.node.map_arg(node.kwargs, partial(_whole, env, self.mesh)))
+        replicated = want is not None and want.is_replicate() and all(p.is_replicate() for p in need.values())
+        if replicated or mutates(node) and not isinstance(env[node.args[0]], DTensor):
+            # replicated by the plan (or a write into a replicated value): on whole tensors, without
+            # DTensor's dispatch (ops DTensor has no rule for, forward or backward, run too: a weight
+            # norm's); split inputs are gathered
+            whole = partial(self._whole, env)
+            return node.target(*fx.node.map_arg(node.args, whole), **fx.node.map_arg(node.kwargs, whole))
         split = (want is not None and not want.is_replicate()) or any(not p.is_replicate() for p in need.values()) \
             or any(isinstance(env[i], DTensor) for i in inputs)
         if not split:
@@ -497,6 +491,18 @@ class ShardedGraph(nn.Module):
             with rng.independent(self.mesh.get_local_rank(), torch.device(self.mesh.device_type)):
                 return self._op(node, args, kwargs, want)
         return self._op(node, args, kwargs, want)
+
+    def _whole(self, env: dict, inp: fx.Node) -> Any:
+        """The value of `inp` whole, as a plain tensor. One written in place later becomes a tensor of
+        its own (not `to_local`'s view, which autograd forbids writing into), and every later reader
+        reads that one."""
+        value = env[inp]
+        if not isinstance(value, DTensor):
+            return value
+        whole = value.redistribute(self.mesh, [Replicate()]).to_local()
+        if inp in self.written:
+            env[inp] = whole = whole.clone()
+        return whole
 
     def _op(self, node: fx.Node, args: Any, kwargs: dict, want: Placement | None) -> Any:
         """`node` on its inputs as the plan places them; its output placed as the plan says."""
