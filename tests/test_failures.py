@@ -151,3 +151,60 @@ def test_blame_names_the_killed_rank_when_the_ranks_it_took_down_are_seen_gone_i
     # a rank seen gone a poll earlier, without a word, is still the first cause
     seen[0].died_at = 6
     assert blame({1: killed}, seen, 5).startswith("rank 0 died at step 2 of 5")
+
+
+def _failing(rank, world, out, where):
+    """Rank 0 fails while planning, or rank 1 while building or at its second step; each rank writes
+    what it raised. Ranks leave with status 0 (the spawn would stop the others at once otherwise)."""
+    import torch
+    import torch.distributed as dist
+
+    import autopar
+    import autopar.api
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out}/store", rank=rank, world_size=world)
+    w = autopar.load_workload("mlp-tiny", batch=8, device="cpu")
+    if where == "planning" and rank == 0:
+        def broken(*args, **kwargs):
+            raise RuntimeError("the solver broke")
+        autopar.api._resolve = broken
+    if where == "building" and rank == 1:
+        def broken(*args, **kwargs):
+            raise RuntimeError("this rank's device is gone")
+        autopar.api._build = broken
+    armed = [False]
+
+    def hook(module, args):
+        if armed[0] and rank == 1:
+            raise ValueError("the data loader broke")
+
+    w.model.register_forward_pre_hook(hook)
+    gen = torch.Generator().manual_seed(0)
+    said = None
+    try:
+        pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan="2,1,1",
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+        pm.step(*w.make_batch(8, gen))
+        armed[0] = where == "step"
+        pm.step(*w.make_batch(8, gen))
+    except Exception as exc:  # noqa: BLE001 - what the test reads
+        said = [type(exc).__name__, str(exc)]
+    with open(os.path.join(out, f"{rank}.json"), "w") as f:
+        json.dump(said, f)
+    os._exit(0)
+
+
+@pytest.mark.parametrize("where, rank, said", [
+    ("planning", 0, "rank 0 failed in planning: RuntimeError: the solver broke"),
+    ("building", 1, "rank 1 failed in building the model: RuntimeError: this rank's device is gone"),
+    ("step", 1, "rank 1 failed in a training step: ValueError: the data loader broke"),
+])
+def test_one_ranks_error_is_every_ranks_error(tmp_path, where, rank, said):
+    """The failing rank raises its own error; the other, instead of a transport error ("Connection
+    closed by peer") or a hang, raises `PeerFailed` naming that rank and its message."""
+    mp.spawn(_failing, args=(2, str(tmp_path), where), nprocs=2, join=True)
+    errors = [json.loads((tmp_path / f"{r}.json").read_text()) for r in range(2)]
+    own, other = errors[rank], errors[1 - rank]
+    assert own[1] in said and own[0] in ("RuntimeError", "ValueError")
+    assert other == ["PeerFailed", said]
