@@ -326,6 +326,7 @@ class ParallelModel:
                 self.precision.scale(loss).backward()
             total += reported.detach().double()
 
+    @guarded
     def predict(self, inputs: Any) -> torch.Tensor:
         """The model's output (reduced as the loss gets it) for the global batch, without gradients,
         the same on every rank; run in the plan's microbatches. Training is left as it was

@@ -417,6 +417,7 @@ class PipelineModel:
         return type(batch)(torch.cat([c[k] for c in chunks]) if isinstance(batch[k], torch.Tensor) else batch[k]
                            for k in range(len(batch)))
 
+    @guarded
     def predict(self, inputs: Any) -> torch.Tensor:
         """The model's output for the global batch without gradients, on every rank: the stages
         run the microbatches forward (activations to the next stage's peers, as the schedule

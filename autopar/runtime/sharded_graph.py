@@ -396,10 +396,11 @@ class ShardedGraph(nn.Module):
                 buffer.copy_(env[node].full_tensor() if isinstance(env[node], DTensor) else env[node])
         # values crossing to the next stage are sent as they lie in memory: an expanded mask (stride 0)
         # or a transposed activation is copied into one block first (gloo and NCCL send contiguous ones),
-        # and with `copy_views` a view too (a split backward detaches the outputs in place, which a view refuses)
+        # and with `copy_views` a view too, into a block of its own (a split backward detaches the outputs
+        # in place, which a view refuses)
         outs = [self._plain(env[n]) for n in self.outputs]
-        outs = [(x.clone() if self.copy_views and x._is_view() else x.contiguous()) if isinstance(x, torch.Tensor)
-                else x for x in outs]
+        outs = [(x.clone(memory_format=torch.contiguous_format) if self.copy_views and x._is_view()
+                 else x.contiguous()) if isinstance(x, torch.Tensor) else x for x in outs]
         outs = [gather_batch(x, *self.gather_outputs[i]) if i in self.gather_outputs else x for i, x in enumerate(outs)]
         return outs[0] if len(outs) == 1 else tuple(outs)
 
