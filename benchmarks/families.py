@@ -81,10 +81,19 @@ def _judge(name: str, value: dict, references: dict) -> tuple[str, str, float]:
     return ("differs", "; ".join(diff[:3]), worst) if diff else ("equal", "", worst)
 
 
+def _saved(path: Path) -> list:
+    """What a rank saved of its cases (nothing where it was killed before, or while, saving)."""
+    import torch
+
+    try:
+        return torch.load(path, weights_only=False)
+    except (OSError, EOFError, RuntimeError):
+        return []
+
+
 def run_family(name: str, world: int, layouts: list[str], timeout: float) -> list[dict]:
     """Run the family's pending cells on `world` ranks in one start (a cell that fails ends the
     start; the next start runs the cells after it)."""
-    import torch
 
     pending, out, references = list(layouts), [], {}
     while pending:
@@ -101,8 +110,7 @@ def run_family(name: str, world: int, layouts: list[str], timeout: float) -> lis
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
                 hung = True
-        ranks = [torch.load(work / "ranks" / f"{r}.pt", weights_only=False) if (work / "ranks" / f"{r}.pt").exists()
-                 else [] for r in range(world)]
+        ranks = [_saved(work / "ranks" / f"{r}.pt") for r in range(world)]
         seconds = time.perf_counter() - start
         done = 0
         for j, layout in enumerate(pending):
