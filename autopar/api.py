@@ -97,13 +97,16 @@ def parallelize(
         raise AutoparError(f"max_grad_norm must be a positive number (math.inf: measure the norm only), got {max_grad_norm}")
     _init_process_group(default_backend())  # torch's timeout while rank 0 plans; `timeout` once built
     world, rank = dist.get_world_size(), dist.get_rank()
+    device = local_device(int(os.environ.get("LOCAL_RANK", rank)))
+    if device.type == "cuda":
+        torch.cuda.set_device(device)  # NCCL's object collectives and new groups use the current device
     hosts, per_host = _mesh_shape(mesh, world)
     if hosts * per_host != world:
         raise AutoparError(f"mesh {hosts}x{per_host} has {hosts * per_host} devices, the job has {world} ranks: "
                            f"launch with torchrun --nproc-per-node {hosts * per_host}, or pass mesh=(1, {world})")
     args = as_args(model.forward, example_inputs, "example_inputs")
     batch = next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
-    graph, uncaptured = _capture_or_why(model, args, plan, tune)
+    graph, uncaptured = agreed("capturing the model", lambda: _capture_or_why(model, args, plan, tune))
     # the plan, the scope of this model's failures, the graph rank 0 captured
     chosen: list[Any] = [None, uuid.uuid4().hex[:12], graph.fingerprint() if graph is not None else None]
     if tune and (plan is not None or compression or delay or example_target is None):
@@ -115,7 +118,8 @@ def parallelize(
             if uncaptured is not None:
                 chosen[0] = uncaptured_plan(type(model).__name__, [n for n, _ in model.named_parameters()], batch,
                                             world, (hosts, per_host), cluster or "cpu-local",
-                                            Layout.parse(plan) if isinstance(plan, str) else None, str(uncaptured))
+                                            Layout.parse(plan) if _is_layout(plan) else None, str(uncaptured),
+                                            precision)
                 log.warning("%s trains data-parallel without its graph (every rank runs the whole model on its "
                             "samples, as DDP does), because %s", type(model).__name__, uncaptured)
             elif tune:
@@ -136,11 +140,12 @@ def parallelize(
         raise AutoparError(chosen[0].message) if chosen[0].user else chosen[0]  # a user's error: the same words
     resolved, scope, captured = chosen
     with collective_failures("building the model", scope):  # one rank's error is every rank's
+        agreed("checking the graph", lambda: _same_graph(model, graph, captured))
         if tune:
             resolved = _tuned(resolved, model, args, example_target, loss_fn, optimizer, max_grad_norm)
-        resolved = agreed("checking the plan", lambda: _checked(resolved, model, graph, captured, world, precision,
+        resolved = agreed("checking the plan", lambda: _checked(resolved, model, graph, world, precision,
                                                                 mixed_precision, memory_limit, compression, delay))
-        pm = _build(resolved, model, args, loss_fn, optimizer, max_grad_norm)
+        pm = _build(resolved, model, args, loss_fn, optimizer, max_grad_norm, device)
         pm.failure_scope = scope
         if timeout is not None:
             set_timeouts(timeout)  # every group, the model's too; not before: rank 0 may plan for minutes
@@ -150,18 +155,22 @@ def parallelize(
     return pm
 
 
-def _checked(resolved: Plan, model: nn.Module, graph: Any, captured: str, world: int, precision: str,
-             mixed_precision: str | None, memory_limit: float | None, compression: str | None, delay: int) -> Plan:
-    """The plan checked against this rank's model and the job, with the caller's gradient choices."""
-    if graph is None:
-        pass  # plain data parallelism of a model that could not be captured: nothing to check it against
-    elif graph.fingerprint() != captured:
+def _same_graph(model: nn.Module, graph: Any, captured: str | None) -> None:
+    """This rank captured the graph rank 0 planned with (or, as it, none)."""
+    mine = graph.fingerprint() if graph is not None else None
+    if mine != captured:
         raise AutoparError(
-            f"this rank captured another graph of {type(model).__name__} than rank 0 did ({graph.fingerprint()} "
-            f"against {captured}): its forward depends on something that differs between processes, most often "
-            "Python's hash order (a set iterated in forward, as transformers' ModernBERT does with its layer types); "
-            "start every rank with the same PYTHONHASHSEED, e.g. PYTHONHASHSEED=0 torchrun ...")
-    else:
+            f"this rank captured another graph of {type(model).__name__} than rank 0 did ({mine} against "
+            f"{captured}): its forward depends on something that differs between processes, most often Python's "
+            "hash order (a set iterated in forward, as transformers' ModernBERT does with its layer types); start "
+            "every rank with the same PYTHONHASHSEED, e.g. PYTHONHASHSEED=0 torchrun ...")
+
+
+def _checked(resolved: Plan, model: nn.Module, graph: Any, world: int, precision: str,
+             mixed_precision: str | None, memory_limit: float | None, compression: str | None, delay: int) -> Plan:
+    """The plan checked against this rank's model and the job, with the caller's gradient choices
+    (a model that could not be captured has no graph to check it against)."""
+    if graph is not None:
         resolved.check_graph(graph.fingerprint())
         resolved.check_placements(graph, {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)})
     if mixed_precision is not None:
@@ -188,11 +197,8 @@ def _checked(resolved: Plan, model: nn.Module, graph: Any, captured: str, world:
 
 
 def _build(resolved: Plan, model: nn.Module, args: tuple, loss_fn: Callable, optimizer: Callable,
-           max_grad_norm: float | None) -> Any:
+           max_grad_norm: float | None, device: torch.device) -> Any:
     """The model built under the plan on this rank (every rank together)."""
-    device = local_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
-    if device.type == "cuda":
-        torch.cuda.set_device(device)  # NCCL's object collectives and new groups use the current device
     _start_equal(model.to(device))
     try:
         if len(resolved.stages) > 1:
@@ -204,13 +210,18 @@ def _build(resolved: Plan, model: nn.Module, args: tuple, loss_fn: Callable, opt
     return pm
 
 
+def _is_layout(plan: Any) -> bool:
+    """A layout "DP,TP,PP[,MB][+...]" (else a Plan, or a path to plan JSON)."""
+    return isinstance(plan, str) and not plan.endswith(".json")
+
+
 def _capture_or_why(model: nn.Module, args: tuple, plan: Any, tune: int) -> tuple[Any, CaptureError | None]:
     """The model's graph; or, where `torch.export` cannot capture it and the caller asked for no
     plan or a data-parallel layout, None and why (`uncaptured_plan` then runs it without one)."""
     try:
         return capture(model, args), None
     except CaptureError as exc:
-        if tune or not (plan is None or isinstance(plan, str) and not plan.endswith(".json")):
+        if tune or not (plan is None or _is_layout(plan)):
             raise
         return None, exc
 
@@ -231,7 +242,7 @@ def _mesh_shape(mesh: DeviceMesh | tuple[int, int] | None, world: int) -> tuple[
 def _resolve(plan, model, args, batch, graph, cluster, mesh, compression, delay, precision, memory_limit) -> Plan:
     if isinstance(plan, Plan):
         return plan
-    if isinstance(plan, Path) or (isinstance(plan, str) and plan.endswith(".json")):
+    if isinstance(plan, Path) or isinstance(plan, str) and not _is_layout(plan):
         return Plan.load(plan)
     search = _search(model, args, batch, graph, cluster, mesh, delay, precision, memory_limit)
 

@@ -121,7 +121,7 @@ def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
         if found is not None:
             step, phase = checkpoint.step_of(found), "resume"
             failures.record(progress_dir, rank, step, phase)
-            with failures.collective_failures(f"loading {found}"):
+            with failures.collective_failures(f"loading {found}", pm.failure_scope):
                 saved = checkpoint.load(pm, found, verified=True)
             if "losses" not in saved or "data" not in saved:
                 raise AutoparError(f"{found} was not written by `autopar train` (no losses or data order in it): "
@@ -140,7 +140,7 @@ def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
             phase = "step"
             failures.record(progress_dir, rank, step, phase)
             inputs, target = w.make_batch(w.batch, gen)
-            with failures.collective_failures(f"the barrier before step {step}"):
+            with failures.collective_failures(f"the barrier before step {step}", f"{pm.failure_scope}/barrier{step}"):
                 dist.barrier()
             begin = time.perf_counter()
             if step == job.steps - 1:  # the last step counts its tensors (slower: not timed unless alone)
@@ -155,7 +155,7 @@ def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
             if job.checkpoint_dir and (done == job.steps or job.checkpoint_every and done % job.checkpoint_every == 0):
                 step, phase = done, "checkpoint"
                 failures.record(progress_dir, rank, step, phase)
-                with failures.collective_failures(f"saving the checkpoint of step {done}"):
+                with failures.collective_failures(f"saving the checkpoint of step {done}", f"{pm.failure_scope}/save{done}"):
                     checkpoint.save(pm, job.checkpoint_dir, done, {"losses": losses, "data": gen.get_state()})
         failures.record(progress_dir, rank, job.steps, "done")
         cuda = torch.cuda.max_memory_allocated() if local_device(rank).type == "cuda" else None

@@ -38,7 +38,7 @@ def test_hf_model_is_captured(make):
 def test_keyword_inputs():
     model, _ = _llama()
     ids = torch.randint(0, 256, (2, 16))
-    graph = capture(model, (ids,), {"attention_mask": torch.ones(2, 16, dtype=torch.long)})
+    graph = capture(model, {"input_ids": ids, "attention_mask": torch.ones(2, 16, dtype=torch.long)})
     assert [n.name for n in graph if n.op == "input"] == ["input_ids", "attention_mask"]
 
 

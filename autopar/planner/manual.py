@@ -247,9 +247,8 @@ def manual_plan(search: Search, layout: Layout) -> Plan:
     block = blocks(search, stages)
     per_stage = len(block) // stages
     cuts = [0] + [block[per_stage * s] for s in range(1, stages)] + [len(search.layers)]
-    batch = search.workload.batch
     counts = [layout.num_microbatches] if layout.num_microbatches else [
-        m for m in microbatch_counts(batch) if (batch // m) % layout.dp == 0 and batch // m // layout.dp >= search.costs.fewest
+        m for m in microbatch_counts(search.workload.batch) if search.costs.splits_batch(m, layout.dp)
         and not schedules.problem(search.schedule, layout.pp, m, layout.virtual)]
     best = None
     for m in counts:
@@ -337,7 +336,7 @@ def deepspeed_moe_plan(search: Search) -> Plan:
 
 
 def uncaptured_plan(model: str, params: list[str], batch: int, world: int, mesh: tuple[int, int], cluster: str,
-                    layout: Layout | None, why: str) -> Plan:
+                    layout: Layout | None, why: str, precision: str | None = None) -> Plan:
     """Plain data parallelism for a model `torch.export` cannot capture (a Python loop over a
     data-dependent count, say): every rank runs the whole model eagerly on its samples and the
     gradients are averaged, as DDP does. It needs no graph, and nothing is priced: there is none.
@@ -353,4 +352,4 @@ def uncaptured_plan(model: str, params: list[str], batch: int, world: int, mesh:
                       params={fqn: [Replicate(), Replicate()] for fqn in params})
     return Plan(model=model, graph_hash="", batch=batch, cluster=cluster, mesh=mesh,
                 layers=[{"name": "", "nodes": []}], stages=[stage], num_microbatches=m, name=f"uncaptured-{world},1,1",
-                search={"uncaptured": True})
+                precision=precision, search={"uncaptured": True})

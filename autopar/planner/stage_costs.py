@@ -271,9 +271,13 @@ class StageCosts:
         microbatch holds at least the samples the model needs (`fewest_samples`)."""
         whole = submesh[0] * submesh[1] == self.world
         recompute = self.recomputes if recompute is None else recompute
-        return [(lm, lean, rc, z) for lm in (logical or logical_meshes(submesh)) if (self._batch // m) % lm[0] == 0
-                and self._batch // m // lm[0] >= self.fewest
+        return [(lm, lean, rc, z) for lm in (logical or logical_meshes(submesh)) if self.splits_batch(m, lm[0])
                 for lean in (False, True) for rc in recompute for z in self.zero_levels(lm, zeros) if abs(z) < 2 or whole]
+
+    def splits_batch(self, m: int, dp: int) -> bool:
+        """Whether m microbatches over a data axis of dp leave each rank whole samples, as many as the
+        model needs (`fewest_samples`)."""
+        return (self._batch // m) % dp == 0 and self._batch // m // dp >= self.fewest
 
     def zeroed(self, z: int, submesh: tuple[int, int], lm: tuple[int, int], m: int, whole: bool | np.ndarray,
                q: dict) -> dict:

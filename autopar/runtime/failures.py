@@ -31,7 +31,8 @@ import torch.distributed as dist
 from autopar.contract.errors import AutoparError
 
 # what gloo and NCCL say when a peer is gone or silent
-_LOST = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+_LOST = ("Timed out waiting", "Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket closed",
+         "Application timeout caused pair closure",
          "NCCL communicator was aborted", "Watchdog caught collective operation timeout")
 
 
@@ -73,10 +74,12 @@ def peer_failure(scope: str | None) -> PeerFailed | None:
         return None
     for rank in range(dist.get_world_size()):
         key = _FAILED.format(scope=scope, rank=rank)
-        with contextlib.suppress(Exception):
+        try:
             if rank != dist.get_rank() and store.check([key]):
                 said = json.loads(store.get(key))
                 return PeerFailed(rank, said["where"], said["message"], said["user"])
+        except Exception:  # noqa: BLE001 - the store is gone too: the peer is only lost
+            return None
     return None
 
 
@@ -167,10 +170,15 @@ _CALLS = {"step": "a training step"}
 
 def guarded(step: Callable) -> Callable:
     """A model's method that every rank calls together (`step`, `predict`): its error is announced
-    to the others, and a peer's death or error under it raised as `PeerLost` / `PeerFailed`."""
+    to the others, and a peer's death or error under it raised as `PeerLost` / `PeerFailed`. Each
+    call has a scope of its own (the ranks call in lockstep): an error a script caught and went on
+    from is not blamed for a later one."""
     @functools.wraps(step)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with collective_failures(_CALLS.get(step.__name__, f"{step.__name__}()"), getattr(self, "failure_scope", None)):
+        scope = getattr(self, "failure_scope", None)
+        self.calls = getattr(self, "calls", 0) + 1
+        with collective_failures(_CALLS.get(step.__name__, f"{step.__name__}()"),
+                                 scope and f"{scope}/{self.calls}"):
             return step(self, *args, **kwargs)
 
     return run

@@ -91,12 +91,14 @@ def shard_data_axis(module: nn.Module, mesh: Any, precision: str | None, zero: i
 
 
 def average_grads(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Each gradient averaged over `group` (the data axis), in place."""
+    """Each gradient averaged over `group` (the data axis), in place (a rank without one adds zeros:
+    every rank joins every reduction)."""
     for p in params:
-        if p.grad is not None:
-            grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            dist.all_reduce(grad, group=group)
-            grad /= dist.get_world_size(group)
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        dist.all_reduce(grad, group=group)
+        grad /= dist.get_world_size(group)
 
 
 def keep_gathered(module: nn.Module, zero: int | None, last: bool) -> None:
@@ -241,7 +243,7 @@ class ParallelModel:
         self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [0, 0]}
         self._issued: list[dict[str, Any]] = []
         if self.tp > 1:  # replicated values draw one dropout mask on every rank of the tensor axis
-            rng.share(self.tp_group, device)
+            rng.share(mesh["tp"], device)
 
     @guarded
     def step(self, inputs: Any, target: torch.Tensor, local: bool = False) -> float:

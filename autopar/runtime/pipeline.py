@@ -298,7 +298,7 @@ class PipelineModel:
         self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [pp, pp]}  # pp: activations out, their gradients back
         self.overlapped = 0  # gradient buckets of the last step launched during backward
         if g.tp_mesh is not None:  # replicated values draw one dropout mask on every rank of the tensor axis
-            rng.share(g.tp_mesh.get_group(), device)
+            rng.share(g.tp_mesh, device)
 
     def _tied_groups(self, g: _Groups) -> list[tuple[nn.Parameter, dist.ProcessGroup | None, int | None]]:
         """For each weight stages of several device groups use: this rank's copy, the group that

@@ -7,7 +7,9 @@ apart. So the ranks of a tensor-parallel group start from one generator state (`
 consume it alike. A random op on a split value (`independent`) draws a seed from that shared stream
 (every rank alike) and runs under a generator seeded by it and the rank's position, then the shared
 stream continues: each shard gets its own mask, and recomputation (which restores the shared stream)
-draws the same masks again. On CUDA, DTensor's own offset-based tracker takes over split values.
+draws the same masks again. DTensor's own offset-based tracker stays off: on CUDA it would begin by
+broadcasting a seed over the whole job at its first random op, a collective that the ranks of
+other pipeline stages never join.
 """
 
 from __future__ import annotations
@@ -17,10 +19,19 @@ from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
 
 
-def share(group: dist.ProcessGroup, device: torch.device) -> None:
-    """Every rank of `group` takes the random state of its first rank (CPU, and the device's)."""
+def share(mesh: DeviceMesh, device: torch.device) -> None:
+    """Every rank of the 1-D `mesh` (a tensor axis) takes the random state of its first rank (CPU,
+    and the device's); DTensor's tracker is switched off."""
+    from torch.distributed.tensor import _random
+
+    if device.type != "cpu" and _random._rng_tracker is None:  # (on a CPU DTensor has none)
+        _random._rng_tracker = _random.OffsetBasedRNGTracker(mesh, run_state_sync=False)
+    if _random._rng_tracker is not None:
+        _random._rng_tracker.distribute_region_enabled = False
+    group = mesh.get_group()
     if dist.get_world_size(group) == 1:
         return
     states = [torch.get_rng_state(), torch.cuda.get_rng_state(device) if device.type == "cuda" else None]

@@ -456,16 +456,17 @@ class ShardedGraph(nn.Module):
         needs = self.stage.needs.get(node.name) or []
         # None: as DTensor places it
         want = dtensor_placement(self.stage.ops[node.name][1]) if node.name in self.stage.ops else None
-        if isinstance(node.target, torch._ops.HigherOrderOperator) and (want is None or want.is_replicate()):
-            return self._replicated(node, env)
         inputs = node.all_input_nodes
         need = {inp: dtensor_placement(needs[i]) for i, inp in enumerate(inputs)
                 if i < len(needs) and needs[i] is not None}
-        replicated = want is not None and want.is_replicate() and all(p.is_replicate() for p in need.values())
-        if replicated or mutates(node) and not isinstance(env[node.args[0]], DTensor):
-            # replicated by the plan (or a write into a replicated value): on whole tensors, without
-            # DTensor's dispatch (ops DTensor has no rule for, forward or backward, run too: a weight
-            # norm's); split inputs are gathered
+        if mutates(node) and not self._writes_split(node, env, want, need):
+            return self._write(node, env, wrapped)
+        higher = isinstance(node.target, torch._ops.HigherOrderOperator)
+        if (want is None or want.is_replicate()) and higher or \
+                want is not None and want.is_replicate() and all(p.is_replicate() for p in need.values()):
+            # replicated by the plan: on whole tensors, without DTensor's dispatch (ops DTensor has no
+            # rule for, forward or backward, run too: a weight norm's, `cond`, an autocast region);
+            # split inputs are gathered (their gradients split back)
             whole = partial(self._whole, env)
             return node.target(*fx.node.map_arg(node.args, whole), **fx.node.map_arg(node.kwargs, whole))
         split = (want is not None and not want.is_replicate()) or any(not p.is_replicate() for p in need.values()) \
@@ -487,23 +488,41 @@ class ShardedGraph(nn.Module):
 
         args = fx.node.map_arg(node.args, arg)
         kwargs = fx.node.map_arg(node.kwargs, arg)
-        if rng.is_random(node.target) and any(isinstance(a, DTensor) and not a.placements[0].is_replicate()
+        if rng.is_random(node.target) and any(isinstance(a, DTensor) and a.placements[0].is_shard()
                                               for a in (*args, *kwargs.values())):
             with rng.independent(self.mesh.get_local_rank(), torch.device(self.mesh.device_type)):
                 return self._op(node, args, kwargs, want)
         return self._op(node, args, kwargs, want)
 
     def _whole(self, env: dict, inp: fx.Node) -> Any:
-        """The value of `inp` whole, as a plain tensor. One written in place later becomes a tensor of
-        its own (not `to_local`'s view, which autograd forbids writing into), and every later reader
-        reads that one."""
+        """The value of `inp` whole, as a plain tensor."""
         value = env[inp]
-        if not isinstance(value, DTensor):
-            return value
-        whole = value.redistribute(self.mesh, [Replicate()]).to_local()
-        if inp in self.written:
-            env[inp] = whole = whole.clone()
-        return whole
+        return value.redistribute(self.mesh, [Replicate()]).to_local() if isinstance(value, DTensor) else value
+
+    def _writes_split(self, node: fx.Node, env: dict, want: Placement | None, need: dict) -> bool:
+        """Whether an in-place op writes into a split value as it lies (DTensor's own in-place op:
+        an add into a split residual): planned split, and the value needs no redistribution first."""
+        first = env[node.args[0]]
+        return isinstance(first, DTensor) and want is not None and not want.is_replicate() and (
+            node.args[0] not in need or _same(first.placements[0], need[node.args[0]]))
+
+    def _write(self, node: fx.Node, env: dict, wrapped: dict) -> Any:
+        """An op writing into its first argument, on whole tensors. Where the value written (or the
+        value it is a view of: `x[..., :4].copy_(y)` writes into x) lies in a DTensor, x becomes a
+        whole tensor of its own first and its views are made again from it, so the write lands
+        where every later reader looks; wrappers made of them before the write are dropped."""
+        chain = [node.args[0]]
+        while is_view(chain[-1]) and chain[-1].all_input_nodes:
+            chain.append(chain[-1].all_input_nodes[0])
+        if any(isinstance(env[v], DTensor) for v in chain):
+            env[chain[-1]] = self._whole(env, chain[-1]).clone()
+            for view in reversed(chain[:-1]):
+                env[view] = view.target(*fx.node.map_arg(view.args, env.__getitem__),
+                                        **fx.node.map_arg(view.kwargs, env.__getitem__))
+        for value in chain:
+            wrapped.pop(value, None)
+        whole = partial(self._whole, env)
+        return node.target(*fx.node.map_arg(node.args, whole), **fx.node.map_arg(node.kwargs, whole))
 
     def _op(self, node: fx.Node, args: Any, kwargs: dict, want: Placement | None) -> Any:
         """`node` on its inputs as the plan places them; its output placed as the plan says."""
@@ -531,16 +550,6 @@ class ShardedGraph(nn.Module):
                 out = out._local_tensor if not out.requires_grad else \
                     out.to_local().clone() if node in self.written else out.to_local()
         return out
-
-    def _replicated(self, node: fx.Node, env: dict) -> Any:
-        """A higher-order op the plan replicates (`cond`, an autocast region: DTensor has rules for
-        few) runs its body on whole tensors; split inputs are gathered first (their gradients
-        split back)."""
-        def whole(inp: fx.Node) -> Any:
-            value = env[inp]
-            return value.redistribute(self.mesh, [Replicate()]).to_local() if isinstance(value, DTensor) else value
-
-        return node.target(*fx.node.map_arg(node.args, whole), **fx.node.map_arg(node.kwargs, whole))
 
     def _vocab_parallel(self, weight: DTensor, ids: Any, padding_idx: int = -1) -> DTensor:
         """Megatron's vocabulary-parallel embedding: each rank looks up the rows it holds, zero for
