@@ -147,14 +147,16 @@ def shard_parameters(model: nn.Module, params: dict[str, list[planned.Placement]
 def _grad_like_param(p: torch.Tensor) -> None:
     """DTensor leaves a gradient where its backward rule put it (an embedding's can come back
     replicated); the optimizer and the synchroniser need it placed like the parameter. A partial
-    sum (a norm's weight under a sequence split) may instead stay partial over the step's
-    microbatches (`defer_partial_grads`): reduced once, after the last backward (Megatron-LM
-    all-reduces its sequence-parallel norms' gradients once per step too)."""
+    sum of a replicated weight (a norm's under a sequence split) may instead stay partial over the
+    step's microbatches (`defer_partial_grads`): reduced once, after the last backward (Megatron-LM
+    all-reduces its sequence-parallel norms' gradients once per step too). A split weight's partial
+    gradient (a tied embedding's, from its use as the output layer) is reduced now: it holds whole
+    rows, more than the weight's shard."""
     if p.grad is None or p.grad.placements == p.placements:
         return
-    if getattr(p, "partial_until_step", False) and all(g == q or g.is_partial() for g, q in
+    if getattr(p, "partial_until_step", False) and all(g == q or g.is_partial() and q.is_replicate() for g, q in
                                                        zip(p.grad.placements, p.placements)):
-        return
+        return  # a partial sum of a replicated weight: the parameter's shape, the data axis averages it alike
     p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
