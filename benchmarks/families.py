@@ -202,7 +202,8 @@ def write_table() -> str:
         "",
         f"**{len(names)} families, {len(recorded)} cells: {counts['equal']} equal, {counts['refused']} refused, "
         f"{counts['differs']} differ, {counts['crashed']} crashed, {counts['hung']} hung.** "
-        f"Run time of the recorded cells: {seconds / 60:.0f} min" + (f"; latest: {line(latest)}." if latest else "."),
+        f"Run time of the recorded cells: {seconds / 60:.0f} min, at commits "
+        f"{', '.join(sorted({r['commit'] for r in recorded}))}" + (f"; latest: {line(latest)}." if latest else "."),
         "",
         "`=` equal to one process; `≈` equal to one process run on the same slices of each batch the job's "
         "losses saw (the family's forward couples samples: BatchNorm, an in-batch loss, expert capacity); "

@@ -39,14 +39,13 @@ class Family:
 _DEC = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
             vocab_size=VOCAB, max_position_embeddings=64)
 _ENC = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, vocab_size=VOCAB,
-            max_position_embeddings=64, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-_GPT = dict(n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0)
+            max_position_embeddings=64)
+_GPT = dict(n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=64)
 _BART = dict(d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
-             encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB, max_position_embeddings=64, dropout=0.0,
-             attention_dropout=0.0, activation_dropout=0.0, pad_token_id=1, decoder_start_token_id=2)
+             encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB, max_position_embeddings=64, pad_token_id=1,
+             decoder_start_token_id=2)
 _T5 = dict(d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4, vocab_size=VOCAB,
-           dropout_rate=0.0, decoder_start_token_id=0)
+           decoder_start_token_id=0)
 _VIT = dict(_ENC, image_size=16, patch_size=4, num_channels=3, num_labels=10)
 _MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
 
@@ -71,25 +70,23 @@ FAMILIES: dict[str, Family] = {
     # multi-query attention through one fused QKV projection, parallel attention and MLP, rotary
     "falcon": Family("FalconConfig", "FalconForCausalLM", dict(
         hidden_size=32, num_hidden_layers=4, num_attention_heads=4, vocab_size=VOCAB, multi_query=True,
-        parallel_attn=True, new_decoder_architecture=False, alibi=False, bias=False, hidden_dropout=0.0,
-        attention_dropout=0.0)),
+        parallel_attn=True, new_decoder_architecture=False, alibi=False, bias=False)),
     "gpt-neox": Family("GPTNeoXConfig", "GPTNeoXForCausalLM", dict(  # fused QKV, partial rotary, parallel residual
         hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, vocab_size=VOCAB,
-        max_position_embeddings=64, hidden_dropout=0.0, attention_dropout=0.0)),
+        max_position_embeddings=64)),
     "gpt-bigcode": Family("GPTBigCodeConfig", "GPTBigCodeForCausalLM", dict(_GPT, multi_query=True)),  # MQA, fused
     "gpt-j": Family("GPTJConfig", "GPTJForCausalLM", dict(_GPT, rotary_dim=4)),  # interleaved partial rotary
     "codegen": Family("CodeGenConfig", "CodeGenForCausalLM", dict(_GPT, n_ctx=64, rotary_dim=4)),  # QKV in 4 groups
     "gpt-neo": Family("GPTNeoConfig", "GPTNeoForCausalLM", dict(  # local attention (window 8) every other layer
         hidden_size=32, num_layers=4, num_heads=4, attention_types=[[["global", "local"], 2]], window_size=8,
-        vocab_size=VOCAB, max_position_embeddings=64, resid_dropout=0.0, embed_dropout=0.0,
-        attention_dropout=0.0)),
+        vocab_size=VOCAB, max_position_embeddings=64)),
     "bloom": Family("BloomConfig", "BloomForCausalLM", dict(  # ALiBi, fused QKV
-        hidden_size=32, n_layer=4, n_head=4, vocab_size=VOCAB, hidden_dropout=0.0, attention_dropout=0.0)),
+        hidden_size=32, n_layer=4, n_head=4, vocab_size=VOCAB)),
     "mpt": Family("MptConfig", "MptForCausalLM", dict(d_model=32, n_heads=4, n_layers=4, expansion_ratio=2,
                                                      max_seq_len=64, vocab_size=VOCAB)),  # ALiBi
     "opt": Family("OPTConfig", "OPTForCausalLM", dict(  # learned positions, embeddings projected in and out
         hidden_size=32, ffn_dim=64, num_hidden_layers=4, num_attention_heads=4, vocab_size=VOCAB,
-        max_position_embeddings=64, word_embed_proj_dim=16, dropout=0.0, attention_dropout=0.0)),
+        max_position_embeddings=64, word_embed_proj_dim=16)),
     "mixtral": Family("MixtralConfig", "MixtralForCausalLM", dict(  # top-2 of 4 experts, data-dependent routing
         _DEC, num_local_experts=4, num_experts_per_tok=2, router_jitter_noise=0.0)),
     "qwen2-moe": Family("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(  # routed experts and a gated shared one
@@ -106,8 +103,7 @@ FAMILIES: dict[str, Family] = {
     "bert": Family("BertConfig", "BertForMaskedLM", _ENC, "masked"),
     "roberta": Family("RobertaConfig", "RobertaForMaskedLM", dict(_ENC, pad_token_id=1), "masked"),
     "distilbert": Family("DistilBertConfig", "DistilBertForMaskedLM", dict(
-        dim=32, hidden_dim=64, n_layers=4, n_heads=4, vocab_size=VOCAB, max_position_embeddings=64, dropout=0.0,
-        attention_dropout=0.0), "masked"),
+        dim=32, hidden_dim=64, n_layers=4, n_heads=4, vocab_size=VOCAB, max_position_embeddings=64), "masked"),
     "albert": Family("AlbertConfig", "AlbertForMaskedLM", dict(  # one block's weights shared by every layer
         _ENC, embedding_size=16), "masked"),
     "electra": Family("ElectraConfig", "ElectraForMaskedLM", dict(_ENC, embedding_size=16), "masked"),
@@ -130,8 +126,7 @@ FAMILIES: dict[str, Family] = {
         d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4, decoder_attention_heads=4,
         encoder_ffn_dim=64, decoder_ffn_dim=64, vocab_size=VOCAB, num_mel_bins=8, max_source_positions=16,
         max_target_positions=32, pad_token_id=1, decoder_start_token_id=2, bos_token_id=2, eos_token_id=3,
-        suppress_tokens=[], begin_suppress_tokens=[], dropout=0.0, attention_dropout=0.0, activation_dropout=0.0),
-        "speech"),
+        suppress_tokens=[], begin_suppress_tokens=[]), "speech"),
     # expert capacity: which tokens an expert drops depends on the whole batch
     "switch": Family("SwitchTransformersConfig", "SwitchTransformersForConditionalGeneration", dict(
         _T5, num_experts=4, expert_capacity=8, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1,
@@ -143,11 +138,11 @@ FAMILIES: dict[str, Family] = {
         _VIT, use_relative_position_bias=True), "image"),
     "dinov2": Family("Dinov2Config", "Dinov2ForImageClassification", dict(_VIT, mlp_ratio=2), "image"),
     "swin": Family("SwinConfig", "SwinForImageClassification", dict(  # shifted windows (torch.roll), patch merging
-        image_size=16, patch_size=2, embed_dim=16, depths=[2, 1], num_heads=[2, 4], window_size=4, num_labels=10,
-        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, drop_path_rate=0.0), "image"),
+        image_size=16, patch_size=2, embed_dim=16, depths=[2, 1], num_heads=[2, 4], window_size=4, num_labels=10),
+        "image"),
     # channels-last blocks: NCHW permuted to NHWC around each LayerNorm and MLP
     "convnext": Family("ConvNextConfig", "ConvNextForImageClassification", dict(
-        hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], num_labels=10, drop_path_rate=0.0), "image32"),
+        hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], num_labels=10), "image32"),
     "resnet": Family("ResNetConfig", "ResNetForImageClassification", dict(
         embedding_size=8, hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], num_labels=10), "image32",
         coupled="BatchNorm"),
@@ -155,14 +150,13 @@ FAMILIES: dict[str, Family] = {
         embedding_size=8, hidden_sizes=[8, 16, 32, 64], depths=[1, 1, 1, 1], groups_width=8, num_labels=10),
         "image32", coupled="BatchNorm"),
     "mobilenet-v2": Family("MobileNetV2Config", "MobileNetV2ForImageClassification", dict(  # depthwise convolutions
-        image_size=32, depth_multiplier=0.25, num_labels=10, classifier_dropout_prob=0.0), "image32",
+        image_size=32, depth_multiplier=0.25, num_labels=10), "image32",
         coupled="BatchNorm", dtype=torch.float64),  # in float32, 23 % off its float64 run after 2 steps
     # audio
     "wav2vec2": Family("Wav2Vec2Config", "Wav2Vec2ForSequenceClassification", dict(  # convolutional features
         hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4, conv_dim=(16, 16),
         conv_stride=(4, 2), conv_kernel=(8, 4), num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=4,
-        num_labels=LABELS, hidden_dropout=0.0, attention_dropout=0.0, activation_dropout=0.0, feat_proj_dropout=0.0,
-        final_dropout=0.0, layerdrop=0.0, mask_time_prob=0.0, classifier_proj_size=16), "audio"),
+        num_labels=LABELS, layerdrop=0.0, mask_time_prob=0.0, classifier_proj_size=16), "audio"),
     # multimodal: text and image towers, every image scored against every text of the batch
     "clip": Family("CLIPConfig", "CLIPModel", dict(
         text_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
