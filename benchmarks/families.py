@@ -73,10 +73,13 @@ def _judge(name: str, value: dict, references: dict) -> tuple[str, str, float]:
     if "refused" in value:
         return "refused", value["refused"], 0.0
     slices = value["slices"] if FAMILIES[name].coupled else 1
+    if slices is None:
+        return "n/a", f"its stages cut the batch differently ({value['plan']}), and its forward couples samples " \
+                      f"({FAMILIES[name].coupled}): no one process computes the same", None
     if slices not in references:
         references[slices] = single(name, slices=slices)
     losses, params = references[slices]
-    worst = max(abs(a - b) / abs(b) for a, b in zip(value["losses"], losses))
+    worst = max(abs(a - b) / max(abs(b), 1e-12) for a, b in zip(value["losses"], losses))
     diff = differences(value["losses"], value["params"], losses, params)
     return ("differs", "; ".join(diff[:3]), worst) if diff else ("equal", "", worst)
 
@@ -140,7 +143,7 @@ def run_family(name: str, world: int, layouts: list[str], timeout: float) -> lis
             out.append(result)
             print(f"{name:14s} {world} ranks {layout:9s} {status:8s} {message[:100]}", flush=True)
             done = j + 1
-            if status != "equal" and status != "refused":
+            if status not in ("equal", "refused", "n/a"):
                 break  # the ranks stopped here
         shutil.rmtree(work, ignore_errors=True)
         pending = pending[max(done, 1):]
@@ -160,7 +163,7 @@ def sweep(names: list[str], worlds: list[int], redo: str | None, timeout: float)
     for name in names:
         for world in worlds:
             todo = [k for k in LAYOUTS[world] if (name, world, k) not in cells or redo == "all" or (
-                redo == "failed" and cells[(name, world, k)]["status"] not in ("equal", "refused"))]
+                redo == "failed" and cells[(name, world, k)]["status"] not in ("equal", "refused", "n/a"))]
             if todo:
                 run_family(name, world, todo, timeout)
 
@@ -171,7 +174,8 @@ def write_table() -> str:
     names = [n for n in FAMILIES if any(k[0] == n for k in cells)]
     columns = [(w, k) for w in LAYOUTS for k in LAYOUTS[w]]
     notes: dict[str, int] = {}
-    mark = {"equal": "=", "refused": "refused", "differs": "✗ differs", "crashed": "✗ crashed", "hung": "✗ hung"}
+    mark = {"equal": "=", "refused": "refused", "n/a": "n/a", "differs": "✗ differs", "crashed": "✗ crashed",
+            "hung": "✗ hung"}
     rows = []
     for n in names:
         row = []
@@ -201,13 +205,15 @@ def write_table() -> str:
         "reference is below it).",
         "",
         f"**{len(names)} families, {len(recorded)} cells: {counts['equal']} equal, {counts['refused']} refused, "
-        f"{counts['differs']} differ, {counts['crashed']} crashed, {counts['hung']} hung.** "
+        f"{counts['n/a']} without a one-process reference, {counts['differs']} differ, {counts['crashed']} crashed, "
+        f"{counts['hung']} hung.** "
         f"Run time of the recorded cells: {seconds / 60:.0f} min, at commits "
         f"{', '.join(sorted({r['commit'] for r in recorded}))}" + (f"; latest: {line(latest)}." if latest else "."),
         "",
         "`=` equal to one process; `≈` equal to one process run on the same slices of each batch the job's "
         "losses saw (the family's forward couples samples: BatchNorm, an in-batch loss, expert capacity); "
-        "`refused`: `parallelize` refused the layout on every rank, with the message below; `·`: not run.",
+        "`refused`: `parallelize` refused the layout on every rank, with the message below; `n/a`: a coupled "
+        "family under a plan whose stages cut the batch differently, which no one process computes; `·`: not run.",
         "",
         "| family | model class | " + " | ".join(f"{TITLES[k]} ({w})" for w, k in columns) + " |",
         "|---|---|" + "---|" * len(columns),

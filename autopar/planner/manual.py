@@ -216,7 +216,9 @@ def check(search: Search, layout: Layout) -> str | None:
     if layout.pp == 1 and layout.virtual > 1:
         return "one pipeline group would hold every stage: nothing to interleave (--virtual needs pp ≥ 2)"
     if len(block) % stages:
-        return f"{len(block)} blocks do not split evenly into {stages} stages"
+        return (f"{len(block)} blocks do not split evenly into {stages} stages" + (
+            ": its repeated layers form one block (layers that share one block's weights, as ALBERT's do, "
+            "run as one layer of the graph)" if len(block) == 1 else ""))
     batch = search.workload.batch
     if batch % layout.dp:
         return f"data parallelism {layout.dp} does not divide the batch {batch}"
