@@ -10,7 +10,9 @@ losses saw (`tests.families.single`). Each cell's result is appended to
 `benchmarks/results/families.jsonl` as it finishes, and cells already there are skipped, so a
 sweep stops and resumes (`--redo failed` runs the failures again). `--table` writes
 `docs/families.md` from that file. `--cuda`: each family on one CUDA device through `parallelize`
-against the same model trained eagerly there (fp32, TF32 off).
+against the same model trained eagerly there (fp32, TF32 off). `--floor`: how far float32
+rounding alone takes each family from its float64 run, in units of the tolerance (the families
+past half of it run in float64).
 
     python benchmarks/families.py                   # the whole sweep (hours on 2 cores), then the table
     python benchmarks/families.py --families llama,bert --world 2
@@ -226,6 +228,37 @@ def write_table() -> str:
     return "\n".join(text)
 
 
+def floor_rows(names: list[str]) -> list[dict]:
+    """How far float32 rounding alone takes each family's one-process run from its float64 run, in
+    units of the comparison's tolerance (rel 1e-5, abs 1e-6): the noise floor of its cells. Where
+    it passes half (the parallel run's own rounding may double it), the catalogue runs the family
+    in float64 (`Family.dtype`)."""
+    import dataclasses
+
+    import torch
+
+    import tests.families as catalogue
+
+    rows = []
+    for name in names:
+        family = catalogue.FAMILIES[name]
+        runs = {}
+        try:
+            for dtype in (torch.float32, torch.float64):
+                catalogue.FAMILIES[name] = dataclasses.replace(family, dtype=dtype)
+                runs[dtype] = catalogue.single(name, slices=2 if family.coupled else 1)
+        except RuntimeError as exc:  # a kernel without float64 (transformers' grouped matmul)
+            rows.append({"family": name, "params": None, "losses": None, "why": str(exc).splitlines()[0][:80]})
+            continue
+        finally:
+            catalogue.FAMILIES[name] = family
+        (l32, p32), (l64, p64) = runs[torch.float32], runs[torch.float64]
+        params = max(((p32[k].double() - p64[k]).abs() / (1e-6 + 1e-5 * p64[k].abs())).max().item() for k in p64)
+        losses = max(abs(a - b) / abs(b) for a, b in zip(l32, l64)) / 1e-5
+        rows.append({"family": name, "params": params, "losses": losses, "dtype": str(family.dtype)})
+    return rows
+
+
 def cuda_rows(steps: int) -> list[dict]:
     """Each family on one CUDA device (NCCL, a job of one) through `parallelize`, against the same
     model trained eagerly on that device."""
@@ -258,6 +291,8 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=180, help="seconds per cell before it counts as hung")
     parser.add_argument("--table", action="store_true", help="only write docs/families.md from the results")
     parser.add_argument("--cuda", action="store_true", help="each family on one CUDA device against eager")
+    parser.add_argument("--floor", action="store_true",
+                        help="each family's float32 rounding, one process, in units of the comparison's tolerance")
     parser.add_argument("--steps", type=int, default=3, help="steps of --cuda")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -266,6 +301,15 @@ def main() -> None:
     args = parser.parse_args()
     if args.worker:
         worker(args.worker, args.world, args.layouts.split(","), Path(args.dir))
+        return
+    if args.floor:
+        rows = floor_rows(args.families.split(",") if args.families else list(FAMILIES))
+        if args.json:
+            print(json.dumps({**stamp(), "rows": rows}, indent=1))
+        for r in rows:
+            print(f"{r['family']:14s} " + (f"parameters {r['params']:.3g}  losses {r['losses']:.3g}  (runs in "
+                                            f"{r['dtype'].removeprefix('torch.')})" if r["params"] is not None
+                                            else f"no float64: {r['why']}"))
         return
     if args.cuda:
         import torch
