@@ -513,8 +513,8 @@ class ShardedGraph(nn.Module):
         value it is a view of: `x[..., :4].copy_(y)` writes into x) lies in a DTensor, x becomes a
         whole tensor of its own first and its views are made again from it, so the write lands
         where every later reader looks; wrappers made of them before the write are dropped."""
-        chain = [node.args[0]]
-        while is_view(chain[-1]) and chain[-1].all_input_nodes:
+        chain = [node.args[0]]  # back through views, as far as this segment holds their values
+        while is_view(chain[-1]) and chain[-1].all_input_nodes and chain[-1].all_input_nodes[0] in env:
             chain.append(chain[-1].all_input_nodes[0])
         if any(isinstance(env[v], DTensor) for v in chain):
             env[chain[-1]] = self._whole(env, chain[-1]).clone()
