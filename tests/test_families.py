@@ -5,10 +5,11 @@ On 4 gloo ranks, the families whose blocks differ most under the table's layouts
 parallelism, ZeRO, replicas seeded apart); on 2, one family of each construct the catalogue found
 broken or new: a fused multi-query QKV (Falcon), tied embeddings with soft-capping and a sliding
 window (Gemma2), channels-last activations crossing a pipeline boundary (ConvNeXt), in-place writes
-and latent attention (DeepSeek-V3), BatchNorm (ResNet: compared on the slices each loss saw), an
-in-batch loss and a scalar weight (CLIP), keyword inputs of audio (Whisper), an unused parameter
-(DINOv2), a weight norm (wav2vec2), a split backward over shared weights (DeBERTa-v2), a forward
-that iterates a set (ModernBERT), a graph `torch.export` cannot capture (Switch Transformers).
+and latent attention (DeepSeek-V3), BatchNorm (ResNet, compared on the slices each loss saw;
+MobileNetV2, whose in-place dropout writes into a view of the layer before), an in-batch loss and a
+scalar weight (CLIP), keyword inputs of audio (Whisper), an unused parameter (DINOv2), a weight
+norm (wav2vec2), a split backward over shared weights (DeBERTa-v2), a forward that iterates a set
+(ModernBERT), a graph `torch.export` cannot capture (Switch Transformers).
 One start of the ranks runs every case of a world (`shared_ranks`).
 """
 
@@ -42,8 +43,8 @@ SEQUENCE_PARALLEL = (["gpt2", "llama", "mixtral", "t5"], ["tp-sp", "tp-pp-sp"])
 # axis, on T5's encoder-decoder in a pipeline, offloaded
 ZERO = [("llama", "zero1"), ("llama", "zero2-offload"), ("llama", "zero1-pp"), ("mixtral", "zero2-tp"),
         ("t5", "zero1-pp-offload")]
-TWO = ["falcon", "gemma2", "convnext", "deepseek-v3", "resnet", "clip", "whisper", "dinov2", "wav2vec2",
-       "deberta-v2", "modernbert", "switch"]
+TWO = ["falcon", "gemma2", "convnext", "deepseek-v3", "resnet", "mobilenet-v2", "clip", "whisper", "dinov2",
+       "wav2vec2", "deberta-v2", "modernbert", "switch"]
 TWO_LAYOUTS = {"dp": "2,1,1", "tp": "1,2,1", "pp": "1,1,2,2", "searched": None}
 # what the runtime cannot run: refused at `parallelize` time, on every rank, saying why
 TWO_REFUSED = {("switch", "tp"): "needs the model's graph: cannot capture SwitchTransformersForConditionalGeneration",
