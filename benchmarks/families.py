@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -137,7 +138,7 @@ def run_family(name: str, world: int, layouts: list[str], timeout: float) -> lis
                     status, message, worst = "crashed", f"ranks disagree: {sorted(map(str, refusals))[:2]}", None
                 else:
                     status, message, worst = _judge(name, values[0], references)
-            result = {"family": name, "world": world, "layout": layout, "status": status, "message": message[:400],
+            result = {"family": name, "world": world, "layout": layout, "status": status, "message": message[:700],
                       "max_rel_loss_diff": worst, "coupled": FAMILIES[name].coupled or None,
                       "plan": got[0][1].get("plan") if got[0] and got[0][0] else None,
                       "seconds": round(seconds / len(pending), 1), **stamp()}
@@ -170,6 +171,11 @@ def sweep(names: list[str], worlds: list[int], redo: str | None, timeout: float)
                 run_family(name, world, todo, timeout)
 
 
+def _note(message: str) -> str:
+    """A cell's message as one footnote line, the same for every layout it applies to."""
+    return " ".join(re.sub(r"\blayout \S+", "the layout", message).split())
+
+
 def write_table() -> str:
     """docs/families.md from the recorded results."""
     cells = load()
@@ -188,8 +194,9 @@ def write_table() -> str:
                 continue
             text = mark[r["status"]] if r["status"] != "equal" or not r.get("coupled") else "≈"
             if r["message"]:
-                notes.setdefault(r["message"], len(notes) + 1)
-                text += f" [{notes[r['message']]}]"
+                note = _note(r["message"])
+                notes.setdefault(note, len(notes) + 1)
+                text += f" [{notes[note]}]"
             row.append(text)
         coupled = f" (coupled: {FAMILIES[n].coupled})" if FAMILIES[n].coupled else ""
         rows.append(f"| {n}{coupled} | {FAMILIES[n].model} | " + " | ".join(row) + " |")
