@@ -391,4 +391,7 @@ def test_one_bit_sgd_trains_where_error_feedback_on_the_gradient_collapsed(tmp_p
     got = run_ranks(_one_bit_at_a_large_step, 4, tmp_path)[0]
     assert got["None"] > 90  # dense training holds at this step size
     assert got["onebit,momentum=0"] < 50  # Seide's form beside the optimizer's momentum: the residual runs away
-    assert got["onebit"] > got["None"] - 6  # the momentum compressed with error feedback trains
+    # the momentum compressed with error feedback trains: seeds 0-5 (data split, weights, batches) at
+    # these 200 steps measured 70.0-92.7 % against dense's 94.0-95.6 and the collapsed form's 9.6-21.3
+    # (chance: 10); how close it comes to dense depends on the seed at 200 steps, so only the rescue is asserted
+    assert got["onebit"] > 60
