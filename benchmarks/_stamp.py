@@ -20,7 +20,24 @@ def commit() -> str:
     return head + ("+" if dirty else "")
 
 
+def machine() -> str:
+    """CPU model and cores (`nproc`), and the GPU where there is one."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    out = f"{cpu}, {len(os.sched_getaffinity(0)) if hasattr(os, 'sched_getaffinity') else os.cpu_count()} cores"
+    import torch
+
+    if torch.cuda.is_available():
+        out += f", {torch.cuda.device_count()} × {torch.cuda.get_device_name(0)}"
+    return out
+
+
 def stamp() -> dict:
+    """Taken when a benchmark starts: the load average then is the one that matters."""
     import torch
 
     try:
@@ -29,8 +46,7 @@ def stamp() -> dict:
     except ImportError:
         hf = None
     return {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"), "commit": commit(),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or platform.node()}",
-            "load": round(os.getloadavg()[0], 2), "torch": torch.__version__, "transformers": hf}
+            "machine": machine(), "load": round(os.getloadavg()[0], 2), "torch": torch.__version__, "transformers": hf}
 
 
 def line(s: dict) -> str:

@@ -3,6 +3,7 @@ suites on `v100-p3` at the GPU counts of the Alpa paper (global batch 1024). Pri
 table next to the per-GPU TFLOP/s measured in the Alpa paper (REFERENCES.md; for MoE the
 baseline column is DeepSpeed's), and for MoE the predicted speedup of the auto plan over the
 DeepSpeed-style layout next to the measured Alpa / DeepSpeed ratio (3.5× on 16 GPUs, 10.2× on 32).
+Writes the table to docs/benchmarks/results/compare_suites.md.
 
     python benchmarks/compare_suites.py [MODEL ...]
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 import sys
 
 from _cli import memory_choices, run_cli
+from _page import table, write
+from _stamp import stamp
 from rich.progress import track
 
 SUITE = {  # model: (mesh, Alpa measured TFLOP/s per GPU, baseline measured: Megatron-LM for GPT, DeepSpeed for MoE)
@@ -32,43 +35,46 @@ SUITE = {  # model: (mesh, Alpa measured TFLOP/s per GPU, baseline measured: Meg
 }
 
 
+HEADER = ["model", "GPUs", "auto: stages × submesh, microbatches, schedule", "auto TFLOP/s/GPU",
+          "auto, 1F1B only TFLOP/s/GPU", "best hand-written (fits)", "its TFLOP/s/GPU", "auto ≤ best",
+          "auto / deepspeed-moe predicted", "Alpa measured", "Megatron-LM / DeepSpeed measured",
+          "Alpa / DeepSpeed measured", "wall s"]
+
+
 def main() -> None:
     models = sys.argv[1:] or list(SUITE)
-    print("| model | GPUs | auto: stages × submesh, microbatches, schedule | auto TFLOP/s/GPU | auto before (1F1B only) "
-          "TFLOP/s/GPU | best hand-written (fits) | "
-          "its TFLOP/s/GPU | auto ≤ best | auto / deepspeed-moe predicted | Alpa measured | "
-          "Megatron-LM / DeepSpeed measured | Alpa / DeepSpeed measured | wall s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    started, rows = stamp(), []
     for model in track(models, description="compare", transient=True):
-        mesh, alpa, baseline = SUITE[model]
-        measured = f"{alpa / baseline:.1f}×" if model.startswith("moe") and isinstance(baseline, float) else "–"
-        hosts, per_host = (int(x) for x in mesh.split("x"))
-        try:
-            r, wall, _ = run_cli("compare", model, "--cluster", "v100-p3", "--mesh", mesh, "--batch", "1024")
-        except RuntimeError as exc:  # the model fits on no layout: say so, with the planner's own words
-            why = str(exc).split("error:")[-1].split("MAXRSS")[0].strip()
-            print(f"| {model} | {hosts * per_host} | {why} | – | – | – | – | – | – | {alpa} | {baseline} | {measured} | – |")
-            continue
-        before, _, _ = run_cli("plan", model, "--cluster", "v100-p3", "--mesh", mesh, "--batch", "1024",
-                               "--schedule", "1f1b")  # the search space before schedules were searched
-        fitting = [m for m in r["manual"] if m["fits"]]
-        best = min(fitting, key=lambda m: m["step_time_s"]) if fitting else None
-        auto = r["auto"]
-        ok = best is None or auto["step_time_s"] <= best["step_time_s"] * (1 + 1e-9)
-        ds = next((m for m in r["manual"] if m["name"] == "deepspeed-moe"), None)
-        speedup = "–" if ds is None else (f"{ds['step_time_s'] / auto['step_time_s']:.2f}×" if ds["fits"]
-                                          else "deepspeed-moe does not fit")
-        chose = (f"{len(auto['stages'])} stage(s), {auto['num_microbatches']}, {auto['schedule']}"
-                 + (f" v{auto['virtual']}" if auto["virtual"] > 1 else "") + memory_choices(auto["stages"]))
-        was = f"{before['estimate']['tflops_per_device']:.1f}"
-        print(f"| {model} | {hosts * per_host} | {chose} | "
-              f"{auto['tflops_per_device']:.1f} | {was} | {best['name'] if best else 'none fits'} | "
-              f"{best['tflops_per_device']:.1f} | {'yes' if ok else 'NO'} | {speedup} | {alpa} | {baseline} | "
-              f"{measured} | {wall:.0f} |"
-              if best else
-              f"| {model} | {hosts * per_host} | {chose} | "
-              f"{auto['tflops_per_device']:.1f} | {was} | none fits | – | yes | {speedup} | {alpa} | {baseline} | "
-              f"{measured} | {wall:.0f} |")
+        rows.append(_row(model))
+    body = table(HEADER, rows)
+    print(body)
+    write("compare_suites", started, body)
+
+
+def _row(model: str) -> list:
+    mesh, alpa, baseline = SUITE[model]
+    measured = f"{alpa / baseline:.1f}×" if model.startswith("moe") and isinstance(baseline, float) else "–"
+    hosts, per_host = (int(x) for x in mesh.split("x"))
+    try:
+        r, wall, _ = run_cli("compare", model, "--cluster", "v100-p3", "--mesh", mesh, "--batch", "1024")
+    except RuntimeError as exc:  # the model fits on no layout: say so, with the planner's own words
+        why = str(exc).split("error:")[-1].split("MAXRSS")[0].strip()
+        return [model, hosts * per_host, why, "–", "–", "–", "–", "–", "–", alpa, baseline, measured, "–"]
+    before, _, _ = run_cli("plan", model, "--cluster", "v100-p3", "--mesh", mesh, "--batch", "1024",
+                           "--schedule", "1f1b")  # the search space without the other schedules
+    fitting = [m for m in r["manual"] if m["fits"]]
+    best = min(fitting, key=lambda m: m["step_time_s"]) if fitting else None
+    auto = r["auto"]
+    ok = best is None or auto["step_time_s"] <= best["step_time_s"] * (1 + 1e-9)
+    ds = next((m for m in r["manual"] if m["name"] == "deepspeed-moe"), None)
+    speedup = "–" if ds is None else (f"{ds['step_time_s'] / auto['step_time_s']:.2f}×" if ds["fits"]
+                                      else "deepspeed-moe does not fit")
+    chose = (f"{len(auto['stages'])} stage(s), {auto['num_microbatches']}, {auto['schedule']}"
+             + (f" v{auto['virtual']}" if auto["virtual"] > 1 else "") + memory_choices(auto["stages"]))
+    return [model, hosts * per_host, chose, f"{auto['tflops_per_device']:.1f}",
+            f"{before['estimate']['tflops_per_device']:.1f}", best["name"] if best else "none fits",
+            f"{best['tflops_per_device']:.1f}" if best else "–", "yes" if ok else "NO", speedup, alpa, baseline,
+            measured, f"{wall:.0f}"]
 
 
 if __name__ == "__main__":

@@ -9,7 +9,7 @@ with a pipeline are priced again with the interleaved schedule Megatron-LM ran a
 layers evenly). The auto plan (`autopar plan megatron-X --cluster a100-dgx --mesh HxD --batch B`,
 which weighs every schedule) searches the same mesh, beside the search limited to 1F1B as it was
 before schedules were searched (`--schedule 1f1b`); its planning wall time stands next to Alpa's
-2393 s for GPT-39B on 64 GPUs.
+2393 s for GPT-39B on 64 GPUs. Writes the table to docs/benchmarks/results/megatron_table1.md.
 
     python benchmarks/megatron_table1.py
 """
@@ -17,6 +17,8 @@ before schedules were searched (`--schedule 1f1b`); its planning wall time stand
 from __future__ import annotations
 
 from _cli import memory_choices, run_cli
+from _page import table, write
+from _stamp import stamp
 from rich.progress import track
 
 ROWS = [  # model, layers, hidden, tensor, pipeline, GPUs, batch, published TFLOP/s per GPU
@@ -37,32 +39,42 @@ def _chose(plan: dict) -> str:
     return f"{len(plan['stages'])} × {shapes}, {plan['num_microbatches']}, {schedule}{memory_choices(plan['stages'])}"
 
 
+HEADER = ["model", "GPUs", "(t, p, dp)", "published step s", "predicted step s (1F1B)", "predicted / published",
+          "interleaved v", "its step s", "its / published", "fits",
+          "auto: stages × submesh (dp×tp), microbatches, schedule", "auto step s", "auto, 1F1B only step s",
+          "auto ≤ theirs", "auto planning wall s"]
+
+
 def main() -> None:
-    print("| model | GPUs | (t, p, dp) | published step s | predicted step s (1F1B) | predicted / published | "
-          "interleaved v | its step s | its / published | fits | auto now: stages × submesh (dp×tp), microbatches, "
-          "schedule | auto now step s | auto before (1F1B only) step s | auto ≤ theirs | auto planning wall s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    for model, l, h, t, p, gpus, batch, tflops in track(ROWS, description="Table 1", transient=True):
-        flops = 96 * batch * SEQ * l * h * h * (1 + SEQ / (6 * h) + VOCAB / (16 * l * h))
-        published = flops / (tflops * 1e12 * gpus)
-        dp = gpus // (t * p)
-        mesh = f"{gpus // 8}x8"
-        args = ["plan", model, "--cluster", "a100-dgx", "--mesh", mesh, "--batch", str(batch)]
-        plan, _, _ = run_cli(*args, "--manual", f"{dp},{t},{p}", "--recompute", "--schedule", "1f1b")
-        virtual = next((v for v in range(2, l + 1) if (l // p) % v == 0), None) if p > 1 else None
-        inter = run_cli(*args, "--manual", f"{dp},{t},{p}", "--recompute", "--schedule", "interleaved-1f1b",
-                        "--virtual", str(virtual))[0] if virtual else None
-        auto, wall, _ = run_cli(*args)
-        before, _, _ = run_cli(*args, "--schedule", "1f1b")
-        e, a, b = plan["estimate"], auto["estimate"], before["estimate"]
-        best = min([e] + ([inter["estimate"]] if inter else []), key=lambda x: x["step_time_s"])
-        its = (f"{virtual} | {inter['estimate']['step_time_s']:.2f} | {inter['estimate']['step_time_s'] / published:.2f}"
-               if inter else "– | – | –")
-        fits = all(x["estimate"]["fits"] for x in [plan] + ([inter] if inter else []))
-        print(f"| {model} | {gpus} | ({t}, {p}, {dp}) | {published:.2f} | {e['step_time_s']:.2f} | "
-              f"{e['step_time_s'] / published:.2f} | {its} | {'yes' if fits else 'no'} | {_chose(auto)} | "
-              f"{a['step_time_s']:.2f} | {b['step_time_s']:.2f} | "
-              f"{'yes' if a['step_time_s'] <= best['step_time_s'] * (1 + 1e-9) else 'NO'} | {wall:.0f} |")
+    started, rows = stamp(), []
+    for row in track(ROWS, description="Table 1", transient=True):
+        rows.append(_row(*row))
+    body = table(HEADER, rows)
+    print(body)
+    write("megatron_table1", started, body)
+
+
+def _row(model: str, l: int, h: int, t: int, p: int, gpus: int, batch: int, tflops: float) -> list:
+    flops = 96 * batch * SEQ * l * h * h * (1 + SEQ / (6 * h) + VOCAB / (16 * l * h))
+    published = flops / (tflops * 1e12 * gpus)
+    dp = gpus // (t * p)
+    mesh = f"{gpus // 8}x8"
+    args = ["plan", model, "--cluster", "a100-dgx", "--mesh", mesh, "--batch", str(batch)]
+    plan, _, _ = run_cli(*args, "--manual", f"{dp},{t},{p}", "--recompute", "--schedule", "1f1b")
+    virtual = next((v for v in range(2, l + 1) if (l // p) % v == 0), None) if p > 1 else None
+    inter = run_cli(*args, "--manual", f"{dp},{t},{p}", "--recompute", "--schedule", "interleaved-1f1b",
+                    "--virtual", str(virtual))[0] if virtual else None
+    auto, wall, _ = run_cli(*args)
+    before, _, _ = run_cli(*args, "--schedule", "1f1b")
+    e, a, b = plan["estimate"], auto["estimate"], before["estimate"]
+    best = min([e] + ([inter["estimate"]] if inter else []), key=lambda x: x["step_time_s"])
+    its = ([virtual, f"{inter['estimate']['step_time_s']:.2f}", f"{inter['estimate']['step_time_s'] / published:.2f}"]
+           if inter else ["–", "–", "–"])
+    fits = all(x["estimate"]["fits"] for x in [plan] + ([inter] if inter else []))
+    return [model, gpus, f"({t}, {p}, {dp})", f"{published:.2f}", f"{e['step_time_s']:.2f}",
+            f"{e['step_time_s'] / published:.2f}", *its, "yes" if fits else "no", _chose(auto),
+            f"{a['step_time_s']:.2f}", f"{b['step_time_s']:.2f}",
+            "yes" if a["step_time_s"] <= best["step_time_s"] * (1 + 1e-9) else "NO", f"{wall:.0f}"]
 
 
 if __name__ == "__main__":
