@@ -13,10 +13,35 @@ from _stamp import line
 RESULTS = Path(__file__).resolve().parent.parent / "docs" / "benchmarks" / "results"
 
 
-def table(header: list[str], rows: list[list[object]]) -> str:
-    """A Markdown table."""
-    return "\n".join(["| " + " | ".join(header) + " |", "|" + "---|" * len(header),
+def table(header: list[str], rows: list[list[object]], right: tuple[int, ...] = ()) -> str:
+    """A Markdown table; the columns numbered in `right` aligned right (numbers)."""
+    rule = "|" + "".join("---:|" if i in right else "---|" for i in range(len(header)))
+    return "\n".join(["| " + " | ".join(header) + " |", rule,
                       *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]) + "\n"
+
+
+def against(path: Path, series: dict[str, tuple[list[float], list[float]]], unit: str, title: str,
+            log: bool = False) -> None:
+    """Measured against predicted, a colour per series, with the line y = x: where the points leave
+    it, the model missed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    values = [v for xs, ys in series.values() for v in (*xs, *ys)]
+    low, high = (min(values) / 1.2, max(values) * 1.2) if log else (0.0, 1.05 * max(values))
+    fig, ax = plt.subplots(figsize=(5.2, 4.6))
+    for label, (predicted, measured) in series.items():
+        ax.scatter(predicted, measured, s=16, label=label)
+    ax.plot([low, high], [low, high], "--", color="grey", linewidth=1, label="y = x")
+    ax.set(xlim=(low, high), ylim=(low, high), xlabel=f"predicted {unit}", ylabel=f"measured {unit}", title=title)
+    if log:
+        ax.set(xscale="log", yscale="log")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def write(name: str, started: dict, body: str, command: str | None = None) -> Path:

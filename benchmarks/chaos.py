@@ -20,6 +20,9 @@ reference exactly.
 in it, or delete it): the resumed job must skip it and start from the newest intact one (counted
 in "lost steps" otherwise), and the final trajectory must still equal the reference.
 
+Prints the summary and writes it to docs/benchmarks/results/chaos.md (not with `--json`, whose
+output is for programs).
+
     python benchmarks/chaos.py [--model gpt-tiny] [--plan 2,1,2,2] [--nproc 4] [--steps 30] [--kills 12] [--json]
 """
 
@@ -37,6 +40,9 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from _page import table, write
+from _stamp import stamp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -115,7 +121,7 @@ def main() -> None:
     rng = random.Random(args.seed)
     status = (lambda text: print(text, file=sys.stderr)) if args.json else print
 
-    started = time.time()
+    stamped, started = stamp(), time.time()
     reference = subprocess.run(_command(args, None, False), capture_output=True, text=True, check=False)
     if reference.returncode != 0:
         raise SystemExit(f"the uninterrupted run failed:\n{reference.stderr}")
@@ -194,18 +200,29 @@ def main() -> None:
     if args.json:
         print(json.dumps(result, indent=2))
         return
+    _report(args, result, stamped)
+
+
+SUMMARY = ("kills", "freezes", "corruptions", "resumed_from_an_older_checkpoint", "runs", "hangs", "lost_steps",
+           "redone_steps", "kills_not_named", "killed_in_checkpoint", "max_exit_s", "max_exit_after_freeze_s",
+           "trajectory_equal", "wall_s")
+
+
+def _report(args: argparse.Namespace, result: dict, stamped: dict) -> None:
+    """The summary on the console (rich) and as the page fragment `chaos`."""
     from rich.console import Console
     from rich.table import Table
 
+    heading = (f"chaos: {args.model}, plan {args.plan}, {args.nproc} ranks, {args.steps} steps, "
+               f"checkpoint every {args.checkpoint_every}")
+    rows = [[key, f"{result[key]:.2f}" if isinstance(result[key], float) else str(result[key])] for key in SUMMARY]
     console = Console()
-    console.print(f"chaos: {args.model}, plan {args.plan}, {args.nproc} ranks, {args.steps} steps, "
-                  f"checkpoint every {args.checkpoint_every}")
-    table = Table("measure", "value")
-    for key in ("kills", "freezes", "corruptions", "resumed_from_an_older_checkpoint", "runs", "hangs", "lost_steps",
-                "redone_steps", "kills_not_named", "killed_in_checkpoint", "max_exit_s", "max_exit_after_freeze_s",
-                "trajectory_equal", "wall_s"):
-        table.add_row(key, f"{result[key]:.2f}" if isinstance(result[key], float) else str(result[key]))
-    console.print(table)
+    console.print(heading)
+    grid = Table("measure", "value")
+    for row in rows:
+        grid.add_row(*row)
+    console.print(grid)
+    write("chaos", stamped, f"{heading}\n\n{table(['measure', 'value'], rows)}")
 
 
 if __name__ == "__main__":

@@ -45,6 +45,10 @@ Each run is one seed: accuracy differences of a fraction of a point are noise (o
 user would start; `--lr` reruns every method, dense included, at another. Run it alone: other
 work on the cores skews the times.
 
+Each part that runs writes its own page fragment, docs/benchmarks/results/compression_PART.md
+(compression_convergence, _link, _latency, _sweep, _anchor), so re-running one part leaves the
+others' as they are; not with `--json`, whose output is for programs, nor for a skipped link part.
+
     python benchmarks/compression.py [--part convergence|link|latency|anchor|all] [--sweep] [--rate 100mbit]
                                      [--json | --markdown]
 """
@@ -62,7 +66,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -70,6 +74,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _page import table, write
+from _stamp import stamp
 from torch import nn
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -551,78 +557,96 @@ def _kb(nbytes: float) -> str:
     return f"{nbytes / 1e3:,.1f} kB" if nbytes >= 1e3 else f"{nbytes:,.0f} B"
 
 
-def tables(result: dict[str, Any]) -> list[tuple[str, list[str], list[list[str]]]]:
-    """(title, header, rows) of every part that ran, as text cells."""
-    out = []
-    if "convergence" in result:
-        c = result["convergence"]
-        title = (f"Convergence: digits MLP 64-{c['hidden']}-{c['hidden']}-10, {c['ranks']} ranks pure DP, "
-                 f"{c['epochs']} epochs ({c['steps']} steps of {c['batch']}), SGD lr {c['lr']:g}")
-        out.append((title,
-                    ["method", "test acc %", "Δ vs dense (pts)", "sent/step/rank (last)", "ratio (last)",
-                     "ratio (run mean)", "target", "meets target"],
-                    [[r["method"] + (f" (lr {r['lr']:g})" if r["lr"] != c["lr"] else ""),
-                      f"{r['accuracy']:.2f}" + (" (diverged)" if r["diverged"] else ""),
-                      f"{r['delta']:+.2f}", _kb(r["bytes_sent_last"]), f"{r['ratio']:.1f}×",
-                      f"{r['ratio_mean']:.1f}×", r["target"], _yes(r["meets"])] for r in c["rows"]]))
-    if "link" in result and "rows" in result["link"]:
-        k = result["link"]
-        title = (f"Real shaped link: 2 ranks in netns over veth, tbf {k['rate']}, MLP hidden {k['hidden']} "
-                 f"({k['params'] / 1e6:.2f} M params), target = dense's final accuracy "
-                 f"{k['target_accuracy']:.2f} %, compute alone {k['compute_ms']:.1f} ms/step")
-        out.append((title,
-                    ["method", "median ms/step", "mean ms/step", "sent/step/rank", f"acc @ {k['budget']} steps",
-                     "steps to target", "time to target (s)", "speedup", "meets ≥3×"],
-                    [[r["method"], f"{r['step_ms']:.1f}", f"{r['mean_step_ms']:.1f}", _kb(r["bytes_sent"]), f"{r['accuracy_at_budget']:.2f}",
-                      str(r["steps_to_accuracy"] or "not reached"),
-                      f"{r['time_to_accuracy_s']:.2f}" if r["time_to_accuracy_s"] else "—",
-                      f"{r['speedup']:.1f}×" if r["speedup"] else "—", _yes(r["meets"])] for r in k["rows"]]))
+Table = tuple[str, list[str], list[list[str]]]  # title, header, rows as text cells
+
+
+def convergence_table(c: dict[str, Any]) -> Table:
+    title = (f"Convergence: digits MLP 64-{c['hidden']}-{c['hidden']}-10, {c['ranks']} ranks pure DP, "
+             f"{c['epochs']} epochs ({c['steps']} steps of {c['batch']}), SGD lr {c['lr']:g}")
+    return (title,
+            ["method", "test acc %", "Δ vs dense (pts)", "sent/step/rank (last)", "ratio (last)",
+             "ratio (run mean)", "target", "meets target"],
+            [[r["method"] + (f" (lr {r['lr']:g})" if r["lr"] != c["lr"] else ""),
+              f"{r['accuracy']:.2f}" + (" (diverged)" if r["diverged"] else ""),
+              f"{r['delta']:+.2f}", _kb(r["bytes_sent_last"]), f"{r['ratio']:.1f}×",
+              f"{r['ratio_mean']:.1f}×", r["target"], _yes(r["meets"])] for r in c["rows"]])
+
+
+def link_table(k: dict[str, Any]) -> Table:
+    title = (f"Real shaped link: 2 ranks in netns over veth, tbf {k['rate']}, MLP hidden {k['hidden']} "
+             f"({k['params'] / 1e6:.2f} M params), target = dense's final accuracy "
+             f"{k['target_accuracy']:.2f} %, compute alone {k['compute_ms']:.1f} ms/step")
+    return (title,
+            ["method", "median ms/step", "mean ms/step", "sent/step/rank", f"acc @ {k['budget']} steps",
+             "steps to target", "time to target (s)", "speedup", "meets ≥3×"],
+            [[r["method"], f"{r['step_ms']:.1f}", f"{r['mean_step_ms']:.1f}", _kb(r["bytes_sent"]),
+              f"{r['accuracy_at_budget']:.2f}", str(r["steps_to_accuracy"] or "not reached"),
+              f"{r['time_to_accuracy_s']:.2f}" if r["time_to_accuracy_s"] else "—",
+              f"{r['speedup']:.1f}×" if r["speedup"] else "—", _yes(r["meets"])] for r in k["rows"]])
+
+
+def latency_table(t: dict[str, Any]) -> Table:
+    title = (f"EMULATED latency ({t['latency_s'] * 1e3:g} ms per all-reduce, AUTOPAR_EMULATE_LINK): "
+             f"2 ranks, MLP hidden {t['hidden']}, batch {t['batch']}")
+    return (title,
+            ["averaging", "steps", "steps/s", "samples/s", "speedup", "test acc %", "Δ (pts)",
+             "meets (≥2×, Δ ≥ −1)"],
+            [[r["method"], str(r["steps"]), f"{r['steps_per_s']:.2f}", f"{r['samples_per_s']:.0f}",
+              f"{r['speedup']:.2f}×", f"{r['accuracy']:.2f}", f"{r['delta']:+.2f}", _yes(r["meets"])]
+             for r in t["rows"]])
+
+
+def part_tables() -> dict[str, Callable[[dict[str, Any]], Table]]:
+    """Each part's table maker, in the order the reports show them."""
     import compression_sweep
 
-    if "sweep" in result:
-        out.append(compression_sweep.sweep_table(result["sweep"]))
-    if "anchor" in result:
-        out.append(compression_sweep.anchor_table(result["anchor"]))
-    if "latency" in result:
-        t = result["latency"]
-        title = (f"EMULATED latency ({t['latency_s'] * 1e3:g} ms per all-reduce, AUTOPAR_EMULATE_LINK): "
-                 f"2 ranks, MLP hidden {t['hidden']}, batch {t['batch']}")
-        out.append((title,
-                    ["averaging", "steps", "steps/s", "samples/s", "speedup", "test acc %", "Δ (pts)",
-                     "meets (≥2×, Δ ≥ −1)"],
-                    [[r["method"], str(r["steps"]), f"{r['steps_per_s']:.2f}", f"{r['samples_per_s']:.0f}",
-                      f"{r['speedup']:.2f}×", f"{r['accuracy']:.2f}", f"{r['delta']:+.2f}", _yes(r["meets"])]
-                     for r in t["rows"]]))
-    return out
+    return {"convergence": convergence_table, "link": link_table, "sweep": compression_sweep.sweep_table,
+            "anchor": compression_sweep.anchor_table, "latency": latency_table}
+
+
+def _ran(result: dict[str, Any], part: str) -> bool:
+    return isinstance(result.get(part), dict) and "skipped" not in result[part]
+
+
+def tables(result: dict[str, Any]) -> list[Table]:
+    """(title, header, rows) of every part that ran, as text cells."""
+    return [make(result[part]) for part, make in part_tables().items() if _ran(result, part)]
+
+
+def markdown(title: str, header: list[str], rows: list[list[str]]) -> str:
+    return f"**{title}**\n\n{table(header, rows, right=tuple(i for i, h in enumerate(header) if i and h != 'target'))}"
+
+
+def write_part(part: str, result: dict[str, Any], started: dict) -> None:
+    """The fragment `compression_PART`: the part's table and how long it took."""
+    if _ran(result, part):
+        body = markdown(*part_tables()[part](result[part]))
+        took = f"Wall time of the part: {result['seconds'][part]:.0f} s."
+        write(f"compression_{part}", started, f"{body}\n{took}\n")
 
 
 def print_rich(result: dict[str, Any]) -> None:
     from rich.console import Console
-    from rich.table import Table
+    from rich.table import Table as RichTable
 
     console = Console()
     if not console.is_terminal:  # piped: rich would wrap the wide tables at 80 columns
         console = Console(width=180)
     for title, header, rows in tables(result):
-        table = Table(title=title)
+        grid = RichTable(title=title)
         for i, h in enumerate(header):
-            table.add_column(h, justify="left" if i == 0 or h == "target" else "right")
+            grid.add_column(h, justify="left" if i == 0 or h == "target" else "right")
         for row in rows:
-            table.add_row(*row)
-        console.print(table)
+            grid.add_row(*row)
+        console.print(grid)
     if isinstance(result.get("link"), dict) and "skipped" in result["link"]:
         console.print(f"link: {result['link']['skipped']}")
     console.print("seconds per part: " + ", ".join(f"{k} {v:.0f}" for k, v in result["seconds"].items()))
 
 
 def print_markdown(result: dict[str, Any]) -> None:
-    for title, header, rows in tables(result):
-        print(f"**{title}**\n")
-        print("| " + " | ".join(header) + " |")
-        print("|" + "|".join("---" if i == 0 or h == "target" else "---:" for i, h in enumerate(header)) + "|")
-        for row in rows:
-            print("| " + " | ".join(row) + " |")
-        print()
+    for made in tables(result):
+        print(markdown(*made))
     if isinstance(result.get("link"), dict) and "skipped" in result["link"]:
         print(f"link: {result['link']['skipped']}\n")
     print("seconds per part: " + ", ".join(f"{k} {v:.0f}" for k, v in result["seconds"].items()))
@@ -673,9 +697,11 @@ def main(argv: list[str] | None = None) -> int:
                "sweep": compression_sweep.run_sweep, "anchor": compression_sweep.run_anchor}
     result: dict[str, Any] = {"seconds": {}}
     for part in parts:
-        start = time.perf_counter()
+        started, start = stamp(), time.perf_counter()
         result[part] = runners[part](args)
         result["seconds"][part] = time.perf_counter() - start
+        if not args.json:
+            write_part(part, result, started)
     if args.json:
         print(json.dumps(result))
     elif args.markdown:

@@ -19,6 +19,10 @@ The anchor: torch ships PowerSGD and fp16 compression as DDP communication hooks
 allows with those, so its first two steps are dense) runs beside `powersgd:2`, and DDP with
 `fp16_compress_hook` beside `fp16`, on the same data, seeds, model and optimizer: test accuracy,
 bytes handed to collectives per step and rank, and median step time.
+
+Both run through `compression.py`, which prints their tables (`sweep_table`, `anchor_table`) and
+writes each to its own page fragment: docs/benchmarks/results/compression_sweep.md and
+compression_anchor.md.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ beside the planner's prediction for its stage (states + activations in flight + 
     python benchmarks/memory_truth.py --model gpt-small --nproc 4 [--json]
     python benchmarks/memory_truth.py --model benchmarks/rotary_decoder.py:llama_small
 
-AdamW; one warm-up step (the optimizer's state exists from then on), then the measured one.
+AdamW; one warm-up step (the optimizer's state exists from then on), then the measured one. Prints
+a Markdown table and writes it, with a picture of predicted against measured peaks, to
+docs/benchmarks/results/memory_truth.md (and .png); not with `--json`, whose output is for programs.
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import tempfile
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _page import against, picture, table, write
+from _stamp import stamp
 
 from autopar.runtime.backend import join_local, local_store
 
@@ -65,6 +69,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    started = stamp()
     cluster = get_cluster("cpu-local").with_ranks(args.nproc)
     plans = candidate_plans(args.model, args.nproc, cluster, args.batch)
     with tempfile.TemporaryDirectory() as tmp, local_store() as port:
@@ -80,16 +85,26 @@ def main() -> None:
     if args.json:
         print(json.dumps(rows, indent=1))
         return
-    print("| layout | precision | stage | predicted MB | measured MB | measured / predicted | states MB predicted / "
-          "measured | activations + temporaries MB predicted / measured |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        m = r["measured"]
-        states = m["parameters"] + m["gradients"] + m["optimizer"]
-        rest = r["predicted"] - r["predicted_states"]
-        print(f"| {r['layout']} | {r['precision']} | {r['stage']} | {r['predicted'] / 1e6:.2f} | "
-              f"{m['total'] / 1e6:.2f} | {r['ratio']:.2f} | {r['predicted_states'] / 1e6:.1f} / {states / 1e6:.1f} | "
-              f"{rest / 1e6:.1f} / {(m['activations'] + m['temporaries']) / 1e6:.1f} |")
+    body = table(HEADER, [_row(r) for r in rows], right=(2, 3, 4, 5, 6, 7))
+    print(body)
+    against(picture("memory_truth"), {"layouts": ([r["predicted"] / 1e6 for r in rows],
+                                                 [r["measured"]["total"] / 1e6 for r in rows])},
+            "peak MB", f"peak memory per layout: {args.model}, {args.nproc} ranks")
+    write("memory_truth", started, body + "\n![predicted against measured peak memory per layout]"
+                                          "(results/memory_truth.png)\n")
+
+
+HEADER = ["layout", "precision", "stage", "predicted MB", "measured MB", "measured / predicted",
+          "states MB predicted / measured", "activations + temporaries MB predicted / measured"]
+
+
+def _row(r: dict) -> list:
+    m = r["measured"]
+    states = m["parameters"] + m["gradients"] + m["optimizer"]
+    rest = r["predicted"] - r["predicted_states"]
+    return [r["layout"], r["precision"], r["stage"], f"{r['predicted'] / 1e6:.2f}", f"{m['total'] / 1e6:.2f}",
+            f"{r['ratio']:.2f}", f"{r['predicted_states'] / 1e6:.1f} / {states / 1e6:.1f}",
+            f"{rest / 1e6:.1f} / {(m['activations'] + m['temporaries']) / 1e6:.1f}"]
 
 
 if __name__ == "__main__":

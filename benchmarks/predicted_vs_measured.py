@@ -7,12 +7,14 @@ of several model families for real, and compare ranks, magnitudes and where the 
 
 Without --cluster it first runs `autopar calibrate --nproc N` into DIR. Each repetition is one
 `autopar bench MODEL --nproc N --breakdown` (2 warm-up and 5 timed steps per layout, the slowest
-rank's median); a layout's measured time is the median over repetitions. Prints the README's
-markdown: per family the layouts (predicted, measured, ratio, and the measured breakdown of the
-slowest rank: forward, backward, tensor-axis collectives, overhead, data-axis wait, pipeline,
-optimizer), Spearman's rank correlation, the searched plan against the fastest measured, the
-median absolute error of the prediction, and which terms of the prediction are furthest from
-their measurement. Timing needs an idle machine: it says so when the load average is above 1.
+rank's median); a layout's measured time is the median over repetitions. Prints markdown and
+writes it, with a log-log picture of predicted against measured step time, to
+docs/benchmarks/results/predicted_vs_measured.md (and .png): per family the layouts (predicted,
+measured, ratio, and the measured breakdown of the slowest rank: forward, backward, tensor-axis
+collectives, overhead, data-axis wait, pipeline, optimizer), Spearman's rank correlation, the
+searched plan against the fastest measured, the median absolute error of the prediction, and which
+terms of the prediction are furthest from their measurement. Timing needs an idle machine: it says
+so when the load average is above 1.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ import os
 import statistics
 import sys
 import tempfile
+
+from _page import against, picture, table, write
+from _stamp import stamp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -71,25 +76,23 @@ def slowest(row: dict) -> dict:
     return max(b["measured"], key=lambda m: m["step_s"]) if b else {}
 
 
-def table(model: str, nproc: int, s: dict) -> str:
-    head = (f"| layout ({model}, {nproc} ranks) | mb | predicted ms | measured ms | measured / predicted | "
-            "fwd | bwd | tp comm | overhead | dp wait | pipeline | optimizer |\n"
-            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
-    lines = [head]
+def family_table(model: str, nproc: int, s: dict) -> str:
+    """A family's layouts (fastest measured first) as a Markdown table, then its summary line."""
+    rows = []
     for r in sorted(s["layouts"], key=lambda r: r["measured_step_time_s"]):
         m = slowest(r)
         parts = [m.get(k, 0.0) * 1e3 for k in ("forward_s", "backward_s", "tp_comm_s", "overhead_s", "dp_sync_s",
                                               "pipeline_s", "optimizer_s")]
-        name = "**searched**" if r["name"] == "auto" else r["name"]
-        lines.append(f"| {name} | {r['num_microbatches']} | {r['predicted_step_time_s'] * 1e3:.0f} | "
-                     f"{r['measured_step_time_s'] * 1e3:.0f} | "
-                     f"{r['measured_step_time_s'] / r['predicted_step_time_s']:.2f} | "
-                     + " | ".join(f"{x:.0f}" for x in parts) + " |")
+        rows.append(["**searched**" if r["name"] == "auto" else r["name"], r["num_microbatches"],
+                     f"{r['predicted_step_time_s'] * 1e3:.0f}", f"{r['measured_step_time_s'] * 1e3:.0f}",
+                     f"{r['measured_step_time_s'] / r['predicted_step_time_s']:.2f}", *(f"{x:.0f}" for x in parts)])
+    header = [f"layout ({model}, {nproc} ranks)", "mb", "predicted ms", "measured ms", "measured / predicted", "fwd",
+              "bwd", "tp comm", "overhead", "dp wait", "pipeline", "optimizer"]
     terms = ", ".join(f"{t.removesuffix('_s')} {e:.0%}" for t, e in sorted(s["terms"].items(), key=lambda x: -x[1]))
-    lines.append(f"\n{model}: Spearman **{s['spearman']:.2f}** over {len(s['layouts'])} layouts; the searched plan "
-                 f"measures **{s['auto_vs_fastest']:.2f}×** the fastest; median |error| of the predicted step "
-                 f"**{s['median_abs_error']:.0%}**; error per term (mean share of the step): {terms}")
-    return "\n".join(lines)
+    return (table(header, rows, right=tuple(range(1, 12)))
+            + f"\n{model}: Spearman **{s['spearman']:.2f}** over {len(s['layouts'])} layouts; the searched plan "
+            f"measures **{s['auto_vs_fastest']:.2f}×** the fastest; median |error| of the predicted step "
+            f"**{s['median_abs_error']:.0%}**; error per term (mean share of the step): {terms}")
 
 
 def main() -> None:
@@ -100,7 +103,7 @@ def main() -> None:
     ap.add_argument("--cluster", help="a calibrated cluster file (default: calibrate now)")
     ap.add_argument("--out", default=None, help="directory for the bench JSON files (default: a temporary one)")
     args = ap.parse_args()
-    load = os.getloadavg()[0]
+    started, load = stamp(), os.getloadavg()[0]
     if load > 1:
         print(f"warning: load average {load:.2f} before starting: other work shares the cores, timings will be off",
               file=sys.stderr)
@@ -110,7 +113,7 @@ def main() -> None:
     if cluster is None:
         cluster = os.path.join(out, "cluster.json")
         run_cli("calibrate", "--nproc", str(args.nproc), "--out", cluster)
-    summary = {}
+    summary, families, sections = {}, {}, []
     for model in args.models.split(","):
         runs = []
         for k in range(args.repeats):
@@ -121,12 +124,19 @@ def main() -> None:
             runs.append(result)
             print(f"{model} run {k + 1}/{args.repeats}: Spearman {result['spearman']:.2f} ({wall:.0f} s)",
                   file=sys.stderr)
-        s = summarise(runs)
+        s = families[model] = summarise(runs)
         summary[model] = {k: v for k, v in s.items() if k != "layouts"}
-        print(table(model, args.nproc, s) + "\n")
+        sections.append(family_table(model, args.nproc, s))
+        print(sections[-1] + "\n")
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(f"(load average before: {load:.2f}; bench JSON in {out})")
+    against(picture("predicted_vs_measured"),
+            {model: ([1e3 * r["predicted_step_time_s"] for r in s["layouts"]],
+                     [1e3 * r["measured_step_time_s"] for r in s["layouts"]]) for model, s in families.items()},
+            "step ms", "step time per layout, this machine", log=True)
+    write("predicted_vs_measured", started, "\n\n".join(sections) + "\n\n![predicted against measured step time "
+          "per layout, log-log, with y = x](results/predicted_vs_measured.png)\n")
 
 
 if __name__ == "__main__":

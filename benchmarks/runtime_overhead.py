@@ -7,6 +7,8 @@ Same model (zoo `gpt-small` by default), same ranks (gloo, one thread each), sam
   output layer, local head count in attention).
 Each runs `--warmup` steps, then `--steps` timed ones; the table gives medians and the ratio
 autopar / hand-written (target ≤ 1.10). Run it alone: other work on the cores skews the times.
+Prints the table and writes it to docs/benchmarks/results/runtime_overhead.md (not with `--json`,
+whose output is for programs).
 
     python benchmarks/runtime_overhead.py [--model gpt-small] [--nproc 2] [--steps 20] [--json]
 """
@@ -26,6 +28,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from _page import table, write
+from _stamp import stamp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -125,6 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     args.kinds = ["ddp", "autopar-dp", "hand-tp", "autopar-tp"]
+    started = stamp()
     out = os.path.join(tempfile.mkdtemp(), "times.pt")
     print(f"{args.model} on {args.nproc} gloo ranks, {args.steps} timed steps each", file=sys.stderr)
     with local_store() as port:
@@ -135,11 +140,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps({"model": args.model, "nproc": args.nproc, "rows": [
             {"layout": a, "baseline": b, "baseline_s": x, "autopar_s": y, "ratio": y / x} for a, b, x, y in rows]}))
-    else:
-        print(f"| layout ({args.model}, {args.nproc} ranks) | baseline | baseline ms/step | autopar ms/step | ratio |")
-        print("|---|---|---:|---:|---:|")
-        for a, b, x, y in rows:
-            print(f"| {a} | {b} | {x * 1e3:.1f} | {y * 1e3:.1f} | {y / x:.2f} |")
+        return 0
+    body = table([f"layout ({args.model}, {args.nproc} ranks)", "baseline", "baseline ms/step", "autopar ms/step",
+                  "ratio"], [[a, b, f"{x * 1e3:.1f}", f"{y * 1e3:.1f}", f"{y / x:.2f}"] for a, b, x, y in rows], right=(2, 3, 4))
+    print(body)
+    write("runtime_overhead", started, body)
     return 0
 
 

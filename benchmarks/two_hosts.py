@@ -8,7 +8,9 @@ local ranks), trains gpt-tiny under a data × tensor layout (data across the hos
 pipeline layout (the pipeline across them) and compares every loss with single-process training.
 It counts the bytes that crossed the veth pair. Every address lives inside the namespaces it
 creates (10.231.0.0/24), nothing leaves the machine, and the namespaces are deleted at the end.
-Needs root and `ip netns`; otherwise it says so and exits with status 77 (skipped).
+Needs root and `ip netns`; otherwise it says so and exits with status 77 (skipped). Prints its
+result lines and writes them to docs/benchmarks/results/two_hosts.md (not with `--json`, whose output
+is for programs, nor when skipped).
 """
 
 from __future__ import annotations
@@ -21,6 +23,9 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from _page import write
+from _stamp import stamp
 
 NAMESPACES, LINKS = ("autopar-host0", "autopar-host1"), ("apveth0", "apveth1")
 ADDRESSES, PORT = ("10.231.0.1", "10.231.0.2"), 29731
@@ -140,6 +145,15 @@ def _address() -> str:
     return out.split()[3] if out.split() else "?"
 
 
+def _lines(result: dict) -> list[str]:
+    """Where each rank ran, every layout's losses beside one process's, and the bytes across the link."""
+    return [*(f"rank {r['rank']} (local {r['local_rank']}): {r['address']}" for r in result["ranks"]),
+            f"single process: {', '.join(f'{x:.6f}' for x in result['single'])}",
+            *(f"{layout}: {', '.join(f'{x:.6f}' for x in run_['losses'])}" for layout, run_ in result["runs"].items()),
+            f"largest relative difference: {result['max_rel_diff']:.2e}; "
+            f"bytes across the hosts' link: {result['bytes_across_hosts']:,}"]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -152,6 +166,7 @@ def main() -> int:
     if reason is not None:
         print(f"skipped: {reason}")
         return SKIPPED
+    started = stamp()
     setup()
     try:
         with tempfile.TemporaryDirectory() as tmp:
@@ -161,13 +176,9 @@ def main() -> int:
     if args.json:
         print(json.dumps(result, indent=1))
     else:
-        for r in result["ranks"]:
-            print(f"rank {r['rank']} (local {r['local_rank']}): {r['address']}")
-        print(f"single process: {', '.join(f'{x:.6f}' for x in result['single'])}")
-        for layout, run_ in result["runs"].items():
-            print(f"{layout}: {', '.join(f'{x:.6f}' for x in run_['losses'])}")
-        print(f"largest relative difference: {result['max_rel_diff']:.2e}; "
-              f"bytes across the hosts' link: {result['bytes_across_hosts']:,}")
+        lines = _lines(result)
+        print("\n".join(lines))
+        write("two_hosts", started, "```text\n" + "\n".join(lines) + "\n```\n")
     return 0 if result["max_rel_diff"] < 1e-5 else 1
 
 
