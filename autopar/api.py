@@ -34,7 +34,7 @@ from autopar.planner.tune import candidates, choose
 from autopar.planner.unruled import warn_replicated
 from autopar.runtime import default_backend, local_device
 from autopar.runtime.backend import group_backend, keep_to_loopback
-from autopar.runtime.failures import PeerFailed, agreed, collective_failures, set_timeouts
+from autopar.runtime.failures import PeerFailed, agreed, collective_failures, set_timeouts, told
 from autopar.runtime.loop import time_steps
 from autopar.runtime.memory import hold_to
 from autopar.runtime.parallel import ParallelModel, UnsupportedPlan, zero3
@@ -63,25 +63,44 @@ def parallelize(
 ):
     """The model under a plan, ready to `step(inputs, target)` on the global batch.
 
-    `plan`: None (search), a Plan, a path to plan JSON, or a layout "DP,TP,PP[,MB]". Every rank
-    calls this with the same arguments; rank 0 plans and the others receive its plan.
-    `compression` ("dgc:0.999", "powersgd:2", ... see `runtime.compression`; "auto": the planner
-    weighs a few) and `delay` (delayed gradient averaging, in steps) replace the plan's
-    `dp_gradient` choices; a searched or hand-written layout is planned with them priced in.
-    `timeout` (seconds): a collective of any of the job's process groups waiting longer fails,
-    and `step` raises `PeerLost`: a rank died or hangs (default: torch's, 30 minutes on gloo).
-    `mesh`: a 2-D DeviceMesh (hosts × devices), a `(hosts, devices)` tuple, or None: the job's
-    hosts × local ranks (torchrun's LOCAL_WORLD_SIZE). `max_grad_norm`: each step clips the
-    gradients by their global norm over every axis (`math.inf`: measure only); the norm before
-    clipping is `pm.last_grad_norm`. `mixed_precision` ("bf16", "fp16" with loss scaling, or
-    "fp32"): forward and loss under autocast, fp32 master weights, gradients and optimizer state;
-    None: the plan's precision (fp32 when planning here). A plan priced for another is refused.
-    `memory_limit` (bytes of tensors per rank): the search plans within it, a plan predicted to
-    exceed it is refused, and the run is held to it (`runtime.memory.hold_to`).
-    `tune` (K > 0, searching only): the K best predicted plans of distinct layouts each run a few
-    steps on this job's ranks, on `example_inputs` and `example_target` (a real batch), and the
-    measured fastest is kept; `plan.search["tuned"]` holds every candidate's predicted and measured
-    step time. The model's weights are left as they were.
+    Every rank calls this with the same arguments (under torchrun, or alone for one process); rank
+    0 plans and the others receive its plan, then each rank builds its part of the model.
+
+    - `model`: the `nn.Module` to train, built on every rank (rank 0's parameters and buffers are
+      broadcast before anything trains, as DDP does).
+    - `mesh`: a 2-D DeviceMesh (hosts × devices), a `(hosts, devices)` tuple, or None: the job's
+      hosts × local ranks (torchrun's LOCAL_WORLD_SIZE).
+    - `example_inputs`: one global batch of the model's inputs: a tuple of positional inputs, a
+      dict of keyword inputs or one tensor, every tensor with the batch first (the shapes the
+      plan is made for; each `step` takes the same shapes).
+    - `loss_fn(output, target)`: the mean loss of the samples given; `output` is the model's
+      output reduced to one tensor (itself, its `.logits`, or the first tensor inside).
+    - `optimizer(params)`: builds the torch optimizer over this rank's parameters.
+    - `plan`: None (search), a Plan, a path to plan JSON, or a layout "DP,TP,PP[,MB]".
+    - `cluster`: a preset name or cluster file to plan for (default `cpu-local`, this machine).
+    - `compression` ("dgc:0.999", "powersgd:2", ... see `runtime.compression`; "auto": the planner
+      weighs a few) and `delay` (delayed gradient averaging, in steps) replace the plan's
+      `dp_gradient` choices; a searched or hand-written layout is planned with them priced in.
+    - `timeout` (seconds): a collective of any of the job's process groups waiting longer fails,
+      and `step` raises `PeerLost`: a rank died or hangs (default: torch's, 30 minutes on gloo).
+    - `max_grad_norm`: each step clips the gradients by their global norm over every axis
+      (`math.inf`: measure only); the norm before clipping is `pm.last_grad_norm`.
+    - `mixed_precision` ("bf16", "fp16" with loss scaling, or "fp32"): forward and loss under
+      autocast, fp32 master weights, gradients and optimizer state; None: the plan's precision
+      (fp32 when planning here). A plan priced for another is refused.
+    - `memory_limit` (bytes of tensors per rank): the search plans within it, a plan predicted to
+      exceed it is refused, and the run is held to it (`runtime.memory.hold_to`).
+    - `tune` (K > 0, searching only): the K best predicted plans of distinct layouts each run a
+      few steps on this job's ranks, on `example_inputs` and `example_target` (a real batch), and
+      the measured fastest is kept; `plan.search["tuned"]` holds every candidate's predicted and
+      measured step time. The model's weights are left as they were.
+
+    Returns a `ParallelModel` (one stage) or a `PipelineModel` (several), with the same methods.
+
+    Raises `AutoparError` (on every rank, with one message) for input it cannot take: a malformed
+    argument, a layout the model or the ranks cannot run, a plan for another model, world size or
+    precision, a model `torch.export` cannot capture under a layout other than data parallelism;
+    `PeerFailed` when another rank failed while planning or building (naming it and its message).
     """
     precision = parse_precision(mixed_precision)
 
@@ -131,8 +150,7 @@ def parallelize(
             if isinstance(chosen[0], Plan) and graph is not None:
                 warn_replicated(graph, chosen[0])
         except Exception as exc:  # every rank reports it, none waits for a plan that never comes
-            failed, chosen[0] = exc, PeerFailed(0, "planning", str(exc) if isinstance(exc, AutoparError) else
-                                                f"{type(exc).__name__}: {exc}", isinstance(exc, AutoparError))
+            failed, chosen[0] = exc, PeerFailed(0, "planning", *told(exc))
     dist.broadcast_object_list(chosen, src=0)
     if failed is not None:
         raise failed
@@ -143,6 +161,8 @@ def parallelize(
         agreed("checking the graph", lambda: _same_graph(model, graph, captured))
         if tune:
             resolved = _tuned(resolved, model, args, example_target, loss_fn, optimizer, max_grad_norm)
+            if dist.get_rank() == 0 and graph is not None:
+                warn_replicated(graph, resolved)
         resolved = agreed("checking the plan", lambda: _checked(resolved, model, graph, world, precision,
                                                                 mixed_precision, memory_limit, compression, delay))
         pm = _build(resolved, model, args, loss_fn, optimizer, max_grad_norm, device)

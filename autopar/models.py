@@ -20,7 +20,10 @@ from autopar.zoo import ZOO
 
 def load_workload(spec: str, *, batch: int | None = None, device: str | torch.device = "meta",
                   dtype: torch.dtype | None = None) -> Workload:
-    """Build the model `spec` names; zoo models are built on `device` (meta: no memory) in `dtype`."""
+    """Build the model `spec` names: a zoo name (`gpt-1.3b`), or `FILE.py:FUNCTION` /
+    `package.module:FUNCTION` returning `(model, example_inputs)` or `(model, example_inputs,
+    loss_fn, make_batch)`. Zoo models are built on `device` (meta: no memory) in `dtype`; `batch`
+    replaces the suite's default global batch. Raises `ModelSpecError` for a spec it cannot build."""
     if batch is not None and not 1 <= batch <= MAX_BATCH:
         raise ModelSpecError(f"--batch must be a positive integer of at most {MAX_BATCH}, got {batch}")
     if ":" in spec:

@@ -62,7 +62,7 @@ def first_tensor(out: Any) -> torch.Tensor:
     raise CaptureError(f"the model returned {type(out).__name__} with no tensor in it; return the logits or loss")
 
 
-def export_program(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.ExportedProgram:
+def export_program(model: nn.Module, args: tuple) -> torch.export.ExportedProgram:
     # a failed export prints its partial graph to stderr and logs warnings about it: the error
     # below says what failed and where; what a successful export says is passed on
     shapes = logging.getLogger("torch.fx.experimental.symbolic_shapes")
@@ -71,7 +71,7 @@ def export_program(model: nn.Module, args: tuple, kwargs: dict) -> torch.export.
     said = io.StringIO()
     try:
         with contextlib.redirect_stderr(said), _unchanging_to():
-            exported = torch.export.export(_TensorOutput(model), args, kwargs, strict=False)
+            exported = torch.export.export(_TensorOutput(model), args, strict=False)
     except CaptureError:
         raise
     except Exception as exc:

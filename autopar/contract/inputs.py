@@ -55,4 +55,3 @@ def _bound(forward: Callable, inputs: dict, what: str) -> tuple:
         raise InputError(f"{what}: keyword inputs skip {', '.join(missing)}, which the model's forward needs "
                          "(it has no default)")
     return tuple(inputs[p.name] if p.name in inputs else p.default for p in params[:last + 1])
-

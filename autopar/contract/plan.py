@@ -84,6 +84,10 @@ class Estimate:
 
 @dataclass
 class Plan:
+    """What the planner decided and the runtime runs: the model's layers, each stage's layer range,
+    submesh, logical mesh and placements, the microbatches and schedule, the data axis's gradient
+    options and the prediction; JSON through `save` and `load`."""
+
     model: str
     graph_hash: str
     batch: int
@@ -117,10 +121,12 @@ class Plan:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n"
 
     def save(self, path: str | Path) -> None:
+        """Write the plan as JSON, atomically (the same plan gives the same bytes)."""
         write_json(path, self.to_dict())
 
     @staticmethod
     def load(path: str | Path) -> Plan:
+        """Read and validate a plan file (older schemas too); `PlanError` says what is wrong in it."""
         return _parse(load_file(path, "plan file", PlanError), str(path))
 
     @staticmethod

@@ -40,10 +40,10 @@ def capture(model: nn.Module, example_inputs: Any, *, replicate: bool = True) ->
     """
     args = as_args(model.forward, example_inputs, "example_inputs")
     if replicate:
-        graph = capture_replicated(model, lambda m: export_program(m, args, {}), build)
+        graph = capture_replicated(model, lambda m: export_program(m, args), build)
         if graph is not None:
             return graph
-    exported = export_program(model, args, {})
+    exported = export_program(model, args)
     sig = exported.graph_signature
     return build(exported.graph, model, sig.inputs_to_parameters, sig.inputs_to_buffers, set(sig.user_inputs))
 

@@ -18,6 +18,8 @@ import networkx as nx
 
 @dataclass(frozen=True)
 class TensorInfo:
+    """Shape, dtype and size of one tensor an op reads or writes."""
+
     shape: tuple[int, ...]
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "float16"
     nbytes: int

@@ -135,7 +135,7 @@ def manual_search(search: Search, zero3: bool = False, sequence_parallel: bool =
                   search.memory_limit, "1f1b" if search.schedule == "auto" else search.schedule, search.virtual)
 
 
-def blocks(search: Search, stages: int = 1) -> list[int]:
+def blocks(search: Search, stages: int) -> list[int]:
     """Indices of the layers that begin a Megatron block: the layers of the most common structure
     with FLOPs (GPT's blocks; GShard's dense-and-MoE pairs begin at the first kind). A model with
     several stacks of blocks (`ModuleList`s: an encoder and a decoder) splits each stack every p
@@ -224,9 +224,11 @@ def check(search: Search, layout: Layout) -> str | None:
         return f"data parallelism {layout.dp} does not divide the batch {batch}"
     if layout.num_microbatches and (batch % layout.num_microbatches or (batch // layout.num_microbatches) % layout.dp):
         return f"batch {batch} does not split into {layout.num_microbatches} microbatches of a multiple of {layout.dp}"
-    if layout.num_microbatches and batch // layout.num_microbatches // layout.dp < search.costs.fewest:
-        return (f"a rank's microbatch would hold {batch // layout.num_microbatches // layout.dp} sample(s); the model "
-                f"needs {search.costs.fewest} (a BatchNorm normalises a 1×1 map over them): use fewer microbatches")
+    fewest = layout.num_microbatches or 1  # without a count, the fewest microbatches hold the most samples
+    if not search.costs.splits_batch(fewest, layout.dp):
+        return (f"a rank's microbatch would hold {batch // fewest // layout.dp} sample(s); the model needs "
+                f"{search.costs.fewest} (a BatchNorm normalises a 1×1 map over them): use "
+                + ("fewer microbatches" if layout.num_microbatches else "a larger batch or less data parallelism"))
     # without a microbatch count, only counts the schedule runs are tried (one round: any runs)
     return schedules.problem(search.schedule, layout.pp, layout.num_microbatches or layout.pp, layout.virtual)
 

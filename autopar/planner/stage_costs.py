@@ -610,11 +610,10 @@ _BATCH_NORMS = ("aten.batch_norm", "aten._native_batch_norm_legit_functional", "
 def fewest_samples(graph: OpGraph, batch: int) -> int:
     """The fewest samples a rank's microbatch may hold: a BatchNorm that trains needs more than one
     value per channel (torch refuses one), and where it normalises a 1×1 map, one sample gives one."""
-    fewest = 1
     for node in graph:
         if node.op.startswith(_BATCH_NORMS) and node.inputs and len(node.inputs[0].shape) >= 2:
             shape = node.inputs[0].shape
             per_sample = math.prod(shape) // (shape[0] * shape[1])  # values per channel of one sample
-            if shape[0] == batch:
-                fewest = max(fewest, 2 if per_sample == 1 else 1)
-    return fewest
+            if shape[0] == batch and per_sample == 1:
+                return 2
+    return 1

@@ -1,9 +1,12 @@
 """Ops without a sharding rule, said once and only where they matter.
 
 An op the rules do not describe (`rules.UNKNOWN`) runs replicated: on whole tensors, on every rank
-of the tensor axis. Under data parallelism nothing is split anyway, so that is a note (the model's
-count and op names, at info level, once per capture); it is worth a warning only where it changes
-a plan: a tensor-parallel stage that gathers split values whole to run such an op.
+of the tensor axis. Under data parallelism the runtime runs it on each replica's samples as any
+other op, so that is a note (the model's count and op names, at info level, once per capture); it
+is worth a warning only where it changes a plan: a tensor-parallel stage that gathers split values
+whole to run such an op. (Its signature relates no dimension to the batch, so the cost model prices
+it as if the data axis gathered its batched inputs and ran it on the whole batch: dearer than what
+runs, never cheaper.)
 """
 
 from __future__ import annotations

@@ -21,9 +21,9 @@ from autopar.contract.export import export_program
 
 def export_as_planned(model: nn.Module, micro: tuple, whole: tuple) -> Any:
     """`model` exported on `micro`, its nodes named as in the export on `whole` (the plan's)."""
-    ep = export_program(model, micro, {})
+    ep = export_program(model, micro)
     if _batch(micro) == 1 != _batch(whole):
-        align_names(ep.graph, export_program(model, whole, {}).graph)
+        align_names(ep.graph, export_program(model, whole).graph)
     return ep
 
 

@@ -8,6 +8,11 @@ made: `set_timeouts`), and the step raises `PeerLost` instead of the backend's t
 Each rank records its progress (pid, step, phase, error) in a small file; `reaping` watches the
 ranks' processes, ends those left behind, and `blame` names the one that died or froze and its
 step (an outside observer, such as `benchmarks/chaos.py`, finds the ranks' processes there too).
+
+A rank that raises instead (planning, building, stepping) leaves its message in the job's store
+(`announce`), and the others, whose collectives then fail, raise `PeerFailed` naming that rank and
+its words (`peer_failure`, `collective_failures`, `guarded`); checks that may come out differently
+on different ranks run on all of them and are agreed before any collective (`agreed`).
 """
 
 from __future__ import annotations
@@ -55,16 +60,23 @@ class PeerFailed(PeerLost):
 _FAILED = "autopar/failed/{scope}/{rank}"  # the job's store: why a rank failed, for the others to say
 
 
+def told(exc: BaseException) -> tuple[str, bool]:
+    """What another rank says of this error, and whether it was the user's (an `AutoparError`,
+    repeated in its own words) or the program's (prefixed with its type)."""
+    user = isinstance(exc, AutoparError)
+    return (str(exc) if user else f"{type(exc).__name__}: {exc}"), user
+
+
 def announce(scope: str | None, where: str, exc: BaseException) -> None:
     """Leave this rank's error where the others find it (the job's store) before it ends the rank:
     they will see a collective fail, and say this instead. `scope` tells the models one job builds apart."""
     store = _store()
     if store is None or scope is None or not dist.is_initialized():
         return
-    message = str(exc) if isinstance(exc, AutoparError) else f"{type(exc).__name__}: {exc}"
+    message, user = told(exc)
     with contextlib.suppress(Exception):  # a store already gone: the others report the peer lost
         store.set(_FAILED.format(scope=scope, rank=dist.get_rank()), json.dumps(
-            {"where": where, "message": message[:4000], "user": isinstance(exc, AutoparError)}))
+            {"where": where, "message": message[:4000], "user": user}))
 
 
 def peer_failure(scope: str | None) -> PeerFailed | None:
@@ -100,9 +112,7 @@ def agreed(what: str, check: Callable[[], Any]) -> Any:
             raise failed
         return result
     said: list = [None] * dist.get_world_size()
-    message = None if failed is None else str(failed) if isinstance(failed, AutoparError) else \
-        f"{type(failed).__name__}: {failed}"
-    dist.all_gather_object(said, None if failed is None else (message, isinstance(failed, AutoparError)))
+    dist.all_gather_object(said, None if failed is None else told(failed))
     if failed is not None:
         raise failed
     first = next(((r, s) for r, s in enumerate(said) if s is not None), None)
@@ -168,18 +178,18 @@ def set_timeouts(timeout_s: float) -> None:
 _CALLS = {"step": "a training step"}
 
 
-def guarded(step: Callable) -> Callable:
+def guarded(method: Callable) -> Callable:
     """A model's method that every rank calls together (`step`, `predict`): its error is announced
     to the others, and a peer's death or error under it raised as `PeerLost` / `PeerFailed`. Each
     call has a scope of its own (the ranks call in lockstep): an error a script caught and went on
     from is not blamed for a later one."""
-    @functools.wraps(step)
+    @functools.wraps(method)
     def run(self: Any, *args: Any, **kwargs: Any) -> Any:
         scope = getattr(self, "failure_scope", None)
         self.calls = getattr(self, "calls", 0) + 1
-        with collective_failures(_CALLS.get(step.__name__, f"{step.__name__}()"),
+        with collective_failures(_CALLS.get(method.__name__, f"{method.__name__}()"),
                                  scope and f"{scope}/{self.calls}"):
-            return step(self, *args, **kwargs)
+            return method(self, *args, **kwargs)
 
     return run
 

@@ -91,9 +91,15 @@ def shard_data_axis(module: nn.Module, mesh: Any, precision: str | None, zero: i
 
 
 def average_grads(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
-    """Each gradient averaged over `group` (the data axis), in place (a rank without one adds zeros:
-    every rank joins every reduction)."""
-    for p in params:
+    """Each gradient averaged over `group` (the data axis), in place: a rank without one adds zeros,
+    and a parameter no rank has a gradient for keeps none, as on one process (the optimizer skips it)."""
+    if not params:
+        return
+    have = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
+    dist.all_reduce(have, group=group)
+    for p, any_rank in zip(params, have.tolist()):
+        if not any_rank:
+            continue
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         grad = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
@@ -197,7 +203,11 @@ def _split(batch: Any, parts: int, index: int) -> Any:
 
 
 class ParallelModel:
-    """The model under a plan: `step(inputs, target)` takes the global batch on every rank."""
+    """The model under a one-stage plan: `step(inputs, target)` takes the global batch on every rank.
+
+    Attributes a training loop uses: `optimizer` (the torch optimizer over this rank's
+    parameters: schedulers work on it), `plan`, `data_parallel_rank` and `data_parallel_size` (for a
+    `DistributedSampler`), `last_grad_norm` (with `max_grad_norm`)."""
 
     def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable, optimizer: Callable,
                  example_inputs: tuple = (), device: torch.device | None = None,

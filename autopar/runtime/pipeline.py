@@ -274,8 +274,8 @@ class PipelineModel:
         self.whole: list[nn.Parameter] = []  # kept whole under FSDP2: their gradients averaged by the step
         if sharded:
             for s, module in zip(self.local, modules):
-                self.whole += shard_data_axis(module, g.dp_mesh, plan.precision, plan.stages[s].zero,
-                                              plan.stages[s].offload)
+                self.whole += [p for p in shard_data_axis(module, g.dp_mesh, plan.precision, plan.stages[s].zero,
+                                                          plan.stages[s].offload) if all(p is not q for q in self.whole)]
         elif self.dp > 1:
             self.sync = data_sync(list(self.module.parameters()), self.dp_group, plan)
         if self.tp > 1 and not sharded and not plan.dp_gradient.get("compression"):

@@ -375,7 +375,9 @@ class ShardedGraph(nn.Module):
         inputs = tuple(x for x in inputs if isinstance(x, torch.Tensor))  # None and flags: constants of the export
         # the gradients of values received from the stage before go back to it: in one block, as
         # gloo and NCCL send (the gradient of a permuted or channels-last activation may not be)
-        inputs = tuple(_ContiguousGrad.apply(x) if x.requires_grad else x for x in inputs)
+        # (a value the stage writes in place is copied first: a received activation is a leaf that requires grad)
+        inputs = tuple(x if not x.requires_grad else _ContiguousGrad.apply(x).clone() if node in self.written
+                       else _ContiguousGrad.apply(x) for node, x in zip(self.inputs, inputs))
         inputs = tuple(slice_batch(x, *self.slice_inputs[i]) if i in self.slice_inputs else x
                        for i, x in enumerate(inputs))
         env: dict[fx.Node, Any] = {**self.fixed, **dict(zip(self.inputs, inputs))}  # outputs may be constants
