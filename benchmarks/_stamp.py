@@ -9,12 +9,13 @@ import subprocess
 
 
 def commit() -> str:
-    """The checkout's short commit, `+` when it has uncommitted changes."""
+    """The checkout's short commit, `+` when its code has uncommitted changes (results and docs aside)."""
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
+                                ":!benchmarks/results", ":!docs"],  # a run's own results do not make the code another
+                               capture_output=True, text=True, check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return "unknown"
     return head + ("+" if dirty else "")

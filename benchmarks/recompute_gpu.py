@@ -2,7 +2,8 @@
 `recompute`, losses and CUDA's peak allocated bytes of a step, beside the planner's prediction of
 the stage's activations.
 
-No test depends on a GPU; this script is what the README's GPU recomputation rows come from.
+No test depends on a GPU; this script is what the GPU recomputation figures of docs/memory.md come from
+(recorded on an H100; not re-run since).
 fp32 with TF32 off; `--steps` steps of SGD with momentum, the peak of the last step.
 """
 
