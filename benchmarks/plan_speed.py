@@ -31,14 +31,16 @@ def main() -> None:
         shapes = ", ".join(sorted({f"{s['submesh'][0]}x{s['submesh'][1]} ({s['logical_mesh'][0]}×{s['logical_mesh'][1]})"
                                    for s in plan["stages"]}))
         schedule = plan["schedule"] + (f" v{plan['virtual']}" if plan["virtual"] > 1 else "")
-        rows.append([f"`autopar {' '.join(args)}`", len(plan["layers"]), f"{len(plan['stages'])} × {shapes}, {schedule}",
+        rows.append([model, cluster, mesh, batch, "intra-op only (`--stages 1`)" if extra else "full",
+                     len(plan["layers"]), f"{len(plan['stages'])} × {shapes}, {schedule}",
                      plan["search"]["ilp_solves"], plan["search"]["cache_hits"], f"{plan['planning_time_s']:.1f}",
                      f"{wall:.1f}", f"{plan['estimate']['tflops_per_device']:.1f}"])
         if not extra:
             hosts, per_host = (int(x) for x in mesh.split("x"))
             points.append((model, hosts * per_host, plan["planning_time_s"], wall))
-    body = table(["command", "layers", "stages found", "ILP solves", "cache hits", "planning s", "wall s",
-                  "predicted TFLOP/s/GPU"], rows)
+    body = ("Each row: `autopar plan MODEL --cluster CLUSTER --mesh MESH --batch BATCH --json`.\n\n"
+            + table(["model", "cluster", "mesh", "batch", "search", "layers", "stages found", "ILP solves", "cache hits",
+                     "planning s", "wall s", "predicted TFLOP/s/GPU"], rows, right=(5, 7, 8, 9, 10, 11)))
     print(body)
     _draw(points, picture("plan_speed"))
     write("plan_speed", started, body + "\n![planning time of the full search against the devices planned for]"
