@@ -15,7 +15,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import tempfile
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -87,11 +89,12 @@ def main() -> None:
         return
     body = table(HEADER, [_row(r) for r in rows], right=(2, 3, 4, 5, 6, 7))
     print(body)
-    against(picture("memory_truth"), {"layouts": ([r["predicted"] / 1e6 for r in rows],
-                                                 [r["measured"]["total"] / 1e6 for r in rows])},
+    name = "memory_truth-" + re.sub(r"[^a-z0-9]+", "-", Path(args.model).stem.lower() if ":" not in args.model
+                                     else args.model.rsplit(":", 1)[1].lower())  # a fragment per model
+    against(picture(name), {"layouts": ([r["predicted"] / 1e6 for r in rows],
+                                        [r["measured"]["total"] / 1e6 for r in rows])},
             "peak MB", f"peak memory per layout: {args.model}, {args.nproc} ranks")
-    write("memory_truth", started, body + "\n![predicted against measured peak memory per layout]"
-                                          "(results/memory_truth.png)\n")
+    write(name, started, body + f"\n![predicted against measured peak memory per layout](results/{name}.png)\n")
 
 
 HEADER = ["layout", "precision", "stage", "predicted MB", "measured MB", "measured / predicted",

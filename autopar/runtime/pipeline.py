@@ -157,13 +157,17 @@ class SyncingStage(PipelineStage):
             return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
-        """The weights' part of a split backward keeps the graph until each group of weights has its
-        gradients: groups that share a part of it (DeBERTa's relative-position embeddings, read by
-        every layer) would find it freed by the group before (torch frees it after each group). It
-        goes when the microbatch's state does. (FSDP2 under a split backward is refused.)"""
+        """The weights' part of a split backward keeps the graph until the last group of weights has
+        its gradients: groups that share a part of it (DeBERTa's relative-position embeddings, read by
+        every layer) would find it freed by the group before (torch frees it after each group). The
+        last group frees it, as torch does, rather than leaving it to the microbatch's outputs (which
+        may live to the step's end). (FSDP2 under a split backward is refused.)"""
         if backward_type != "weight":
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
-        return stage_backward_weight(self.submod.parameters(), bwd_kwargs["param_groups"], retain_graph=True), None
+        groups = bwd_kwargs["param_groups"]
+        if len(groups) > 1:
+            stage_backward_weight(self.submod.parameters(), groups[:-1], retain_graph=True)
+        return stage_backward_weight(self.submod.parameters(), groups[-1:]), None
 
 
 class PipelineModel:
