@@ -61,11 +61,17 @@ def _chain_overhead(x: torch.Tensor, n: int = 200) -> float:
     return _timed(run, repeats=5) / (2 * n + 2)
 
 
+# square matmul sizes: the largest reach a device's rate (a GPU's only from thousands: a 1024³ bf16
+# matmul takes microseconds, about a kernel launch), the smallest fit how small ones fall short
+PEAK_SIZES = {"cpu": (256, 512, 1024), "cuda": (2048, 4096, 8192)}
+CURVE_SIZES = {"cpu": (32, 48, 64, 96, 128, 192, 256), "cuda": (128, 256, 512, 1024, 2048)}
+
+
 def _matmul_curve(device: torch.device, sync: Callable[[], Any], peak: float, overhead: float) -> float:
     """FLOPs at which an fp32 matmul reaches half of `peak`: small matmuls take `(f + f½) / peak`
-    plus the op's fixed cost (fitted over sizes 32 … 256: the median of `t · peak − f`)."""
+    plus the op's fixed cost (fitted over `CURVE_SIZES`: the median of `t · peak − f`)."""
     excess = []
-    for n in (32, 48, 64, 96, 128, 192, 256):
+    for n in CURVE_SIZES.get(device.type, CURVE_SIZES["cpu"]):
         a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
         t = _timed(lambda a=a, b=b: (a @ b, sync()), repeats=20)
         excess.append((t - overhead) * peak - 2 * n**3)
@@ -79,7 +85,7 @@ def measure_device(device: torch.device) -> dict[str, Any]:
     flops: dict[str, float] = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         best = 0.0
-        for n in (256, 512, 1024):
+        for n in PEAK_SIZES.get(device.type, PEAK_SIZES["cpu"]):
             a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
             t = _timed(lambda a=a, b=b: (a @ b, sync()), repeats=7)
             best = max(best, 2 * n**3 / t)
@@ -92,7 +98,7 @@ def measure_device(device: torch.device) -> dict[str, Any]:
         except RuntimeError:  # no kernel for this dtype on this device
             continue
         conv[str(dtype).removeprefix("torch.")] = 2 * 8 * 64 * 32 * 32 * 64 * 9 / t
-    big = torch.empty(16 * 2**20, device=device)  # 64 MiB
+    big = torch.empty((256 if device.type == "cuda" else 16) * 2**20, device=device)  # 1 GiB (GPUs), 64 MiB
     t = _timed(lambda: (big.clone(), sync()), repeats=7)
     bandwidth = 2 * big.numel() * 4 / t
     overhead = _chain_overhead(torch.zeros(16, device=device, requires_grad=True))
@@ -255,7 +261,7 @@ def _rank(rank: int, world: int, port: int, out: str, backend: str) -> None:
 
 
 def calibrate(nproc: int, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Measurements of `nproc` local ranks (at least 2 for the links)."""
+    """Measurements of `nproc` local ranks (links from 2; one rank on a GPU measures the device alone)."""
     backend = default_backend()
     with tempfile.TemporaryDirectory() as tmp, local_store() as port:
         out = os.path.join(tmp, "calibration.pt")
@@ -275,7 +281,11 @@ def cluster_spec(measured: dict[str, Any], nproc: int, name: str = "cpu-local") 
     """The ClusterSpec of what was measured: one host of `nproc` devices."""
     dev = measured["device"]
     cores = host_cores(nproc)
-    alpha, beta = fit_link(measured["links"], cores)
+    if measured["links"]:
+        alpha, beta = fit_link(measured["links"], cores)
+    else:  # one rank (one GPU): no collective to measure, and a plan of one device issues none; its
+        # link is the device's own memory (a copy at the measured bandwidth, a kernel's floor)
+        alpha, beta = dev["op_overhead_s"], 1 / dev["memory_bandwidth"]
     # in place, every rank busy: wall time is the cores' share (the simulator divides them again)
     shared = max(1.0, nproc / cores)
     dp, tp = measured["runtime"]["dp"], measured["runtime"]["tp"]

@@ -256,13 +256,16 @@ def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
 
 
 def cmd_calibrate(args: argparse.Namespace, out: Console) -> Any:
+    import torch
+
     from autopar.calibrate import calibrate, cluster_spec
 
     _check_out("--out", args.out, make=True)
     if args.from_bench:
         return _fit(args, out)
-    if args.nproc < 2:
-        raise AutoparError(f"--nproc {args.nproc}: links are measured between ranks; use at least 2")
+    if args.nproc < (1 if torch.cuda.is_available() else 2):
+        raise AutoparError(f"--nproc {args.nproc}: links are measured between ranks; use at least 2 "
+                           "(one rank is measured alone on a GPU only)")
     bar, step = _progress("calibrating")
     with bar:
         measured = calibrate(args.nproc, step)
