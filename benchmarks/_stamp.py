@@ -10,14 +10,16 @@ import subprocess
 
 def commit() -> str:
     """The checkout's short commit, `+` when its code has uncommitted changes (results and docs aside)."""
+    if os.environ.get("AUTOPAR_COMMIT"):  # a copy whose git is not the code's (a GPU machine's): the caller says
+        return os.environ["AUTOPAR_COMMIT"]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", ".",
                                 ":!benchmarks/results", ":!docs"],  # a run's own results do not make the code another
                                capture_output=True, text=True, check=True).stdout.strip()
-    except (OSError, subprocess.CalledProcessError):  # a copy without git (a GPU machine's): the caller says
-        return os.environ.get("AUTOPAR_COMMIT", "unknown")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
     return head + ("+" if dirty else "")
 
 

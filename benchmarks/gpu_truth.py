@@ -137,7 +137,7 @@ def plan_for(w, cluster, precision: str):
 
 def run_model(model: str, batch: int, precision: str, spec, preset, warmup: int, steps: int) -> dict:
     row: dict = {"model": model, "batch": batch, "precision": precision}
-    w = load_workload(model, batch=batch, device="meta")
+    w = load_workload(model, batch=batch, device="meta", dtype=torch.float32)  # fp32 weights, as trained
     batches = _batches(w, warmup + steps)
     calibrated, sheet = plan_for(w, spec, precision), plan_for(w, preset, precision)
     row |= {"predicted_s": calibrated.estimate.step_time_s, "predicted_preset_s": sheet.estimate.step_time_s,
