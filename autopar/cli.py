@@ -546,7 +546,7 @@ def _parser() -> argparse.ArgumentParser:
                    "and write DIR/LAYOUT.json: measured per rank beside the prediction per stage")
     _precision_flag(p)
     p = command("calibrate", cmd_calibrate, "measure this machine's ranks: matmul, memory, collectives (α, β)")
-    p.add_argument("--nproc", type=int, default=2, help="local ranks to measure (default 2)")
+    p.add_argument("--nproc", type=int, default=2, help="local ranks to measure (default 2; 1 on a GPU measures the device alone)")
     p.add_argument("--out", help="cluster JSON to write (default: the file cpu-local reads)")
     p.add_argument("--from", dest="from_bench", metavar="BENCH.json", help="instead of measuring, fit the cluster "
                    "file's parameters to the step times of `autopar bench ... --json` (half the layouts; the "

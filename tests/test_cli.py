@@ -7,6 +7,7 @@ import sys
 import textwrap
 
 import pytest
+import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from autopar import load_workload
@@ -385,6 +386,9 @@ def test_calibrate_writes_a_cluster_the_planner_reads(capsys, tmp_path):
     assert 1 <= spec.cores_per_host <= 2 and 0 <= spec.intra_host.overlap <= 1
     plan = run_json(capsys, "plan", "mlp-tiny", "--cluster", str(path), "--mesh", "1x2")
     assert plan["cluster"] == "cpu-local" and plan["estimate"]["step_time_s"] > 0
+    if not torch.cuda.is_available():  # one rank is measured alone on a GPU only
+        assert main(["calibrate", "--nproc", "1", "--out", str(path)]) == 2
+        assert "use at least 2 (one rank is measured alone on a GPU only)" in capsys.readouterr().err
 
 
 def test_bench_runs_every_layout_and_ranks_the_predictions(capsys, tmp_path):

@@ -117,3 +117,23 @@ def test_calibrated_link_fit_recovers_the_ring_formulas():
     factors = fit_factors(measured, 2, alpha, beta)
     assert factors == pytest.approx({"gather_factor": 2.0, "scatter_factor": 3.0}, rel=1e-6)
     assert collective_time("reduce_scatter", 1e6, 2, link) == pytest.approx(3 * collective_time("all_reduce", 1e6, 2, link) / 2)
+
+
+def test_one_rank_calibration_prices_copies_at_the_device_memory():
+    """One GPU measured alone (`calibrate --nproc 1`): no collective to fit; the spec's link is the
+    device's own memory, and the planner prices a one-device plan on it."""
+    from autopar.calibrate import cluster_spec
+    from autopar.models import load_workload
+    from autopar.planner.manual import Layout, manual_plan, manual_search
+    from autopar.planner.search import Search
+
+    device = {"matmul_flops": {"float32": 5e13, "bfloat16": 7.8e14}, "conv2d_flops": {}, "memory_bandwidth": 4e12,
+              "op_overhead_s": 12e-6, "matmul_half_flops": 6e8, "optimizer_tensor_s": 13e-6, "optimizer_bytes": 28.0}
+    runtime = {"per_op_s": 20e-6, "tp_collectives": 0}
+    spec = cluster_spec({"device": device, "links": {}, "overlap": {"overlap": 1.0},
+                         "runtime": {"dp": runtime, "tp": runtime}}, 1, name="gpu-local")
+    assert spec.devices_per_host == 1 and spec.intra_host.bandwidth == pytest.approx(4e12)
+    assert spec.intra_host.latency == pytest.approx(12e-6) and spec.device.op_overhead_s == pytest.approx(20e-6)
+    w = load_workload("gpt-tiny", device="meta")
+    plan = manual_plan(manual_search(Search.start(w, spec, (1, 1))), Layout(1, 1, 1, 1, False))
+    assert plan.estimate.step_time_s > 0
