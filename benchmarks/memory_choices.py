@@ -4,13 +4,14 @@ AdamW, 2 warm-up and 5 timed steps, the slowest rank's median, the largest rank'
 tensors), beside the plan's predicted step time and peak. A layout is `DP,TP,PP[,MB]` with `+z1`
 / `+z2` for ZeRO-1/2, `+recompute` / `+selective` for recomputation of whole layers / attention,
 or `zero3:` before it for every weight sharded over the data axis. Prints a Markdown table and
-writes it to docs/benchmarks/results/memory_choices.md.
+writes it to docs/benchmarks/results/NAME.md (`--name`, default memory_choices).
 
     autopar calibrate --nproc 2 --out cal.json
-    python benchmarks/memory_choices.py --cluster cal.json --nproc 2 --model gpt-small \\
+    python benchmarks/memory_choices.py --cluster cal.json --nproc 2 --model gpt-small --name memory_choices-zero \\
         2,1,1,4 2,1,1,4+z1 2,1,1,4+z2 zero3:2,1,1,4 2,1,1,1 2,1,1,1+z1
     python benchmarks/memory_choices.py --cluster cal.json --nproc 2 --model gpt-small-eager \\
-        2,1,1,4 2,1,1,4+selective 2,1,1,4+recompute
+        --name memory_choices-recompute 2,1,1,4 2,1,1,4+selective 2,1,1,4+recompute 2,1,1,1 \\
+        2,1,1,1+selective 2,1,1,1+recompute
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ def main() -> None:
     parser.add_argument("--model", default="gpt-small")
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--cluster", default="cpu-local")
+    parser.add_argument("--name", default="memory_choices", help="the page fragment to write (one per study)")
     args = parser.parse_args()
     started = stamp()
     cluster = dataclasses.replace(get_cluster(args.cluster), devices_per_host=args.nproc)
@@ -52,7 +54,7 @@ def main() -> None:
             for text, plan, (step, peak, _) in zip(args.layouts, plans, measure(args.model, args.nproc, None, plans))]
     body = table(HEADER, rows, right=(1, 2, 3, 4, 5))
     print(body)
-    write("memory_choices", started, body)
+    write(args.name, started, body)
 
 
 if __name__ == "__main__":
