@@ -617,12 +617,12 @@ def markdown(title: str, header: list[str], rows: list[list[str]]) -> str:
     return f"**{title}**\n\n{table(header, rows, right=tuple(i for i, h in enumerate(header) if i and h != 'target'))}"
 
 
-def write_part(part: str, result: dict[str, Any], started: dict) -> None:
-    """The fragment `compression_PART`: the part's table and how long it took."""
+def write_part(part: str, result: dict[str, Any], started: dict, name: str = "") -> None:
+    """The fragment `compression_PART[-NAME]`: the part's table and how long it took."""
     if _ran(result, part):
         body = markdown(*part_tables()[part](result[part]))
         took = f"Wall time of the part: {result['seconds'][part]:.0f} s."
-        write(f"compression_{part}", started, f"{body}\n{took}\n")
+        write(f"compression_{part}" + (f"-{name}" if name else ""), started, f"{body}\n{took}\n")
 
 
 def print_rich(result: dict[str, Any]) -> None:
@@ -674,6 +674,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--latency-epochs", type=int, default=10)
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--markdown", action="store_true")
+    ap.add_argument("--name", default="", help="a suffix for the page fragments (compression_PART-NAME.md): "
+                    "a narrowed run beside the default one")
     ap.add_argument("--link-rank", type=int, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--link-config", default=None, help=argparse.SUPPRESS)
     import compression_sweep  # imports this file's data and loop as `compression`: not at the top
@@ -701,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
         result[part] = runners[part](args)
         result["seconds"][part] = time.perf_counter() - start
         if not args.json:
-            write_part(part, result, started)
+            write_part(part, result, started, args.name)
     if args.json:
         print(json.dumps(result))
     elif args.markdown:
