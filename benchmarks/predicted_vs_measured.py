@@ -95,12 +95,35 @@ def family_table(model: str, nproc: int, s: dict) -> str:
             f"**{s['median_abs_error']:.0%}**; error per term (mean share of the step): {terms}")
 
 
+def fitted_and_tuned(s: dict, k: int) -> str:
+    """`calibrate --from` on each repetition's bench (half the layouts fitted, the other half held
+    out) and `plan --tune K` (the K best predicted layouts run, the fastest kept), against the
+    bench's fastest measured layout."""
+    fits = s["fits"]
+    before = [f["error_before"]["held_out"] for f in fits]
+    after = [f["error_after"]["held_out"] for f in fits]
+    text = (f"\n\nFit from runs (`autopar calibrate --from` each repetition's bench): median |error| of the held-out "
+            f"layouts {'/'.join(f'{b:.0%}' for b in before)} before, **{'/'.join(f'{a:.0%}' for a in after)}** "
+            "after.")
+    if k and "tune" in s:
+        plan = s["tune"]
+        tuned = plan["search"]["tuned"]
+        kept = min((t for t in tuned if t["measured_step_time_s"]), key=lambda t: t["measured_step_time_s"])
+        fastest = min(r["measured_step_time_s"] for r in s["layouts"])
+        text += (f" Tune by measuring (`autopar plan --tune {k}`): measured "
+                 + ", ".join(f"{t['name']} {t['measured_step_time_s'] * 1e3:.0f} ms" if t["measured_step_time_s"]
+                             else f"{t['name']} did not run" for t in tuned)
+                 + f"; kept {kept['name']}, **{kept['measured_step_time_s'] / fastest:.2f}×** the bench's fastest.")
+    return text
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="gpt-small,moe-small,wresnet-small")
     ap.add_argument("--nproc", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--cluster", help="a calibrated cluster file (default: calibrate now)")
+    ap.add_argument("--tune", type=int, default=4, help="also `autopar plan MODEL --tune K` (0: not)")
     ap.add_argument("--out", default=None, help="directory for the bench JSON files (default: a temporary one)")
     args = ap.parse_args()
     started, load = stamp(), os.getloadavg()[0]
@@ -125,8 +148,13 @@ def main() -> None:
             print(f"{model} run {k + 1}/{args.repeats}: Spearman {result['spearman']:.2f} ({wall:.0f} s)",
                   file=sys.stderr)
         s = families[model] = summarise(runs)
+        s["fits"] = [run_cli("calibrate", "--from", os.path.join(out, f"{model}-{k}.json"), "--cluster", cluster,
+                             "--out", os.path.join(out, f"{model}-{k}-fitted.json"))[0] for k in range(args.repeats)]
+        if args.tune:
+            s["tune"] = run_cli("plan", model, "--mesh", f"1x{args.nproc}", "--cluster", cluster,
+                                "--tune", str(args.tune))[0]
         summary[model] = {k: v for k, v in s.items() if k != "layouts"}
-        sections.append(family_table(model, args.nproc, s))
+        sections.append(family_table(model, args.nproc, s) + fitted_and_tuned(s, args.tune))
         print(sections[-1] + "\n")
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
