@@ -16,6 +16,9 @@ import subprocess
 import sys
 import time
 
+from _page import table, write
+from _stamp import stamp
+
 SIGNS = ("terminate called", "malloc(", "free(", "double free", "corrupted", "Segmentation fault", "SIGSEGV",
          "SIGABRT", "core dumped")
 
@@ -36,9 +39,11 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=300)
     parser.add_argument("--parallel", type=int, default=1, help="jobs at once (a machine with cores to spare)")
+    parser.add_argument("--name", help="also write the page fragment repeat_jobs-NAME (docs/benchmarks/results)")
     parser.add_argument("script", nargs=argparse.REMAINDER, help="-- SCRIPT ARGS...")
     args = parser.parse_args()
     script = args.script[1:] if args.script[:1] == ["--"] else args.script
+    started = stamp()
     outcomes: collections.Counter = collections.Counter()
     examples: dict[str, str] = {}
     start = time.perf_counter()
@@ -53,8 +58,13 @@ def main() -> None:
         if kind != "ok":
             examples.setdefault(kind, text[-12000:])
         print(f"run {i + 1}/{args.runs}: {kind}", file=sys.stderr, flush=True)
-    print(json.dumps({"runs": args.runs, "outcomes": dict(outcomes), "wall_s": round(time.perf_counter() - start, 1),
+    wall = time.perf_counter() - start
+    print(json.dumps({"runs": args.runs, "outcomes": dict(outcomes), "wall_s": round(wall, 1),
                       "examples": examples}, indent=1))
+    if args.name:
+        body = table(["outcome", "runs"], [[k, n] for k, n in outcomes.most_common()], right=(1,))
+        write(f"repeat_jobs-{args.name}", started, f"`{' '.join(script)}` on {args.nproc} ranks, {args.runs} runs, "
+              f"{args.parallel} at a time ({wall:.0f} s):\n\n{body}")
 
 
 if __name__ == "__main__":
