@@ -60,6 +60,7 @@ def parallelize(
     memory_limit: float | None = None,
     tune: int = 0,
     example_target: torch.Tensor | None = None,
+    compile: bool = False,
 ):
     """The model under a plan, ready to `step(inputs, target)` on the global batch.
 
@@ -94,6 +95,10 @@ def parallelize(
       few steps on this job's ranks, on `example_inputs` and `example_target` (a real batch), and
       the measured fastest is kept; `plan.search["tuned"]` holds every candidate's predicted and
       measured step time. The model's weights are left as they were.
+    - `compile`: inductor compiles each stage's lowered forward and backward graphs (at the first
+      step of each input shape: seconds to minutes); without it they run as traced, on the same
+      kernels as eager torch. Either way a stage runs as the program lowered from the plan
+      (`runtime.lower`): local tensors and the collectives the plan priced.
 
     Returns a `ParallelModel` (one stage) or a `PipelineModel` (several), with the same methods.
 
@@ -165,7 +170,7 @@ def parallelize(
                 warn_replicated(graph, resolved)
         resolved = agreed("checking the plan", lambda: _checked(resolved, model, graph, world, precision,
                                                                 mixed_precision, memory_limit, compression, delay))
-        pm = _build(resolved, model, args, loss_fn, optimizer, max_grad_norm, device)
+        pm = _build(resolved, model, args, loss_fn, optimizer, max_grad_norm, device, compile)
         pm.failure_scope = scope
         if timeout is not None:
             set_timeouts(timeout)  # every group, the model's too; not before: rank 0 may plan for minutes
@@ -217,14 +222,16 @@ def _checked(resolved: Plan, model: nn.Module, graph: Any, world: int, precision
 
 
 def _build(resolved: Plan, model: nn.Module, args: tuple, loss_fn: Callable, optimizer: Callable,
-           max_grad_norm: float | None, device: torch.device) -> Any:
+           max_grad_norm: float | None, device: torch.device, compile: bool = False) -> Any:
     """The model built under the plan on this rank (every rank together)."""
     _start_equal(model.to(device))
     try:
         if len(resolved.stages) > 1:
-            pm = PipelineModel(model, resolved, loss_fn, optimizer, args, device=device, max_grad_norm=max_grad_norm)
+            pm = PipelineModel(model, resolved, loss_fn, optimizer, args, device=device, max_grad_norm=max_grad_norm,
+                               compile=compile)
         else:
-            pm = ParallelModel(model, resolved, loss_fn, optimizer, args, device=device, max_grad_norm=max_grad_norm)
+            pm = ParallelModel(model, resolved, loss_fn, optimizer, args, device=device, max_grad_norm=max_grad_norm,
+                               compile=compile)
     except UnsupportedPlan as exc:
         raise AutoparError(str(exc)) from None
     return pm

@@ -92,7 +92,7 @@ def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, pre
 
 
 def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans: list[str], warmup: int,
-          steps: int, out: str, breakdown: bool) -> None:
+          steps: int, out: str, breakdown: bool, compile: bool = False) -> None:
 
     torch.set_num_threads(1)
     join_local("gloo", port, rank, world)
@@ -102,7 +102,8 @@ def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans
         w = load_workload(model, batch=batch, device="cpu", dtype=torch.float32)
         plan = Plan.from_json(text)
         pm = parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=plan,
-                         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), mixed_precision=plan.precision or "fp32")
+                         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), mixed_precision=plan.precision or "fp32",
+                         compile=compile)
         gen = torch.Generator().manual_seed(1)
         median = time_steps(pm, lambda: w.make_batch(w.batch, gen), warmup, steps)
         parts = None
@@ -118,7 +119,10 @@ def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans
         _, tensors = measured_step(pm, *w.make_batch(w.batch, gen))
         peak = torch.tensor([tensors["total"]], dtype=torch.float64)
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
-        times.append((median, float(peak), parts))
+        ran: list = [None] * world  # how each stage ran: lowered (its collectives) or interpreted (why)
+        dist.all_gather_object(ran, pm.programs())
+        times.append((median, float(peak), parts,
+                      sorted({p["stage"]: p for r in ran for p in r}.values(), key=lambda p: p["stage"])))
     if rank == 0:
         torch.save(times, out)
     dist.barrier()
@@ -126,14 +130,14 @@ def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans
 
 
 def measure(model: str, nproc: int, batch: int | None, plans: list[Any], warmup: int = 2, steps: int = 5,
-            breakdown: bool = False) -> list[tuple[float, float, list | None]]:
+            breakdown: bool = False, compile: bool = False) -> list[tuple[float, float, list | None, list]]:
     """Each plan run on `nproc` local ranks started once: (median step time, the largest rank's
-    peak tensor bytes, the per-rank breakdown or None)."""
+    peak tensor bytes, the per-rank breakdown or None, how each stage ran: `runtime.lower.programs`)."""
     same_hash_order()
     with tempfile.TemporaryDirectory() as tmp, local_store() as port:
         out = os.path.join(tmp, "times.pt")
-        mp.spawn(_rank, args=(nproc, port, model, batch, [p.to_json() for p in plans], warmup, steps, out, breakdown),
-                 nprocs=nproc, join=True)
+        mp.spawn(_rank, args=(nproc, port, model, batch, [p.to_json() for p in plans], warmup, steps, out, breakdown,
+                              compile), nprocs=nproc, join=True)
         return torch.load(out, weights_only=False)
 
 
@@ -181,7 +185,7 @@ def predicted_breakdown(plan: Plan) -> list[dict[str, float]]:
 
 def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup: int = 2, steps: int = 5,
           progress: Callable[[str], None] | None = None, precision: str | None = None,
-          breakdown: bool = False) -> dict[str, Any]:
+          breakdown: bool = False, compile: bool = False) -> dict[str, Any]:
 
     precision = parse_precision(precision)
     if progress:
@@ -189,21 +193,23 @@ def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup
     plans = candidate_plans(model, nproc, cluster, batch, precision)
     if progress:
         progress(f"running {len(plans)} layouts on {nproc} ranks")
-    measured = measure(model, nproc, batch, plans, warmup, steps, breakdown)
+    measured = measure(model, nproc, batch, plans, warmup, steps, breakdown, compile)
     rows = [{"name": p.name, "num_microbatches": p.num_microbatches, "precision": p.precision or "fp32",
              "recompute": any(s.recompute for s in p.stages),
              "recompute_layers": [s.recompute_layers for s in p.stages if s.recompute],  # null: all of a stage's
              "recompute_granularity": next((s.recompute_granularity for s in p.stages if s.recompute), None),
              "zero": p.dp_gradient.get("zero_stage", 0), "offload": any(s.offload for s in p.stages),
              "predicted_step_time_s": p.estimate.step_time_s, "measured_step_time_s": t,
-             "predicted_peak_bytes": p.estimate.peak_memory_bytes, "measured_peak_bytes": peak}
-            for p, (t, peak, _) in zip(plans, measured)]
+             "predicted_peak_bytes": p.estimate.peak_memory_bytes, "measured_peak_bytes": peak,
+             "programs": ran}
+            for p, (t, peak, _, ran) in zip(plans, measured)]
     if breakdown:  # per rank measured; per device group predicted (rank r is in group `stage_of[r]`)
-        for row, p, (_, _, parts) in zip(rows, plans, measured):
+        for row, p, (_, _, parts, _) in zip(rows, plans, measured):
             row["breakdown"] = {"measured": parts, "predicted": predicted_breakdown(p),
                                 "stage_of": [k for k, n in enumerate(p.group_devices) for _ in range(n)]}
     fastest = min(r["measured_step_time_s"] for r in rows)
-    return {"model": model, "nproc": nproc, "batch": batch, "precision": precision, "cluster": cluster.name, "layouts": rows,
+    return {"model": model, "nproc": nproc, "batch": batch, "precision": precision, "compile": compile,
+            "cluster": cluster.name, "layouts": rows,
             "spearman": spearman([r["predicted_step_time_s"] for r in rows], [r["measured_step_time_s"] for r in rows]),
             "auto_name": rows[0]["name"], "auto_vs_fastest": rows[0]["measured_step_time_s"] / fastest}
 

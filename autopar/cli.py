@@ -349,7 +349,7 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> Any:
     bar, step = _progress(f"benchmarking {args.model}")
     with bar:
         result = bench(args.model, args.nproc, cluster, args.batch, args.warmup, args.steps, step,
-                       args.mixed_precision, breakdown=args.breakdown is not None)
+                       args.mixed_precision, breakdown=args.breakdown is not None, compile=args.compile)
     if args.breakdown:
         os.makedirs(args.breakdown, exist_ok=True)
         for r in result["layouts"]:
@@ -360,14 +360,15 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> Any:
     table = Table(title=f"{args.model} on {args.nproc} local ranks: predicted ({printable(cluster.name)}) and measured "
                         "(peak: tensors of the rank holding most)")
     for col in ("layout", "microbatches", "predicted", "measured", "measured / fastest", "predicted peak",
-                "measured peak", "measured / predicted"):
+                "measured peak", "measured / predicted", "stages lowered"):
         table.add_column(col, justify="left" if col == "layout" else "right")
     fastest = min(r["measured_step_time_s"] for r in result["layouts"])
     for r in sorted(result["layouts"], key=lambda r: r["measured_step_time_s"]):
         table.add_row(r["name"], str(r["num_microbatches"]), human_time(r["predicted_step_time_s"]),
                       human_time(r["measured_step_time_s"]), f"{r['measured_step_time_s'] / fastest:.2f}",
                       human_bytes(r["predicted_peak_bytes"]), human_bytes(r["measured_peak_bytes"]),
-                      f"{r['measured_peak_bytes'] / r['predicted_peak_bytes']:.2f}")
+                      f"{r['measured_peak_bytes'] / r['predicted_peak_bytes']:.2f}",
+                      f"{sum(p['runs'] != 'interpreted' for p in r['programs'])}/{len(r['programs'])}")
     out.print(table)
     out.print(f"Spearman rank correlation {result['spearman']:.2f} over {len(result['layouts'])} layouts; "
               f"the searched plan measures {result['auto_vs_fastest']:.2f}× the fastest")
@@ -381,7 +382,7 @@ def cmd_train(args: argparse.Namespace, out: Console) -> Any:
     job = TrainJob(args.model, args.nproc, args.steps, args.plan, args.batch, args.cluster, args.compression,
                    args.delay, args.checkpoint_dir, args.checkpoint_every, args.resume, args.timeout,
                    args.mixed_precision, args.memory_limit * 2**30 if args.memory_limit is not None else None,
-                   args.resume_from)
+                   args.resume_from, args.compile)
     with Console(stderr=True).status(f"training {escape(printable(args.model))} on {args.nproc} rank(s)"):
         result = launch(job, quiet=not args.debug)
     if args.json:
@@ -396,6 +397,10 @@ def cmd_train(args: argparse.Namespace, out: Console) -> Any:
     out.print(table)
     if result["step_time_s"] is not None:
         out.print(f"{human_time(result['step_time_s'])} per step (median), {result['samples_per_s']:.1f} samples/s")
+    for p in result["programs"]:
+        said = {"lowered": "lowered: {n} collectives per microbatch (forward and backward)",
+                "interpreted": "interpreted, DTensor per op: {why}", "eager": "the model's own module (no tensor axis)"}
+        out.print(f"stage {p['stage']}: " + said[p["runs"]].format(n=len(p.get("collectives") or []), why=p["why"]))
     if result["peak_tensor_bytes"][0] is not None:
         memory = Table(title="peak live tensor bytes of the last step, per rank (RSS: the whole process)")
         for column in ("rank", *CATEGORIES, "total", "RSS"):
@@ -545,6 +550,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--breakdown", metavar="DIR", help="time one more step per layout op by op and phase by phase "
                    "and write DIR/LAYOUT.json: measured per rank beside the prediction per stage")
     _precision_flag(p)
+    p.add_argument("--compile", action="store_true", help="inductor compiles each stage's lowered graphs (paid "
+                   "once per shape, at the first step)")
     p = command("calibrate", cmd_calibrate, "measure this machine's ranks: matmul, memory, collectives (α, β)")
     p.add_argument("--nproc", type=int, default=2, help="local ranks to measure (default 2; 1 on a GPU measures the device alone)")
     p.add_argument("--out", help="cluster JSON to write (default: the file cpu-local reads)")
@@ -577,6 +584,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--memory-limit", type=float, metavar="GIB",
                    help="GiB of tensors per rank: the search plans within it and the run is held to it (the first "
                         "step is measured; on CUDA the allocator is capped too)")
+    p.add_argument("--compile", action="store_true", help="inductor compiles each stage's lowered graphs (paid "
+                   "once per shape, at the first step)")
     return parser
 
 

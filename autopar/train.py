@@ -48,6 +48,7 @@ class TrainJob:
     mixed_precision: str | None = None  # "bf16" / "fp16" / "fp32"; None: the plan's
     memory_limit: float | None = None  # bytes of tensors per rank, planned for and held to
     resume_from: str | None = None  # a step-N folder (in checkpoint_dir, or a path): this one, not the latest
+    compile: bool = False  # inductor compiles the lowered stages
 
     def resume_path(self) -> Path | None:
         """The checkpoint `resume_from` names: a path, or a name inside `checkpoint_dir`."""
@@ -110,7 +111,7 @@ def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
         pm = parallelize(w.model, None, w.example_inputs, loss_fn=w.loss_fn, plan=job.plan,
                          cluster=job.cluster, optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
                          compression=job.compression, delay=job.delay, timeout=job.timeout_s,
-                         mixed_precision=job.mixed_precision, memory_limit=job.memory_limit)
+                         mixed_precision=job.mixed_precision, memory_limit=job.memory_limit, compile=job.compile)
         rank = dist.get_rank()
         gen = torch.Generator().manual_seed(1)  # the same global batches on every rank
         start, losses, resumed_from, exact = 0, [], None, True
@@ -163,7 +164,7 @@ def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
                 "step_times_s": times,
                 "batch": w.batch, "plan": pm.plan.name, "compression": pm.plan.dp_gradient.get("compression"),
                 "peak_tensor_bytes": tensor_bytes, "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
-                "peak_cuda_allocated_bytes": cuda, "comm": pm.comm_stats()}
+                "peak_cuda_allocated_bytes": cuda, "comm": pm.comm_stats(), "programs": pm.programs()}
     except AutoparError as exc:
         # a peer's death is not the user's input; either way this rank fails, so the launcher stops
         # the others at once (a rank that returned would leave them waiting for it in a collective)
@@ -232,4 +233,6 @@ def launch(job: TrainJob, quiet: bool = True) -> dict[str, Any]:
             "losses": first["losses"], "step_time_s": step_time, "samples_per_s": first["batch"] / step_time if step_time else None,
             "peak_tensor_bytes": [r["peak_tensor_bytes"] for r in ranks],
             "peak_rss_bytes": [r["peak_rss_bytes"] for r in ranks],
-            "peak_cuda_allocated_bytes": [r["peak_cuda_allocated_bytes"] for r in ranks], "comm": first["comm"]}
+            "peak_cuda_allocated_bytes": [r["peak_cuda_allocated_bytes"] for r in ranks], "comm": first["comm"],
+            # how each stage ran (`runtime.lower.programs`): lowered with its collectives, or why not
+            "programs": sorted({p["stage"]: p for r in ranks for p in r["programs"]}.values(), key=lambda p: p["stage"])}

@@ -138,9 +138,12 @@ def run_family(name: str, world: int, layouts: list[str], timeout: float) -> lis
                     status, message, worst = "crashed", f"ranks disagree: {sorted(map(str, refusals))[:2]}", None
                 else:
                     status, message, worst = _judge(name, values[0], references)
+            ran = {p["stage"]: p for g in got if g and g[0] and isinstance(g[1], dict) for p in g[1].get("programs", [])}
             result = {"family": name, "world": world, "layout": layout, "status": status, "message": message[:700],
                       "max_rel_loss_diff": worst, "coupled": FAMILIES[name].coupled or None,
                       "plan": got[0][1].get("plan") if got[0] and got[0][0] else None,
+                      # how each stage ran: lowered, or interpreted and why (the fallbacks, target: none)
+                      "interpreted": {str(s): p["why"] for s, p in sorted(ran.items()) if p["runs"] == "interpreted"},
                       "seconds": round(seconds / len(pending), 1), **stamp()}
             record(result)
             out.append(result)
@@ -193,6 +196,10 @@ def write_table() -> str:
                 row.append("·")
                 continue
             text = mark[r["status"]] if r["status"] != "equal" or not r.get("coupled") else "≈"
+            if r.get("interpreted"):  # stages the lowering left to the interpreter, with why
+                note = _note("interpreted: " + "; ".join(sorted(set(r["interpreted"].values()))))
+                notes.setdefault(note, len(notes) + 1)
+                text += f" ◦[{notes[note]}]"
             if r["message"]:
                 note = _note(r["message"])
                 notes.setdefault(note, len(notes) + 1)
@@ -222,7 +229,9 @@ def write_table() -> str:
         "`=` equal to one process; `≈` equal to one process run on the same slices of each batch the job's "
         "losses saw (the family's forward couples samples: BatchNorm, an in-batch loss, expert capacity); "
         "`refused`: `parallelize` refused the layout on every rank, with the message below; `n/a`: a coupled "
-        "family under a plan whose stages cut the batch differently, which no one process computes; `·`: not run.",
+        "family under a plan whose stages cut the batch differently, which no one process computes; `·`: not run; "
+        "`◦`: some stage ran interpreted (DTensor per op), not lowered, for the reason in the note (cells recorded "
+        "before the lowering say nothing of it).",
         "",
         "| family | model class | " + " | ".join(f"{TITLES[k]} ({w})" for w, k in columns) + " |",
         "|---|---|" + "---|" * len(columns),

@@ -7,12 +7,16 @@ that touches a split value). For each model and layout:
 
 - *generated code*: the model exported at rank 0's microbatch shape (`ep.module()`), plain tensors,
   unsharded: what torch itself runs per op;
-- *today's runtime*: the plan's stage as the runtime builds it (`ShardedGraph` over rank 0's part
-  of the graph, its parameters DTensors on the tensor axis).
+- *interpreted*: the plan's stage run op by op (`ShardedGraph.interpret` over rank 0's part of the
+  graph, its parameters DTensors on the tensor axis): the runtime before issue 38, and today's
+  fallback for a stage the lowering cannot trace;
+- *lowered*: the same stage as the runtime runs it now (`runtime/lower.py`: its forward and
+  backward graphs over local tensors with functional collectives, traced once before timing).
 
 Each is timed forward, and forward + backward (the loss on the stage's output, or a sum on a
-pipeline stage's), in interleaved rounds, the minimum per program; per op = time / the ops of
-the graph each runs. Writes docs/benchmarks/results/host_overhead.md.
+pipeline stage's; gradients set to None before each, as a step's `zero_grad` leaves them), in
+interleaved rounds, the minimum per program; per op = time / the ops of the model's graph that the
+stage holds. Writes docs/benchmarks/results/host_overhead.md.
 
     python benchmarks/host_overhead.py [--models gpt-tiny,benchmarks/rotary_decoder.py:llama_tiny]
         [--layouts 1,2,1 1,2,2 2,2,1] [--rounds 7]
@@ -26,6 +30,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -39,6 +44,7 @@ from autopar.models import load_workload
 from autopar.planner.manual import Layout, manual_plan, manual_search
 from autopar.planner.search import Search
 from autopar.runtime.export import export_as_planned
+from autopar.runtime.lower import Program
 from autopar.runtime.sharded_graph import ShardedGraph, cut
 
 
@@ -51,7 +57,7 @@ def _ops(graph: torch.fx.Graph, names: set[str] | None = None) -> int:
 
 
 def programs(spec: str, layout: str, world: int) -> dict[str, tuple[Callable[[bool], None], int]]:
-    """name -> (run(backward), ops it runs), for rank 0 of `world` under `layout`."""
+    """name -> (run(backward), ops of the model's graph it runs), for rank 0 of `world` under `layout`."""
     from torch.distributed.device_mesh import init_device_mesh
 
     torch.manual_seed(0)
@@ -77,18 +83,27 @@ def programs(spec: str, layout: str, world: int) -> dict[str, tuple[Callable[[bo
             return w.loss_fn(out, target)
         return sum(o.float().sum() for o in (out if isinstance(out, tuple) else (out,)))
 
+    program = Program({"tp": mesh.get_group()})
+
     def run_plain(backward: bool) -> None:
+        plain.zero_grad(set_to_none=True)
         out = plain(*inputs)
         if backward:
             w.loss_fn(out, target).backward()
 
-    def run_stage(backward: bool) -> None:
+    def run_stage(lowered: bool, backward: bool) -> None:
+        stage.zero_grad(set_to_none=True)
+        stage.program = program if lowered else None
         out = stage(*inputs)
         if backward:
             loss(out).backward()
 
+    run_stage(True, True)  # traced: forward and backward
+    if program.fallback is not None:
+        raise SystemExit(f"{spec} under {layout} did not lower: {program.fallback}")
+    ops = _ops(ep.graph, stage.part.nodes)
     return {"generated code (unsharded)": (run_plain, _ops(ep.graph)),
-            "today's runtime": (run_stage, _ops(ep.graph, stage.part.nodes))}
+            "interpreted": (partial(run_stage, False), ops), "lowered": (partial(run_stage, True), ops)}
 
 
 def measure(progs: dict, rounds: int) -> dict[str, dict[str, float]]:

@@ -51,7 +51,7 @@ def main() -> None:
     print(f"load average at the start: {os.getloadavg()[0]:.2f}")
     rows = [[text, plan.num_microbatches, f"{plan.estimate.step_time_s * 1e3:.0f}", f"{step * 1e3:.0f}",
              f"{plan.estimate.peak_memory_bytes / 2**20:.1f}", f"{peak / 2**20:.1f}"]
-            for text, plan, (step, peak, _) in zip(args.layouts, plans, measure(args.model, args.nproc, None, plans))]
+            for text, plan, (step, peak, *_) in zip(args.layouts, plans, measure(args.model, args.nproc, None, plans))]
     body = table(HEADER, rows, right=(1, 2, 3, 4, 5))
     print(body)
     write(args.name, started, body)

@@ -1,16 +1,21 @@
 """Runtime overhead: autopar's data- and tensor-parallel runtime against what people write by hand.
 
-Same model (zoo `gpt-small` by default), same ranks (gloo, one thread each), same global batch:
+Same model (zoo `gpt-tiny`, host-bound, and `gpt-small` by default), same ranks (gloo, one thread
+each), same global batch:
 - pure DP: `parallelize(plan="N,1,1")` against `torch.nn.parallel.DistributedDataParallel`;
-- pure TP: `parallelize(plan="1,N,1")` against `parallelize_module` with torchtitan's layout
-  (column-parallel Q/K/V and fc1, row-parallel proj and fc2, vocabulary-parallel embedding and
-  output layer, local head count in attention).
-Each runs `--warmup` steps, then `--steps` timed ones; the table gives medians and the ratio
-autopar / hand-written (target ≤ 1.10). Run it alone: other work on the cores skews the times.
-Prints the table and writes it to docs/benchmarks/results/runtime_overhead.md (not with `--json`,
-whose output is for programs).
+- pure TP: `parallelize(plan="1,N,1")` — the lowered program (the runtime's default), the same
+  stage interpreted op by op through DTensor (the runtime before the lowering, and its fallback),
+  and with `--compile` the lowered program compiled by inductor — against `parallelize_module` with
+  torchtitan's layout (column-parallel Q/K/V and fc1, row-parallel proj and fc2,
+  vocabulary-parallel embedding and output layer, local head count in attention).
+Each runs `--warmup` steps (the first lowers, or compiles), then `--steps` timed ones, in `--runs`
+separate starts of the ranks; a row gives the median of the runs' medians and their spread (the
+noise floor), and the ratio against the hand-written baseline. Run it alone: other work on the
+cores skews the times. Prints the table and writes it to docs/benchmarks/results/runtime_overhead.md
+(not with `--json`, whose output is for programs).
 
-    python benchmarks/runtime_overhead.py [--model gpt-small] [--nproc 2] [--steps 20] [--json]
+    python benchmarks/runtime_overhead.py [--models gpt-tiny,gpt-small] [--nproc 2] [--steps 20]
+        [--runs 3] [--compile] [--json]
 """
 
 from __future__ import annotations
@@ -86,7 +91,9 @@ def _rank(rank, world, port, out, args):
         if kind.startswith("autopar"):
             plan = f"{world},1,1" if kind == "autopar-dp" else f"1,{world},1"
             pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
-                                     plan=plan)
+                                     plan=plan, compile=kind == "autopar-tp-compiled")
+            if kind == "autopar-tp-interpreted":
+                pm.graph.program = None  # op by op through DTensor
             step = pm.step
         else:
             if kind == "ddp":
@@ -119,30 +126,55 @@ def _rank(rank, world, port, out, args):
     dist.destroy_process_group()
 
 
+KINDS = {"data parallel": ("ddp", "DistributedDataParallel", ["autopar-dp"]),
+         "tensor parallel": ("hand-tp", "parallelize_module",
+                             ["autopar-tp-interpreted", "autopar-tp", "autopar-tp-compiled"])}
+NAMES = {"autopar-dp": "autopar", "autopar-tp-interpreted": "autopar, interpreted (DTensor per op)",
+         "autopar-tp": "autopar, lowered", "autopar-tp-compiled": "autopar, lowered + compiled"}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="gpt-small")
+    ap.add_argument("--models", default="gpt-tiny,gpt-small")
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--compile", action="store_true", help="also the lowered program compiled by inductor")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    args.kinds = ["ddp", "autopar-dp", "hand-tp", "autopar-tp"]
+    args.kinds = ["ddp", "autopar-dp", "hand-tp", "autopar-tp-interpreted", "autopar-tp"] + (
+        ["autopar-tp-compiled"] if args.compile else [])
     started = stamp()
-    out = os.path.join(tempfile.mkdtemp(), "times.pt")
-    print(f"{args.model} on {args.nproc} gloo ranks, {args.steps} timed steps each", file=sys.stderr)
-    with local_store() as port:
-        mp.spawn(_rank, args=(args.nproc, port, out, args), nprocs=args.nproc)
-    t = torch.load(out)
-    rows = [("data parallel", "DistributedDataParallel", t["ddp"], t["autopar-dp"]),
-            ("tensor parallel", "parallelize_module", t["hand-tp"], t["autopar-tp"])]
+    rows, body_rows = [], []
+    for model in args.models.split(","):
+        args.model = model
+        runs = []
+        for run in range(args.runs):
+            out = os.path.join(tempfile.mkdtemp(), "times.pt")
+            print(f"{model} on {args.nproc} gloo ranks, {args.steps} timed steps each, run {run + 1} of {args.runs}",
+                  file=sys.stderr)
+            with local_store() as port:
+                mp.spawn(_rank, args=(args.nproc, port, out, args), nprocs=args.nproc)
+            runs.append(torch.load(out))
+        for layout, (base, base_name, kinds) in KINDS.items():
+            b = [r[base] for r in runs]
+            for kind in (k for k in kinds if k in args.kinds):
+                a = [r[kind] for r in runs]
+                ratios = [x / y for x, y in zip(a, b)]
+                rows.append({"model": model, "layout": layout, "baseline": base_name, "runtime": NAMES[kind],
+                             "baseline_s": statistics.median(b), "autopar_s": statistics.median(a),
+                             "ratio": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios)})
+                r = rows[-1]
+                body_rows.append([model, layout, base_name, f"{r['baseline_s'] * 1e3:.1f}", r["runtime"],
+                                  f"{r['autopar_s'] * 1e3:.1f}", f"{r['ratio']:.2f}",
+                                  f"{r['ratio_min']:.2f}–{r['ratio_max']:.2f}"])
     if args.json:
-        print(json.dumps({"model": args.model, "nproc": args.nproc, "rows": [
-            {"layout": a, "baseline": b, "baseline_s": x, "autopar_s": y, "ratio": y / x} for a, b, x, y in rows]}))
+        print(json.dumps({"models": args.models, "nproc": args.nproc, "runs": args.runs, "rows": rows}))
         return 0
-    body = table([f"layout ({args.model}, {args.nproc} ranks)", "baseline", "baseline ms/step", "autopar ms/step",
-                  "ratio"], [[a, b, f"{x * 1e3:.1f}", f"{y * 1e3:.1f}", f"{y / x:.2f}"] for a, b, x, y in rows], right=(2, 3, 4))
+    body = table(["model", f"layout ({args.nproc} ranks)", "baseline", "baseline ms/step", "autopar runtime",
+                  "autopar ms/step", "ratio (median of runs)", "ratio over runs"], body_rows, right=(3, 5, 6, 7))
     print(body)
     write("runtime_overhead", started, body)
     return 0

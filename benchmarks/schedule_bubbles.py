@@ -88,7 +88,7 @@ def _measure(chosen: list, repeats: int) -> dict[str, list[tuple[float, float, f
     """Per plan, one (step s, measured bubble, simulated from measured compute) a repetition."""
     samples: dict[str, list] = {p.name: [] for p in chosen}
     for _ in track(range(repeats), description="schedules", transient=True):
-        for plan, (step, _, parts) in zip(chosen, measure(MODEL, NPROC, BATCH, chosen, breakdown=True)):
+        for plan, (step, _, parts, _) in zip(chosen, measure(MODEL, NPROC, BATCH, chosen, breakdown=True)):
             span = max(r["forward_s"] + r["backward_s"] + r["pipeline_s"] for r in parts)
             busy = sum(r["forward_s"] + r["backward_s"] for r in parts)
             samples[plan.name].append((step, 1 - busy / (NPROC * span), from_measured(plan, parts)))

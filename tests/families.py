@@ -396,4 +396,5 @@ def train_parallel(rank: int, world: int, name: str, layout: str | None, steps: 
     losses = [pm.step(inputs, target) for inputs, target in batches]
     stages = " + ".join(f"{s.logical_mesh[0]}x{s.logical_mesh[1]}" for s in pm.plan.stages)
     return {"losses": losses, "params": pm.full_state_dict(), "slices": loss_slices(pm, FAMILIES[name].coupled_in_loss),
-            "plan": f"{pm.plan.name}: {stages}, {pm.plan.num_microbatches} microbatches"}
+            "plan": f"{pm.plan.name}: {stages}, {pm.plan.num_microbatches} microbatches",
+            "programs": pm.programs()}

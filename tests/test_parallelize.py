@@ -385,14 +385,17 @@ _FUNCOL = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "
 
 
 def _tp_collectives(rank, world, name):
-    """What one TP step issues on the tensor axis (DTensor's functional collectives), by kind."""
+    """What one TP step issues on the tensor axis (functional collectives), by kind: the second step,
+    the first lowers the stage (tracing dispatches collectives on fake tensors)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     w, batches = _workload(name)
     pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
                              plan="1,2,1")
+    pm.step(*batches[0])
+    assert pm.graph.program.lowered
     with CommDebugMode() as mode:
-        pm.step(*batches[0])
+        pm.step(*batches[1])
     counts = {str(op): n for op, n in mode.get_comm_counts().items()}
     issued = {_FUNCOL[k.split(".")[-1]]: n for k, n in counts.items() if k.startswith("c10d_functional.")}
     return issued, sorted(pm.graph.unplanned), pm.comm_stats()
@@ -421,14 +424,15 @@ def test_a_tensor_parallel_step_issues_what_the_plan_predicts(tmp_path, name):
 
 
 def _forward_collectives(rank, world, name, layout):
-    """What one step's forward issues on the tensor axis, by kind."""
+    """What one step's forward issues on the tensor axis, by kind (the second step: the first lowers)."""
     from torch.distributed.tensor.debug import CommDebugMode
 
     w, batches = _workload(name)
     pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
                              plan=layout)
+    pm.step(*batches[0])
     with CommDebugMode() as mode:
-        pm.step(*batches[0])
+        pm.step(*batches[1])
     counts = mode.comm_module_counts["Global"]["forward"]
     return {_FUNCOL[str(k).split(".")[-1]]: n for k, n in counts.items() if str(k).startswith("c10d_functional.")}
 

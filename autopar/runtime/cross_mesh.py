@@ -26,9 +26,11 @@ class _GatherBatch(torch.autograd.Function):
         ctx.dim, ctx.n, ctx.rank = dim, n, rank
         if dim is None:  # the same on every rank already
             return x.clone()
-        parts = [torch.empty_like(x) for _ in range(n)]
-        dist.all_gather(parts, x.contiguous(), group=group)
-        return torch.cat(parts, dim)
+        # functional collectives, eager or traced (`runtime.lower`)
+        name = group.group_name
+        whole = torch.ops._c10d_functional.wait_tensor(
+            torch.ops._c10d_functional.all_gather_into_tensor(x.contiguous(), n, name))
+        return whole if dim == 0 else torch.cat(whole.chunk(n), dim)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
@@ -50,7 +52,8 @@ class _SliceBatch(torch.autograd.Function):
         else:
             full = grad.new_zeros(ctx.shape)
             full.narrow(ctx.dim, ctx.rank * grad.shape[ctx.dim], grad.shape[ctx.dim]).copy_(grad)
-        dist.all_reduce(full, group=ctx.group)
+        full = torch.ops._c10d_functional.wait_tensor(
+            torch.ops._c10d_functional.all_reduce(full, "sum", ctx.group.group_name))
         return full / ctx.n, None, None
 
 

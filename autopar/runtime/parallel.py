@@ -33,6 +33,7 @@ from autopar.runtime.export import export_as_planned
 from autopar.runtime.failures import guarded
 from autopar.runtime.grad_sync import EmulatedLink, GradSync
 from autopar.runtime.loop import clip, evaluating, gather_batch_dim, squared_grad_norm
+from autopar.runtime.lower import StageBytes, lower, programs
 from autopar.runtime.precision import fsdp_policy, mixed_precision
 from autopar.runtime.sharded_graph import ShardedGraph, defer_partial_grads, first_failure, reduce_partial_grads
 
@@ -211,7 +212,7 @@ class ParallelModel:
 
     def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable, optimizer: Callable,
                  example_inputs: tuple = (), device: torch.device | None = None,
-                 max_grad_norm: float | None = None) -> None:
+                 max_grad_norm: float | None = None, compile: bool = False) -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
         self.plan, self.loss_fn, self.max_grad_norm = plan, loss_fn, max_grad_norm
@@ -233,6 +234,7 @@ class ParallelModel:
             ep = export_as_planned(self.model, tuple(micro), tuple(example_inputs))  # before sharding: plain tensors
             self.graph = ShardedGraph(self.model, plan.stages[0], mesh["tp"] if self.tp > 1 else None, ep,
                                       layers=[layer["nodes"] for layer in plan.layers], units=sharded)
+            lower(self.graph, {"tp": self.tp_group}, compile=compile)
             with self.precision.autocast():  # as the steps will run it
                 refuse_failing(self.graph, tuple(micro))
         # what trains: the model, or the graph holding its parameters (DTensors with a tensor axis)
@@ -271,8 +273,8 @@ class ParallelModel:
         self.optimizer.zero_grad(set_to_none=True)
         if self.buffer_sync is not None:
             self.buffer_sync.before_step()
-        counter = CollectiveBytes() if self.tp > 1 else contextlib.nullcontext()
-        with counter:  # the tensor axis's collectives, issued by DTensor
+        counter = StageBytes([self.graph]) if self.tp > 1 else contextlib.nullcontext()
+        with counter:  # the tensor axis's collectives
             self._microbatches(micro_in, micro_target, total)
         if self.sync is not None:
             with phase("dp_sync"):
@@ -282,9 +284,9 @@ class ParallelModel:
             self._issued = [{"axis": "dp", "kind": kind, "bytes": nbytes} for kind, nbytes in stats.collectives]
         average_grads(self.whole, self.group)
         if self.tp > 1:  # the partial gradients left to the end of the step (after the data axis: sums commute)
-            with counter:
+            with CollectiveBytes() as after:  # issued by DTensor
                 reduce_partial_grads(list(self.trained.parameters()))
-            self._bytes["tp"] = [counter.nbytes, counter.nbytes]
+            self._bytes["tp"] = [counter.nbytes + after.nbytes] * 2
         if self.sync is None and data_sharded(self.plan.stages[0], self.dp):  # FSDP2's collectives
             def whole(params: Any) -> int:
                 return sum(p.to_local().numel() * p.to_local().element_size() * self.dp for p in params
@@ -364,6 +366,11 @@ class ParallelModel:
             return self.graph.full_state_dict()
         return {name: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu().clone()
                 for name, p in self.model.named_parameters()}
+
+    def programs(self) -> list[dict[str, Any]]:
+        """How the stage runs: lowered (its collectives), interpreted (why) or the user's module
+        (`runtime.lower.programs`)."""
+        return programs([self.graph], [0])
 
     def issued(self) -> list[dict[str, Any]]:
         """The collectives the synchronizer issued in the last step ({axis, kind, bytes}), to check

@@ -47,6 +47,7 @@ from autopar.runtime.fan_out import FanOutSchedule, peers, receive, send
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.grad_sync import local as local_part
 from autopar.runtime.loop import clip, evaluating, squared_grad_norm
+from autopar.runtime.lower import StageBytes, lower, programs
 from autopar.runtime.parallel import (
     UnsupportedPlan,
     _split,
@@ -175,7 +176,7 @@ class PipelineModel:
 
     def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable, optimizer: Callable,
                  example_inputs: tuple, device: torch.device | None = None,
-                 max_grad_norm: float | None = None) -> None:
+                 max_grad_norm: float | None = None, compile: bool = False) -> None:
         self.plan, self.loss_fn, self.forward = plan, loss_fn, model.forward
         self.max_grad_norm, self.last_grad_norm = max_grad_norm, None
         self.pp, self.m = len(plan.stages), plan.num_microbatches
@@ -213,6 +214,8 @@ class PipelineModel:
             module = ShardedGraph(model, plan.stages[s], g.tp_mesh, ep, parts[s],
                                   layers=[plan.layers[k]["nodes"] for k in range(*plan.stages[s].layers)], units=sharded,
                                   keep_unused=s == 0)
+            lower(module, {"dp": g.dp_group, **({"tp": g.tp_mesh.get_group()} if g.tp_mesh is not None else {})},
+                  compile=compile)
             module.forward = self.precision.autocasting(module.forward)
             module.copy_views = schedules.splits_backward(plan.schedule) and s < self.pp - 1
             modules.append(module)
@@ -255,7 +258,8 @@ class PipelineModel:
         received = [like(parts[s].inputs, s > 0, g.bridged_before) for s in self.local]
         sent = [like(parts[s].outputs, True, g.bridged_after) for s in self.local]
         for s, module, inputs in zip(self.local, modules, received):
-            refuse_failing(module, tuple(micro) if s == 0 else inputs)
+            with self.precision.autocast():  # as the steps run it
+                refuse_failing(module, tuple(micro) if s == 0 else inputs)
         fan = (1, 1)  # ranks this one sends activations to, and input gradients to
         if g.pp_group is None:  # stages of different sizes: a rank may send to several
             if schedules.splits_backward(plan.schedule):
@@ -361,8 +365,8 @@ class PipelineModel:
         first, last = 0 in self.local, self.pp - 1 in self.local
         if self.pp == 1:
             raise UnsupportedPlan("a one-stage plan runs without the pipeline")
-        counter = CollectiveBytes() if self.tp > 1 else contextlib.nullcontext()
-        with counter, phase("schedule"):  # the tensor axis's collectives, issued by DTensor
+        counter = StageBytes(self.modules) if self.tp > 1 else contextlib.nullcontext()
+        with counter, phase("schedule"):  # the tensor axis's collectives
             ends = {}  # the first stage takes the inputs, the last the target (one rank of a V holds both)
             if last:  # the outputs (logits of every microbatch) are not kept: only the losses
                 kept = {"return_outputs": False} if not isinstance(self.schedule, FanOutSchedule) else {}
@@ -376,9 +380,9 @@ class PipelineModel:
             self.overlapped = stats.overlapped
         average_grads(self.whole, self.dp_group)
         if self.tp > 1:  # the partial gradients left to the end of the step (after the data axis: sums commute)
-            with counter:
+            with CollectiveBytes() as after:  # issued by DTensor
                 reduce_partial_grads(list(self.module.parameters()))
-            self._bytes["tp"] = [counter.nbytes, counter.nbytes]
+            self._bytes["tp"] = [counter.nbytes + after.nbytes] * 2
         for weight, group, share in self.tied:  # copies of one weight: each gets the sum of their gradients
             if weight.grad is None:  # a copy no microbatch reached still joins the sum (all ranks call it)
                 weight.grad = torch.zeros_like(weight)
@@ -467,6 +471,10 @@ class PipelineModel:
 
     def comm_stats(self) -> dict[str, dict[str, int]]:
         return {axis: {"bytes_raw": raw, "bytes_sent": sent} for axis, (raw, sent) in self._bytes.items()}
+
+    def programs(self) -> list[dict[str, Any]]:
+        """How this rank's stages run: lowered (their collectives) or interpreted (why)."""
+        return programs(self.modules, list(self.local))
 
     def issued(self) -> list[dict[str, Any]]:
         return []

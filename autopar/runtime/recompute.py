@@ -88,6 +88,22 @@ def segments(nodes: list[fx.Node], layers: list[list[str]], kept: set[fx.Node], 
     return out
 
 
+# the annotation a traced program's recomputed regions carry (`runtime.lower` marks them for the partitioner)
+RECOMPUTE = "autopar_recompute"
+
+
+def recomputed(run: Any, values: list, region: int, tracing: bool) -> Any:
+    """`run(*values)` recomputed in backward: under a checkpoint, or while the lowering traces the
+    stage, annotated as region `region` (torch's checkpoint does not recompute inside a traced
+    program; AOTAutograd's partitioner recomputes the nodes so marked from the values they read)."""
+    if not tracing:
+        return checkpointed(run, *values)
+    from torch.fx import traceback as fx_traceback
+
+    with fx_traceback.annotate({RECOMPUTE: region}):
+        return run(*values)
+
+
 def checkpointed(run: Any, *values: Any) -> Any:
     """`run(*values)` under a checkpoint: its activations are recomputed in backward. The whole
     segment again: stopping early interrupts `run` with an exception, which the runtime would

@@ -41,8 +41,18 @@ def share(mesh: DeviceMesh, device: torch.device) -> None:
         torch.cuda.set_rng_state(states[1], device)
 
 
-def is_random(target: object) -> bool:
-    return isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags
+def is_random(target: object, args: tuple = (), kwargs: dict | None = None) -> bool:
+    """Whether a call of `target` draws random numbers: a seeded op, unless the call turns its draw
+    off (dropout or attention with probability 0, dropout with `train=False`)."""
+    if not (isinstance(target, torch._ops.OpOverload) and torch.Tag.nondeterministic_seeded in target.tags):
+        return False
+    kwargs = kwargs or {}
+    for i, arg in enumerate(target._schema.arguments):
+        value = args[i] if i < len(args) else kwargs.get(arg.name, arg.default_value)
+        if arg.name in ("p", "dropout_p") and isinstance(value, (int, float)) and value == 0 \
+                and "bernoulli" not in target.name() or arg.name == "train" and value is False:
+            return False
+    return True
 
 
 @contextlib.contextmanager

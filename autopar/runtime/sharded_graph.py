@@ -40,7 +40,7 @@ from autopar.contract.plan import SELECTIVE, Plan, StagePlan
 from autopar.runtime import rng
 from autopar.runtime.buffers import persistent
 from autopar.runtime.cross_mesh import gather_batch, slice_batch
-from autopar.runtime.recompute import Segment, checkpointed, segments
+from autopar.runtime.recompute import Segment, recomputed, segments
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +176,10 @@ def reduce_partial_grads(params: list[nn.Parameter]) -> None:
             p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
+class CannotLower(RuntimeError):
+    """A construct the lowering cannot trace yet: the stage runs interpreted (`runtime.lower`)."""
+
+
 class OpFailed(RuntimeError):
     """An op of the exported graph failed under the plan: names the op and the user's line."""
 
@@ -190,7 +194,8 @@ def first_failure(module: ShardedGraph, inputs: tuple, group: Any = None) -> str
     kept = [(t, t.clone()) for t in module.fixed.values() if isinstance(t, torch.Tensor)]  # BatchNorm's statistics
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            module(*inputs)
+            # interpreted: the check needs the op that fails, not a program (the lowering traces at the first step)
+            module.interpret(tuple(x for x in inputs if isinstance(x, torch.Tensor)))
     except OpFailed as exc:
         failed = str(exc)
     finally:
@@ -311,6 +316,7 @@ class ShardedGraph(nn.Module):
         # buffers the model updates (BatchNorm's running statistics), from the ops of this part
         self.updates = {by_name[n]: buffers[fqn.removeprefix(WRAPPER_PREFIX)]
                         for n, fqn in sig.buffers_to_mutate.items() if n in self.part.nodes}
+        self._buffer_node = {id(t): node for node, t in self.fixed.items()}  # buffer -> its placeholder
         for node in self.graph.nodes:  # submodules of higher-order ops (a rotary cache's no_grad block)
             if node.op == "get_attr":
                 self.fixed[node] = operator.attrgetter(node.target)(ep.graph_module)
@@ -322,6 +328,10 @@ class ShardedGraph(nn.Module):
         self.slice_inputs: dict[int, tuple[int | None, Any]] = {}
         self.gather_outputs: dict[int, tuple[int | None, Any]] = {}
         self.copy_views = False  # outputs that are views leave as copies (`forward`)
+        self.program: Any = None  # the lowered program (`runtime.lower.Program`); None: interpreted
+        self.tracing = False  # while the lowering traces `interpret`
+        self._given: dict[fx.Node, Any] = {}  # parameter and buffer values the lowering traces with
+        self._regions = 0  # recomputed regions so far in this forward
         given = set(self.fixed) | set(params)
         kept = set(self.outputs) | set(self.updates)
         self.segments = segments(self.nodes, layers or [], kept, given)
@@ -373,6 +383,13 @@ class ShardedGraph(nn.Module):
 
     def forward(self, *inputs: torch.Tensor) -> Any:
         inputs = tuple(x for x in inputs if isinstance(x, torch.Tensor))  # None and flags: constants of the export
+        if self.program is not None:  # the lowered program (`runtime.lower`), traced from `interpret`
+            return self.program(self, inputs)
+        return self.interpret(inputs)
+
+    def interpret(self, inputs: tuple, given: dict[fx.Node, Any] | None = None) -> Any:
+        """The stage op by op, DTensor placing every split value. `given`: values for parameter and
+        buffer placeholders instead of the module's own (the lowering traces with local shards)."""
         # the gradients of values received from the stage before go back to it: in one block, as
         # gloo and NCCL send (the gradient of a permuted or channels-last activation may not be)
         # (a value the stage writes in place is copied first: a received activation is a leaf that requires grad)
@@ -380,7 +397,8 @@ class ShardedGraph(nn.Module):
                        else _ContiguousGrad.apply(x) for node, x in zip(self.inputs, inputs))
         inputs = tuple(slice_batch(x, *self.slice_inputs[i]) if i in self.slice_inputs else x
                        for i, x in enumerate(inputs))
-        env: dict[fx.Node, Any] = {**self.fixed, **dict(zip(self.inputs, inputs))}  # outputs may be constants
+        self._given, self._regions = given or {}, 0
+        env: dict[fx.Node, Any] = {**self.fixed, **self._given, **dict(zip(self.inputs, inputs))}  # outputs may be constants
         recompute = self.stage.recompute and torch.is_grad_enabled()  # each layer runs again before its backward
         # without recomputation, replicated values are wrapped once for the whole part (not passed
         # as an argument: FSDP2's hooks would copy it)
@@ -392,11 +410,12 @@ class ShardedGraph(nn.Module):
                 run = unit if unit is not None else partial(self._segment, segment)
                 values = [env[n] for n in segment.inputs]
                 again = segment.recomputes(recompute, self.stage.recompute_layers)
-                env.update(zip(segment.outputs, checkpointed(run, *values) if again else run(*values)))
+                env.update(zip(segment.outputs, self._recomputed(run, values) if again else run(*values)))
         finally:
             self._wrapped = None
         with torch.no_grad():
             for node, buffer in self.updates.items():
+                buffer = self._given.get(self._buffer_node.get(id(buffer)), buffer)  # traced: the buffer's input
                 buffer.copy_(env[node].full_tensor() if isinstance(env[node], DTensor) else env[node])
         # values crossing to the next stage are sent as they lie in memory: an expanded mask (stride 0)
         # or a transposed activation is copied into one block first (gloo and NCCL send contiguous ones),
@@ -413,6 +432,7 @@ class ShardedGraph(nn.Module):
         env: dict[fx.Node, Any] = dict(self.fixed)
         for node, (module, name) in self.param_of.items():  # read each call: FSDP swaps in gathered parameters
             env[node] = getattr(module, name)
+        env.update(self._given)
         env.update(zip(segment.inputs, values))
         wrapped = {} if self._wrapped is None else self._wrapped
         again = self.selective and torch.is_grad_enabled()
@@ -420,7 +440,7 @@ class ShardedGraph(nn.Module):
         for node in segment.nodes:
             core = segment.cores.get(node) if again else None
             if core is not None:  # selective recomputation: the core runs again before its backward
-                env.update(zip(core.outputs, checkpointed(partial(self._segment, core), *[env[n] for n in core.inputs])))
+                env.update(zip(core.outputs, self._recomputed(partial(self._segment, core), [env[n] for n in core.inputs])))
                 done.update(core.nodes)
             if node in done:
                 continue
@@ -430,6 +450,10 @@ class ShardedGraph(nn.Module):
                 raise OpFailed(f"{node.name} ({node.target}) failed under the plan's placements "
                                f"{self._placements(node, env)}{source_line(node)}: {exc}") from exc
         return tuple(env[n] for n in segment.outputs)
+
+    def _recomputed(self, run: Any, values: list) -> Any:
+        self._regions += 1  # (increasing: the partitioner keeps the boundary between two regions)
+        return recomputed(run, values, self._regions, self.tracing)
 
     def _placements(self, node: fx.Node, env: dict) -> str:
         got = [getattr(env.get(i), "placements", "plain") for i in node.all_input_nodes]
@@ -492,8 +516,11 @@ class ShardedGraph(nn.Module):
 
         args = fx.node.map_arg(node.args, arg)
         kwargs = fx.node.map_arg(node.kwargs, arg)
-        if rng.is_random(node.target) and any(isinstance(a, DTensor) and a.placements[0].is_shard()
+        if rng.is_random(node.target, args, kwargs) and any(isinstance(a, DTensor) and a.placements[0].is_shard()
                                               for a in (*args, *kwargs.values())):
+            if self.tracing:
+                raise CannotLower(f"{node.target} on a split value draws a mask per rank from a seed drawn "
+                                  "at run time")
             with rng.independent(self.mesh.get_local_rank(), torch.device(self.mesh.device_type)):
                 return self._op(node, args, kwargs, want)
         return self._op(node, args, kwargs, want)

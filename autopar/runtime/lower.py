@@ -1,0 +1,393 @@
+"""A plan's stage lowered to a program over local tensors: the compiler of "planner and compiler".
+
+`ShardedGraph` interprets a stage op by op, handing every op that touches a split value to
+DTensor, which decides placements and collectives again on every call (200-470 µs of host time
+per op). Here that interpretation runs once per input signature, traced by AOTAutograd
+(`aot_function`: `make_fx` with functionalization, the joint forward + backward graph, torch's
+partitioner) on fake tensors, as meta's autoparallel lowers its plans: DTensor computes local
+shapes and inserts the redistributions the plan's placements need while tracing, and what is
+left is a forward and a backward graph of aten ops on local tensors with explicit functional
+collectives (`_c10d_functional`). The step then runs those graphs (as generated Python code, or
+compiled by inductor with `compile`): no DTensor dispatch between the first forward and the last
+backward.
+
+Parameters stay DTensors (optimizers, clipping, checkpoints and FSDP's data axis read them):
+one autograd node (`_Locals`) hands the graphs their local shards and wraps the local gradients
+back into DTensors placed as the parameter, or partial where the runtime defers a sequence-split
+norm's reduction to the end of the step (`sharded_graph.defer_partial_grads`), as recorded while
+tracing. The collectives of each traced program are listed (`Collective`) so that the caller can
+check them against what the planner priced.
+
+A construct that cannot be traced yet (a random op on a split value, whose per-rank masks need
+a seed drawn at run time; an op reading tensor values into Python, as sorted experts do) makes the
+stage run interpreted, with one warning saying why (`Program.fallback`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor, Partial, Replicate
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
+
+from autopar.runtime.comm_count import CollectiveBytes, nbytes_of
+from autopar.runtime.recompute import RECOMPUTE
+
+log = logging.getLogger(__name__)
+
+# functional collectives as they appear in a traced graph -> the kind the plan names
+KINDS = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+         "all_to_all_single": "all_to_all", "broadcast": "broadcast", "all_reduce_coalesced": "all_reduce",
+         "all_gather_into_tensor_coalesced": "all_gather", "reduce_scatter_tensor_coalesced": "reduce_scatter"}
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a lowered program: what the plan prices, per call of the stage."""
+
+    kind: str  # all_reduce, all_gather, reduce_scatter, all_to_all, broadcast
+    axis: str  # the mesh axis its group is ("tp", "dp"), or the group's name
+    nbytes: int  # the input this rank hands it
+    phase: str  # "forward" or "backward"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "axis": self.axis, "bytes": self.nbytes, "phase": self.phase}
+
+
+def _ranks(group_name: str) -> tuple[int, ...]:
+    from torch.distributed.distributed_c10d import _resolve_process_group, get_process_group_ranks
+
+    return tuple(sorted(get_process_group_ranks(_resolve_process_group(group_name))))
+
+
+def collectives(gm: torch.fx.GraphModule, phase: str, axes: dict[tuple[int, ...], str]) -> list[Collective]:
+    """The functional collectives `gm` issues, in order, with the bytes of their inputs; `axes` names
+    the groups by their ranks (DTensor may run a value on an equal mesh of another group object:
+    its specs are cached by value)."""
+    out = []
+    for node in gm.graph.nodes:
+        packet = getattr(node.target, "_overloadpacket", None)
+        kind = KINDS.get(getattr(packet, "__name__", ""))
+        if node.op != "call_function" or kind is None or "c10d_functional" not in str(node.target):
+            continue
+        value = node.args[0]
+        vals = [v.meta.get("val") for v in (value if isinstance(value, (list, tuple)) else [value])]
+        group = next((a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, str) and a.isdigit()), None)
+        ranks = _ranks(group) if group is not None else ()
+        out.append(Collective(kind, axes.get(ranks, f"ranks {list(ranks)}"), nbytes_of(vals), phase))
+    return out
+
+
+def _plain_views(gm: torch.fx.GraphModule) -> None:
+    """Drop what tracing leaves that costs host time and computes nothing: a view to the shape its
+    input already has (DTensor's `from_local` / `to_local` make one per value they wrap), and a
+    chain of views read only by views (`view(view(x))` is one view of x). Values the graph
+    returns are left alone: the caller may rely on them being distinct tensors."""
+    view = torch.ops.aten.view.default
+    returned = {a for n in gm.graph.nodes if n.op == "output" for a in n.all_input_nodes}
+    changed = False
+    for node in list(gm.graph.nodes):
+        if node.target is not view or node in returned:
+            continue
+        source = node.args[0]
+        shape = getattr(node.meta.get("val"), "shape", None)
+        if getattr(source, "target", None) is view:  # view of a view: of the first one's input
+            node.args = (source.args[0], *node.args[1:])
+            changed = True
+            if not source.users:
+                gm.graph.erase_node(source)
+            source = node.args[0]
+        if shape is not None and getattr(source.meta.get("val"), "shape", None) == shape:
+            node.replace_all_uses_with(source)
+            gm.graph.erase_node(node)
+            changed = True
+    if changed:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+
+
+class _Locals(torch.autograd.Function):
+    """DTensor parameters -> their local shards, one autograd node for all of them; the local
+    gradients come back as DTensors with `specs[i]` (the parameter's, or a partial one)."""
+
+    @staticmethod
+    def forward(ctx: Any, specs: list, *params: DTensor) -> tuple:
+        ctx.specs = specs
+        ctx.set_materialize_grads(False)
+        return tuple(p._local_tensor.view_as(p._local_tensor) for p in params)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
+        # (DTensor's `__new__` alone: its `__init__` costs more than the rest of the backward per parameter)
+        return (None, *(g if g is None else DTensor.__new__(DTensor, g.contiguous(), spec, requires_grad=False)
+                        for g, spec in zip(grads, ctx.specs)))
+
+
+class _AsParam(torch.autograd.Function):
+    """While tracing: a parameter's local shard as the DTensor the interpretation computes with.
+    Its gradient leaves the graph placed as the parameter, except a partial sum the runtime
+    defers (`partial_until_step`), which leaves partial; `record[i]` says which (read after the trace)."""
+
+    @staticmethod
+    def forward(ctx: Any, local: torch.Tensor, params: list, record: list, i: int) -> DTensor:
+        # (the parameter is passed inside a list: as an argument of its own it would join the traced
+        # autograd graph to the real one)
+        ctx.param, ctx.record, ctx.i = params[i], record, i
+        return DTensor(local.view_as(local), params[i]._spec, requires_grad=local.requires_grad)
+
+    @staticmethod
+    def backward(ctx: Any, grad: DTensor) -> tuple:
+        param = ctx.param
+        if grad.placements != param.placements:
+            deferred = getattr(param, "partial_until_step", False) and all(
+                g == q or g.is_partial() and q.is_replicate() for g, q in zip(grad.placements, param.placements))
+            if deferred:
+                ctx.record[ctx.i] = grad.placements
+            else:
+                grad = grad.redistribute(param.device_mesh, param.placements)
+        return grad._local_tensor, None, None, None
+
+
+def _grad_spec(param: DTensor, placements: tuple | None) -> DTensorSpec:
+    if placements is None:
+        return param._spec
+    return DTensorSpec(param.device_mesh, tuple(Partial() if p.is_partial() else Replicate() if p.is_replicate() else p
+                                                for p in placements), param._spec.tensor_meta)
+
+
+@dataclass
+class _Entry:
+    run: Callable[..., Any] | None
+    specs: list  # per DTensor parameter: the spec its local gradient is wrapped in (`_Locals`)
+    record: list  # per parameter: the placements its gradient leaves the graph with where not the parameter's
+    collectives: list[Collective]
+    seconds: float  # tracing (and compiling) time, once traced
+    saved_bytes: int = 0  # what the forward graph keeps for the backward, per call
+
+
+class Program:
+    """A stage's lowered program: `program(graph, inputs)` runs `graph` (a `ShardedGraph`) on
+    `inputs` as the traced graphs for their signature (shapes, dtypes, which need gradients, grad
+    mode, train/eval, autocast), lowering once per signature. `axes` names the process groups its
+    collectives run on ("tp", "dp" -> group). With `compile`, inductor compiles the graphs."""
+
+    def __init__(self, axes: dict[str, Any], compile: bool = False, fallback: str | None = None) -> None:
+        import torch.distributed as dist
+
+        self.axes = {tuple(sorted(dist.get_process_group_ranks(g))): axis for axis, g in axes.items()}
+        self.compile = compile
+        self.cache: dict[tuple, _Entry] = {}
+        self.sent: dict[str, int] = {}  # bytes handed to each axis's collectives since `StageBytes` last looked
+        self.fallback = fallback  # why the stage runs interpreted
+        if fallback is not None:
+            log.warning("a stage of the plan runs interpreted (DTensor per op), not lowered: %s", fallback)
+
+    @property
+    def lowered(self) -> bool:
+        return self.fallback is None
+
+    def __call__(self, graph: Any, inputs: tuple) -> Any:
+        if self.fallback is not None:
+            return graph.interpret(inputs)
+        params = [getattr(module, name) for module, name in graph.param_of.values()]
+        fixed = [t for t in graph.fixed.values() if isinstance(t, torch.Tensor)]
+        key = (tuple((tuple(x.shape), x.dtype, x.requires_grad) for x in (*inputs, *fixed)),
+               tuple(p.requires_grad for p in params), torch.is_grad_enabled(), graph.training,
+               _autocast_state())
+        entry = self.cache.get(key)
+        if entry is None:
+            entry = self._lower(graph, params)
+        dparams = [p for p in params if isinstance(p, DTensor)]
+        if dparams and torch.is_grad_enabled() and any(p.requires_grad for p in dparams):
+            locals_ = iter(_Locals.apply(entry.specs, *dparams))
+        else:
+            locals_ = iter([p._local_tensor for p in dparams])
+        flat = [next(locals_) if isinstance(p, DTensor) else p for p in params]
+        if key in self.cache:
+            self._tally(entry)
+            return _as_returned(entry.run(*flat, *fixed, *inputs))
+        # the first call traces (on fake copies of the inputs), then runs
+        graph.tracing = True
+        try:
+            out = entry.run(*flat, *fixed, *inputs)
+        except Exception as exc:
+            if entry.seconds:  # traced: the failure is the run's own
+                raise
+            cause = exc.__cause__ or exc
+            self.fallback = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
+            where = str(exc).split(" failed under")[0] if "failed under" in str(exc) else ""
+            log.warning("a stage of the plan runs interpreted (DTensor per op), not lowered: %s%s",
+                        f"{where}: " if where else "", self.fallback)
+        finally:
+            graph.tracing, graph._given = False, {}  # (a recomputed layer's backward is traced by then)
+        if self.fallback is not None:
+            return graph.interpret(inputs)
+        entry.specs[:] = [_grad_spec(p, entry.record[i]) for i, p in enumerate(params) if isinstance(p, DTensor)]
+        self.cache[key] = entry
+        self._tally(entry)
+        return _as_returned(out)
+
+    def _tally(self, entry: _Entry) -> None:
+        backward = torch.is_grad_enabled()  # (the backward graph runs once per forward that needs it)
+        for c in entry.collectives:
+            if c.phase == "forward" or backward:
+                self.sent[c.axis] = self.sent.get(c.axis, 0) + c.nbytes
+
+    def _latest(self) -> _Entry | None:
+        """The program traced last for training (or last traced at all)."""
+        entries = list(self.cache.values())
+        trained = [e for k, e in self.cache.items() if k[2]]
+        return (trained or entries)[-1] if entries else None
+
+    def collectives(self) -> list[Collective]:
+        """The collectives of the program traced last for training (or last traced at all)."""
+        entry = self._latest()
+        return entry.collectives if entry is not None else []
+
+    def saved_bytes(self) -> int:
+        """The bytes of activations the training program's forward keeps for its backward, per call."""
+        entry = self._latest()
+        return entry.saved_bytes if entry is not None else 0
+
+    def _lower(self, graph: Any, params: list) -> _Entry:
+        """The program for one signature, traced at its first call."""
+        from functorch.compile import default_partition, make_boxed_func
+        from torch._functorch.aot_autograd import aot_function
+
+        nodes = list(graph.param_of)
+        fixed_nodes = [n for n, t in graph.fixed.items() if isinstance(t, torch.Tensor)]
+        entry = _Entry(None, [p._spec for p in params if isinstance(p, DTensor)], [None] * len(params), [], 0.0)
+        start = time.perf_counter()
+
+        def traced(*flat: torch.Tensor) -> Any:
+            locals_, rest = flat[:len(params)], flat[len(params):]
+            given = {}
+            for i, (node, local, p) in enumerate(zip(nodes, locals_, params)):
+                given[node] = _AsParam.apply(local, params, entry.record, i) if isinstance(p, DTensor) else local
+            given.update(zip(fixed_nodes, rest[:len(fixed_nodes)]))
+            return graph.interpret(tuple(rest[len(fixed_nodes):]), given)
+
+        returned = [0]  # the forward graph's outputs before those it keeps for the backward
+
+        def partition(joint: torch.fx.GraphModule, inputs: Any, *, num_fwd_outputs: int, **kwargs: Any) -> tuple:
+            returned[0] = num_fwd_outputs
+            _mark_recomputed(joint)
+            return default_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+
+        def compiler(phase: str) -> Callable:
+            def compile_graph(gm: torch.fx.GraphModule, example: list) -> Callable:
+                if phase == "forward" and returned[0]:
+                    out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+                    entry.saved_bytes = nbytes_of([getattr(v, "meta", {}).get("val") for v in out[returned[0]:]])
+                _plain_views(gm)
+                entry.collectives.extend(collectives(gm, phase, self.axes))
+                entry.seconds = time.perf_counter() - start
+                if self.compile:
+                    from torch._inductor.compile_fx import compile_fx_inner
+
+                    return compile_fx_inner(gm, example)
+                return make_boxed_func(_below_autograd(gm.forward))
+            return compile_graph
+
+        decompositions = None
+        if self.compile:  # inductor lowers the core aten ops its table leaves
+            from torch._inductor.decomposition import select_decomp_table
+
+            decompositions = select_decomp_table()
+        entry.run = aot_function(traced, fw_compiler=compiler("forward"), bw_compiler=compiler("backward"),
+                                 partition_fn=partition, decompositions=decompositions,
+                                 keep_inference_input_mutations=True)
+        return entry
+
+
+class StageBytes:
+    """Bytes the stages `modules` hand to the tensor axis's collectives within the block: a lowered
+    program's from its list (counting costs nothing per op), an interpreted one's as DTensor
+    dispatches them (`CollectiveBytes`, a dispatch mode, only where some stage is interpreted)."""
+
+    def __init__(self, modules: list[Any], axis: str = "tp") -> None:
+        self.programs = [m.program for m in modules if getattr(m, "program", None) is not None]
+        interpreted = len(self.programs) < len(modules) or any(p.fallback is not None for p in self.programs)
+        self.counter = CollectiveBytes() if interpreted else None
+        self.axis, self.nbytes = axis, 0
+
+    def __enter__(self) -> StageBytes:
+        for p in self.programs:
+            p.sent.clear()
+        if self.counter is not None:
+            self.counter.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.counter is not None:
+            self.counter.__exit__(*exc)
+            self.nbytes += self.counter.nbytes
+            self.counter.nbytes = 0
+        self.nbytes += sum(p.sent.get(self.axis, 0) for p in self.programs)
+
+
+def programs(modules: list[Any], stages: list[int]) -> list[dict[str, Any]]:
+    """How each stage runs, for reports (`train --json`, `bench`, the families sweep): "lowered"
+    with its collectives per call, "interpreted" with why, or "eager" (a one-stage plan without a
+    tensor axis runs the user's module itself, as DDP does)."""
+    out = []
+    for stage, module in zip(stages, modules):
+        program = getattr(module, "program", None)
+        if program is None:
+            out.append({"stage": stage, "runs": "eager" if module is None else "interpreted", "why": None})
+        elif program.fallback is not None:
+            out.append({"stage": stage, "runs": "interpreted", "why": program.fallback})
+        else:
+            out.append({"stage": stage, "runs": "lowered", "why": None,
+                        "collectives": [c.as_dict() for c in program.collectives()]})
+    return out
+
+
+def lower(graph: Any, axes: dict[str, Any], compile: bool = False) -> Program:
+    """Give `graph` (a `ShardedGraph`) its lowered program, traced at its first call; where the stage
+    holds a construct the lowering does not handle yet, a program that says why and interprets."""
+    reason = None
+    if len(graph.units):
+        reason = ("ZeRO through FSDP2 gathers each layer's parameters in its module's hooks, which a traced "
+                  "program does not call")
+
+    graph.program = Program(axes, compile, reason)
+    return graph.program
+
+
+def _mark_recomputed(joint: torch.fx.GraphModule) -> None:
+    """The nodes the stage traced as recomputed regions (`runtime.recompute.recomputed`), marked as
+    torch's selective checkpointing marks them: the partitioner keeps what they read and runs
+    them again in the backward graph (a collective's output stays saved: `force_save_collectives`)."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    for node in joint.graph.nodes:
+        region = node.meta.get("custom", {}).get(RECOMPUTE)
+        if region is not None and node.op == "call_function":
+            node.meta["recompute"] = CheckpointPolicy.PREFER_RECOMPUTE
+            node.meta["ac_graph_id"] = region
+
+
+def _as_returned(out: Any) -> Any:
+    """The outputs as `interpret` returns them: one value, or a tuple (AOTAutograd gives a list)."""
+    return tuple(out) if isinstance(out, list) else out
+
+
+def _below_autograd(run: Callable) -> Callable:
+    """`run` with the autograd and view-tracking dispatch keys skipped for each of its ops: the graph
+    runs inside AOTAutograd's own autograd node, so nothing in it records a graph; skipping them saves
+    their per-op cost, most of all on functional collectives, whose autograd kernel is Python."""
+    def below(*args: Any) -> Any:
+        with torch._C._AutoDispatchBelowADInplaceOrView():
+            return run(*args)
+    return below
+
+
+def _autocast_state() -> tuple:
+    return tuple((device, torch.get_autocast_dtype(device)) for device in ("cpu", "cuda")
+                 if torch.is_autocast_enabled(device))

@@ -1,0 +1,186 @@
+"""The lowered runtime (`autopar/runtime/lower.py`): a step runs the traced graphs of local tensors,
+with no DTensor dispatch between its first forward and its last backward but autograd's own
+bookkeeping of the parameters (AccumulateGrad detaches each DTensor gradient it stores), and the
+collectives in those graphs are the ones the planner priced. (That lowered training equals one process is what
+the rest of the suite checks: the lowered program is the default runtime.)"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import autopar
+from tests.distributed import shared_ranks
+from tests.families import optimizer, setup
+
+WORLD = 2
+
+
+class _DTensorOps(TorchDispatchMode):
+    """Every op dispatched with a DTensor among its arguments (DTensor then runs it as usual)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if any(issubclass(t, DTensor) for t in types):
+            self.ops.append(str(func))
+            return NotImplemented
+        return func(*args, **(kwargs or {}))
+
+
+def _model(name: str):
+    if name == "gpt2":
+        return setup("gpt2", steps=2)
+    torch.manual_seed(0)
+    w = autopar.load_workload(name, batch=8, device="cpu")
+    g = torch.Generator().manual_seed(5)
+    return w, [w.make_batch(8, g) for _ in range(2)]
+
+
+def _dispatched(rank, world, name, layout, interpreted):
+    """DTensor ops between the first forward and the last backward of the second step (the first
+    lowers), on the lowered program or, with `interpreted`, on the interpreter."""
+    w, batches = _model(name)
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=optimizer,
+                             plan=layout)
+    graphs = [pm.graph] if hasattr(pm, "graph") else pm.modules
+    if interpreted:
+        for g in graphs:
+            g.program = None
+    pm.step(*batches[0])
+    mode = _DTensorOps()
+    window = "_microbatches" if hasattr(pm, "_microbatches") else None
+    if window is not None:
+        run = pm._microbatches
+
+        def counted(*args):
+            with mode:
+                return run(*args)
+        pm._microbatches = counted
+    else:
+        run = pm.schedule.step
+
+        def counted(*args, **kwargs):
+            with mode:
+                return run(*args, **kwargs)
+        pm.schedule.step = counted
+    pm.step(*batches[1])
+    lowered = [g.program is not None and g.program.lowered for g in graphs]
+    trained = sum(p.requires_grad for g in graphs for p in g.parameters())
+    stored = trained * pm.plan.num_microbatches  # AccumulateGrad's detach of each gradient it stores
+    ops = [op for op in mode.ops if op != "aten.detach.default"]
+    return sorted(set(ops)), len(ops), lowered, (len(mode.ops) - len(ops), stored)
+
+
+CASES = [("gpt-tiny", "1,2,1", False), ("gpt-tiny", "1,2,1", True), ("gpt2", "1,2,1", False),
+         ("gpt-tiny", "1,1,2,2", False)]
+
+
+@pytest.mark.parametrize("name,layout", [("gpt-tiny", "1,2,1"), ("gpt2", "1,2,1"), ("gpt-tiny", "1,1,2,2")],
+                         ids=["gpt-tiny-tp", "transformers-gpt2-tp", "gpt-tiny-pp"])
+def test_no_dtensor_dispatch_runs_inside_a_lowered_step(tmp_path, name, layout):
+    for ops, count, lowered, (detached, stored) in shared_ranks(_dispatched, WORLD, CASES, (name, layout, False),
+                                                                 tmp_path):
+        assert all(lowered)
+        assert count == 0, f"DTensor ran {count} ops inside a lowered step: {ops}"
+        assert detached <= stored  # autograd storing each parameter's gradient, nothing more
+
+
+def test_the_dispatch_check_sees_the_interpreter(tmp_path):
+    """The check above would notice DTensor: the same step interpreted dispatches ops through it."""
+    for ops, count, _, _ in shared_ranks(_dispatched, WORLD, CASES, ("gpt-tiny", "1,2,1", True), tmp_path):
+        assert count > 40 and any("mm" in op for op in ops)
+
+
+def _stage(layout, recompute, granularity=None, layers=None):
+    """Rank 0's lowered stage of gpt-tiny under `layout` on a fake process group, trained one step."""
+    import dataclasses
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.cost_models import get_cluster
+    from autopar.planner.manual import Layout, manual_plan, manual_search
+    from autopar.planner.search import Search
+    from autopar.runtime.export import export_as_planned
+    from autopar.runtime.lower import lower
+    from autopar.runtime.sharded_graph import ShardedGraph
+
+    torch.manual_seed(0)
+    w = autopar.load_workload("gpt-tiny", batch=4, device="cpu")
+    world = Layout.parse(layout).tp
+    plan = manual_plan(manual_search(Search.start(w, get_cluster("cpu-local").with_ranks(world), (1, world))),
+                       Layout.parse(layout))
+    stage = dataclasses.replace(plan.stages[0], recompute=recompute, recompute_granularity=granularity,
+                                recompute_layers=layers)
+    ep = export_as_planned(w.model, w.example_inputs, tuple(w.example_inputs))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+    graph = ShardedGraph(w.model, stage, mesh, ep, layers=[layer["nodes"] for layer in plan.layers])
+    program = lower(graph, {"tp": mesh.get_group()})
+    out = graph(*w.example_inputs)
+    out.float().pow(2).mean().backward()
+    return program, out.detach(), {n: p.grad.to_local().clone() for n, p in graph.named_parameters()}
+
+
+@pytest.fixture
+def fake_group():
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
+    yield
+    dist.destroy_process_group()
+
+
+def test_a_lowered_stage_recomputes_what_the_plan_says(fake_group):
+    """Recomputation in a lowered program is the partitioner's: the regions the stage marks (every
+    layer, its first layers, or each attention core) are run again in the backward graph from what
+    they read, so the forward keeps less, and outputs and gradients are bit for bit those of keeping."""
+    kept, out, grads = _stage("1,2,1", False)
+    assert kept.lowered and kept.saved_bytes() > 0
+    saved = {}
+    for name, args in {"full": (True,), "first layer": (True, None, 1), "selective": (True, "selective")}.items():
+        program, r_out, r_grads = _stage("1,2,1", *args)
+        assert program.lowered, program.fallback
+        assert torch.equal(r_out, out) and all(torch.equal(r_grads[k], g) for k, g in grads.items())
+        saved[name] = program.saved_bytes()
+    assert saved["full"] < saved["first layer"] < kept.saved_bytes()
+    assert saved["selective"] < kept.saved_bytes()
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "mlp-tiny"])
+def test_a_lowered_stage_issues_exactly_the_collectives_the_plan_priced(fake_group, name):
+    """The program's collectives, forward and backward (kind, phase, bytes), are the intra-op
+    plan's for the stage: none unplanned, none missing. (Gradients' own reductions, once per step,
+    are not in the program.) An all-gather is handed this rank's shard; the plan counts the whole."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from autopar.cost_models import get_cluster
+    from autopar.planner.intra_op import shard_stage
+    from autopar.planner.manual import MEGATRON, Layout, manual_plan, manual_search
+    from autopar.planner.search import Search
+    from autopar.runtime.export import export_as_planned
+    from autopar.runtime.lower import lower
+    from autopar.runtime.sharded_graph import ShardedGraph
+
+    torch.manual_seed(0)
+    w = autopar.load_workload(name, batch=4, device="cpu")
+    sharding = shard_stage(autopar.capture(w.model, w.example_inputs), get_cluster("cpu-local").with_mesh(1, 2),
+                           (1, 2), (1, 2), rule=MEGATRON)
+    predicted = Counter((c["kind"], c["phase"], c["bytes"] // (2 if c["kind"] == "all_gather" else 1))
+                        for c in sharding.collectives if c["axis"] == "tp" and c["phase"] != "gradient")
+    plan = manual_plan(manual_search(Search.start(w, get_cluster("cpu-local").with_ranks(2), (1, 2))),
+                       Layout.parse("1,2,1"))
+    ep = export_as_planned(w.model, w.example_inputs, tuple(w.example_inputs))
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
+    graph = ShardedGraph(w.model, plan.stages[0], mesh, ep, layers=[layer["nodes"] for layer in plan.layers])
+    program = lower(graph, {"tp": mesh.get_group()})
+    graph(*w.example_inputs).float().pow(2).mean().backward()
+    issued = Counter((c.kind, c.phase, c.nbytes) for c in program.collectives())
+    assert program.lowered and {c.axis for c in program.collectives()} == {"tp"}
+    assert issued == predicted
