@@ -192,6 +192,9 @@ class Program:
         return self.fallback is None
 
     def __call__(self, graph: Any, inputs: tuple) -> Any:
+        if self.fallback is None and not all(isinstance(x, torch.Tensor) for x in inputs):
+            self.fallback = "a value that is not a tensor crosses into it"
+            log.warning("a part of the plan runs interpreted (DTensor per op), not lowered: %s", self.fallback)
         if self.fallback is not None:
             return graph.interpret(inputs)
         params = [getattr(module, name) for module, name in graph.param_of.values()]
@@ -306,9 +309,9 @@ class Program:
 
 
 class StageBytes:
-    """Bytes the stages `modules` hand to the tensor axis's collectives within the block: a lowered
-    program's from its list (counting costs nothing per op), an interpreted one's as DTensor
-    dispatches them (`CollectiveBytes`, a dispatch mode, only where some stage is interpreted)."""
+    """Bytes the stages `modules` hand to the tensor axis's collectives within the block: lowered
+    programs' from their lists (counting costs nothing per op); where some stage runs interpreted,
+    all of them as dispatched (`CollectiveBytes`, a dispatch mode: it sees the programs' too)."""
 
     def __init__(self, modules: list[Any], axis: str = "tp") -> None:
         self.programs = [m.program for m in modules if getattr(m, "program", None) is not None]
@@ -328,7 +331,8 @@ class StageBytes:
             self.counter.__exit__(*exc)
             self.nbytes += self.counter.nbytes
             self.counter.nbytes = 0
-        self.nbytes += sum(p.sent.get(self.axis, 0) for p in self.programs)
+        else:
+            self.nbytes += sum(p.sent.get(self.axis, 0) for p in self.programs)
 
 
 def programs(modules: list[Any], stages: list[int]) -> list[dict[str, Any]]:
@@ -348,15 +352,87 @@ def programs(modules: list[Any], stages: list[int]) -> list[dict[str, Any]]:
     return out
 
 
-def lower(graph: Any, axes: dict[str, Any], compile: bool = False) -> Program:
-    """Give `graph` (a `ShardedGraph`) its lowered program, traced at its first call; where the stage
-    holds a construct the lowering does not handle yet, a program that says why and interprets."""
-    reason = None
-    if len(graph.units):
-        reason = ("ZeRO through FSDP2 gathers each layer's parameters in its module's hooks, which a traced "
-                  "program does not call")
+class _SegmentView:
+    """One segment of a stage as a `Program` sees a stage: the parameters and fixed values its nodes
+    read, and `interpret` running just its nodes."""
 
-    graph.program = Program(axes, compile, reason)
+    def __init__(self, graph: Any, index: int) -> None:
+        self.graph, self.segment = graph, graph.segments[index]
+        read = {i for n in self.segment.nodes for i in n.all_input_nodes}
+        self.param_of = {n: where for n, where in graph.param_of.items() if n in read}
+        self.fixed = {n: v for n, v in graph.fixed.items() if n in read}
+
+    @property
+    def training(self) -> bool:
+        return self.graph.training
+
+    @property
+    def tracing(self) -> bool:
+        return self.graph.tracing
+
+    @tracing.setter
+    def tracing(self, value: bool) -> None:
+        self.graph.tracing = value
+
+    @property
+    def _given(self) -> dict:
+        return self.graph._given
+
+    @_given.setter
+    def _given(self, value: dict) -> None:
+        self.graph._given = value
+
+    def interpret(self, inputs: tuple, given: dict | None = None) -> tuple:
+        graph = self.graph
+        wrapped, graph._wrapped = graph._wrapped, None  # the stage's eager wrappers stay out of the trace
+        graph._given = given or {}
+        try:
+            out = graph._segment(self.segment, *inputs)
+        finally:
+            graph._wrapped = wrapped
+        # an output that is (a view of) an input leaves as a copy: AOTAutograd would regenerate it
+        # outside the graph, and its partitioner refuses the gradient it then cannot place
+        ids = {id(x) for x in inputs}
+        return tuple(o.clone() if isinstance(o, torch.Tensor) and (o._is_view() or id(o) in ids) else o for o in out)
+
+
+class Segmented(Program):
+    """A stage lowered segment by segment (`parts[i]`, each a `Program` of segment i, with its
+    `view`): under ZeRO, FSDP2 gathers each layer's parameters around its module's call, so each
+    layer is a program of its own, which the stage's loop calls (Python, one call per layer)."""
+
+    def __init__(self, graph: Any, axes: dict[str, Any], compile: bool = False) -> None:
+        super().__init__(axes, compile)
+        self.parts = []
+        for i in range(len(graph.segments)):
+            part = Program(axes, compile)
+            part.view = _SegmentView(graph, i)
+            self.parts.append(part)
+
+    def __call__(self, graph: Any, inputs: tuple) -> Any:
+        for p in self.parts:
+            p.sent.clear()
+        out = graph.interpret(inputs)
+        failed = [(i, p.fallback) for i, p in enumerate(self.parts) if p.fallback is not None]
+        self.fallback = (f"{len(failed)} of {len(self.parts)} layers interpreted, layer {failed[0][0]}: "
+                         f"{failed[0][1]}") if failed else None
+        self.sent = {}
+        for p in self.parts:
+            for axis, n in p.sent.items():
+                self.sent[axis] = self.sent.get(axis, 0) + n
+        return out
+
+    def collectives(self) -> list[Collective]:
+        return [c for p in self.parts for c in p.collectives()]
+
+    def saved_bytes(self) -> int:
+        return sum(p.saved_bytes() for p in self.parts)
+
+
+def lower(graph: Any, axes: dict[str, Any], compile: bool = False) -> Program:
+    """Give `graph` (a `ShardedGraph`) its lowered program, traced at its first call: one for the
+    whole stage, or under ZeRO (FSDP2's units) one per layer (`Segmented`)."""
+    graph.program = Segmented(graph, axes, compile) if len(graph.units) else Program(axes, compile)
     return graph.program
 
 

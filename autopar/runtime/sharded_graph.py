@@ -192,13 +192,14 @@ def first_failure(module: ShardedGraph, inputs: tuple, group: Any = None) -> str
 
     failed = None
     kept = [(t, t.clone()) for t in module.fixed.values() if isinstance(t, torch.Tensor)]  # BatchNorm's statistics
+    program, module.program = module.program, None  # interpreted: the check needs the op that fails
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
-            # interpreted: the check needs the op that fails, not a program (the lowering traces at the first step)
-            module.interpret(tuple(x for x in inputs if isinstance(x, torch.Tensor)))
+            module(*inputs)
     except OpFailed as exc:
         failed = str(exc)
     finally:
+        module.program = program
         with torch.no_grad():
             for tensor, value in kept:
                 tensor.copy_(value)
@@ -250,13 +251,13 @@ class Layer(nn.Module):
     """One layer's parameters, and a forward that runs its segment of the graph: the module FSDP2's
     hooks gather the parameters around (ZeRO-3 per layer, as torchtitan shards each block)."""
 
-    def __init__(self, graph: ShardedGraph, segment: Segment) -> None:
+    def __init__(self, graph: ShardedGraph, index: int) -> None:
         super().__init__()
-        self.segment = segment
+        self.index = index
         self._graph = weakref.ref(graph)  # not a submodule: the graph holds this one
 
     def forward(self, *values: Any) -> tuple:
-        return self._graph()._segment(self.segment, *values)
+        return self._graph()._part(self.index, *values)
 
 
 class ShardedGraph(nn.Module):
@@ -370,7 +371,7 @@ class ShardedGraph(nn.Module):
         for i, segment in enumerate(self.segments):
             own = [pid for pid, where in users.items() if where == {i}]
             if own:
-                self._unit_at[i] = Layer(self, segment)
+                self._unit_at[i] = Layer(self, i)
                 self.units.append(self._unit_at[i])
                 home.update(dict.fromkeys(own, self._unit_at[i]))
         return home
@@ -407,7 +408,7 @@ class ShardedGraph(nn.Module):
         try:
             for i, segment in enumerate(self.segments):
                 unit = self._unit_at.get(i)
-                run = unit if unit is not None else partial(self._segment, segment)
+                run = unit if unit is not None else partial(self._part, i)
                 values = [env[n] for n in segment.inputs]
                 again = segment.recomputes(recompute, self.stage.recompute_layers)
                 env.update(zip(segment.outputs, self._recomputed(run, values) if again else run(*values)))
@@ -426,6 +427,14 @@ class ShardedGraph(nn.Module):
                  else x.contiguous()) if isinstance(x, torch.Tensor) else x for x in outs]
         outs = [gather_batch(x, *self.gather_outputs[i]) if i in self.gather_outputs else x for i, x in enumerate(outs)]
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _part(self, i: int, *values: Any) -> tuple:
+        """Segment i as the stage runs it: its own lowered program where the stage is lowered segment
+        by segment (ZeRO: FSDP2 gathers each layer's parameters around its call), else op by op."""
+        parts = getattr(self.program, "parts", None)
+        if parts is not None and not self.tracing:
+            return tuple(parts[i](parts[i].view, values))
+        return self._segment(self.segments[i], *values)
 
     def _segment(self, segment: Segment, *values: Any) -> tuple:
         """The nodes of one segment on the values it reads; the values later ones read."""
@@ -479,8 +488,8 @@ class ShardedGraph(nn.Module):
     def _run(self, node: fx.Node, env: dict, wrapped: dict) -> Any:
         if node.target is operator.getitem:
             return operator.getitem(env[node.args[0]], node.args[1])
-        if node.target in _CHECKS and any(isinstance(env[i], DTensor) for i in node.all_input_nodes):
-            return None  # export's metadata checks (global shapes, already checked when exporting)
+        if node.target in _CHECKS and (self.tracing or any(isinstance(env[i], DTensor) for i in node.all_input_nodes)):
+            return None  # export's metadata checks (global shapes, already checked when exporting; in a program, impure)
         needs = self.stage.needs.get(node.name) or []
         # None: as DTensor places it
         want = dtensor_placement(self.stage.ops[node.name][1]) if node.name in self.stage.ops else None
