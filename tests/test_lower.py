@@ -132,6 +132,8 @@ def fake_group():
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    if dist.is_initialized():  # a one-process job an earlier test left (`parallelize` makes one again)
+        dist.destroy_process_group()
     dist.init_process_group("fake", rank=0, world_size=2, store=FakeStore())
     yield
     dist.destroy_process_group()

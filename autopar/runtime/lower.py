@@ -176,16 +176,18 @@ class Program:
     mode, train/eval, autocast), lowering once per signature. `axes` names the process groups its
     collectives run on ("tp", "dp" -> group). With `compile`, inductor compiles the graphs."""
 
-    def __init__(self, axes: dict[str, Any], compile: bool = False, fallback: str | None = None) -> None:
+    def __init__(self, axes: dict[str, Any], compile: bool = False) -> None:
         import torch.distributed as dist
 
         self.axes = {tuple(sorted(dist.get_process_group_ranks(g))): axis for axis, g in axes.items()}
         self.compile = compile
         self.cache: dict[tuple, _Entry] = {}
         self.sent: dict[str, int] = {}  # bytes handed to each axis's collectives since `StageBytes` last looked
-        self.fallback = fallback  # why the stage runs interpreted
-        if fallback is not None:
-            log.warning("a stage of the plan runs interpreted (DTensor per op), not lowered: %s", fallback)
+        self.fallback: str | None = None  # why the stage (or layer) runs interpreted
+
+    def _fall_back(self, why: str) -> None:
+        self.fallback = why
+        log.warning("part of the plan runs interpreted (DTensor per op), not lowered: %s", why)
 
     @property
     def lowered(self) -> bool:
@@ -193,8 +195,7 @@ class Program:
 
     def __call__(self, graph: Any, inputs: tuple) -> Any:
         if self.fallback is None and not all(isinstance(x, torch.Tensor) for x in inputs):
-            self.fallback = "a value that is not a tensor crosses into it"
-            log.warning("a part of the plan runs interpreted (DTensor per op), not lowered: %s", self.fallback)
+            self._fall_back("a value that is not a tensor crosses into it")
         if self.fallback is not None:
             return graph.interpret(inputs)
         params = [getattr(module, name) for module, name in graph.param_of.values()]
@@ -222,10 +223,8 @@ class Program:
             if entry.seconds:  # traced: the failure is the run's own
                 raise
             cause = exc.__cause__ or exc
-            self.fallback = f"{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
-            where = str(exc).split(" failed under")[0] if "failed under" in str(exc) else ""
-            log.warning("a stage of the plan runs interpreted (DTensor per op), not lowered: %s%s",
-                        f"{where}: " if where else "", self.fallback)
+            where = str(exc).split(" failed under")[0] + ": " if "failed under" in str(exc) else ""
+            self._fall_back(f"{where}{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}")
         finally:
             graph.tracing, graph._given = False, {}  # (a recomputed layer's backward is traced by then)
         if self.fallback is not None:
@@ -256,6 +255,10 @@ class Program:
         """The bytes of activations the training program's forward keeps for its backward, per call."""
         entry = self._latest()
         return entry.saved_bytes if entry is not None else 0
+
+    def seconds(self) -> float:
+        """Time spent lowering (tracing, and with `compile` compiling), over every signature so far."""
+        return sum(e.seconds for e in self.cache.values())
 
     def _lower(self, graph: Any, params: list) -> _Entry:
         """The program for one signature, traced at its first call."""
@@ -347,7 +350,7 @@ def programs(modules: list[Any], stages: list[int]) -> list[dict[str, Any]]:
         elif program.fallback is not None:
             out.append({"stage": stage, "runs": "interpreted", "why": program.fallback})
         else:
-            out.append({"stage": stage, "runs": "lowered", "why": None,
+            out.append({"stage": stage, "runs": "lowered", "why": None, "lowering_s": round(program.seconds(), 3),
                         "collectives": [c.as_dict() for c in program.collectives()]})
     return out
 
@@ -427,6 +430,9 @@ class Segmented(Program):
 
     def saved_bytes(self) -> int:
         return sum(p.saved_bytes() for p in self.parts)
+
+    def seconds(self) -> float:
+        return sum(p.seconds() for p in self.parts)
 
 
 def lower(graph: Any, axes: dict[str, Any], compile: bool = False) -> Program:

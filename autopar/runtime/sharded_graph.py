@@ -1,5 +1,7 @@
 """The exported graph, op by op, as a stage of the plan runs it: the tensor axis through DTensor,
-pipeline stages as parts of the graph (`cut`).
+pipeline stages as parts of the graph (`cut`). `ShardedGraph.interpret` is what the lowering traces
+(`runtime.lower`): a step runs the program traced from it, and the interpreter itself runs only
+where the lowering falls back, and for the build-time check (`first_failure`).
 
 The model is exported again at the shape one rank runs (its microbatch), so node names are the
 plan's. Parameters become DTensors with the plan's tensor-axis placements; before each op its
