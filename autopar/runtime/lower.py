@@ -419,8 +419,7 @@ class Segmented(Program):
         failed = [(i, p.fallback) for i, p in enumerate(self.parts) if p.fallback is not None]
         self.fallback = (f"{len(failed)} of {len(self.parts)} layers interpreted, layer {failed[0][0]}: "
                          f"{failed[0][1]}") if failed else None
-        self.sent = {}
-        for p in self.parts:
+        for p in self.parts:  # added to what earlier microbatches sent (`StageBytes` clears it per step)
             for axis, n in p.sent.items():
                 self.sent[axis] = self.sent.get(axis, 0) + n
         return out
