@@ -347,10 +347,13 @@ def _destroy_at_exit() -> None:
     `terminate called without an active exception` (pytorch/pytorch#190489; a 4-rank gloo job doing
     that crashed in 59 of 200 runs, none of 100 with the groups destroyed: benchmarks/repeat_jobs.py).
     The groups are destroyed, and the models `parallelize` built (which hold them) emptied, while
-    the interpreter is whole. gloo only: NCCL's teardown may wait for peers that are already gone."""
-    if not dist.is_initialized() or dist.get_backend() != "gloo":
-        return
-    dist.destroy_process_group()
+    the interpreter is whole, also where the script destroyed the groups itself (a model in a
+    reference cycle, as a lowered program's, outlives its function and still holds them). gloo
+    only: NCCL's teardown may wait for peers that are already gone."""
+    if dist.is_initialized():
+        if dist.get_backend() != "gloo":
+            return
+        dist.destroy_process_group()
     for pm in list(_BUILT):  # their process groups, meshes and DTensors: freed while the interpreter is whole
         vars(pm).clear()
     gc.collect()
