@@ -35,6 +35,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from autopar.runtime.lower import mismatch  # noqa: E402
 from benchmarks._stamp import line, stamp  # noqa: E402
 from tests.families import FAMILIES  # noqa: E402
 
@@ -144,6 +145,9 @@ def run_family(name: str, world: int, layouts: list[str], timeout: float) -> lis
                       "plan": got[0][1].get("plan") if got[0] and got[0][0] else None,
                       # how each stage ran: lowered, or interpreted and why (the fallbacks, target: none)
                       "interpreted": {str(s): p["why"] for s, p in sorted(ran.items()) if p["runs"] == "interpreted"},
+                      # a lowered stage's collectives the plan did not price, or priced and it does not issue
+                      "unplanned": {str(s): {"unplanned": p["unplanned"], "missing": p["missing"]}
+                                    for s, p in sorted(ran.items()) if p.get("unplanned") or p.get("missing")},
                       "seconds": round(seconds / len(pending), 1), **stamp()}
             record(result)
             out.append(result)
@@ -200,6 +204,11 @@ def write_table() -> str:
                 note = _note("interpreted: " + "; ".join(sorted(set(r["interpreted"].values()))))
                 notes.setdefault(note, len(notes) + 1)
                 text += f" ◦[{notes[note]}]"
+            if r.get("unplanned"):  # the program is not the plan: which collectives, where
+                note = _note("not as priced: " + "; ".join(mismatch(m["unplanned"], m["missing"])
+                                                        for m in r["unplanned"].values()))
+                notes.setdefault(note, len(notes) + 1)
+                text += f" ≠[{notes[note]}]"
             if r["message"]:
                 note = _note(r["message"])
                 notes.setdefault(note, len(notes) + 1)
@@ -231,7 +240,8 @@ def write_table() -> str:
         "`refused`: `parallelize` refused the layout on every rank, with the message below; `n/a`: a coupled "
         "family under a plan whose stages cut the batch differently, which no one process computes; `·`: not run; "
         "`◦`: some stage ran interpreted (DTensor per op), not lowered, for the reason in the note (cells recorded "
-        "before the lowering say nothing of it).",
+        "before the lowering say nothing of it); `≠`: a lowered stage's collectives are not those its plan priced "
+        "(the note names them; target: none).",
         "",
         "| family | model class | " + " | ".join(f"{TITLES[k]} ({w})" for w, k in columns) + " |",
         "|---|---|" + "---|" * len(columns),

@@ -240,6 +240,8 @@ def test_compare_lists_the_deepspeed_moe_layout_for_moe_models(capsys):
     (lambda p: p.update(num_microbatches=3), "num_microbatches 3 must be at least 1 and divide the batch 8"),
     (lambda p: p["stages"][0]["params"].__setitem__("wte.weight", ["R", "X"]), "two placements"),
     (lambda p: p["stages"][0]["needs"].__setitem__("linear", ["S(x)"]), "needs['linear'] must be a list of placements"),
+    (lambda p: p["stages"][0].update(collectives=[{"kind": "all_reduce", "phase": "forward", "bytes": -1}]),
+     "collectives must be objects with node, kind and phase"),
 ])
 def test_malformed_plans_are_explained(capsys, tmp_path, mutate, message):
     from autopar.contract.plan import Plan, PlanError
@@ -252,7 +254,7 @@ def test_malformed_plans_are_explained(capsys, tmp_path, mutate, message):
         Plan.from_json(json.dumps(data))
 
 
-def test_a_tensor_parallel_plan_round_trips_with_what_each_op_needs(tmp_path):
+def test_a_tensor_parallel_plan_round_trips_with_what_each_op_needs(capsys, tmp_path):
     from autopar.contract.plan import Plan
 
     path = tmp_path / "plan.json"
@@ -261,7 +263,13 @@ def test_a_tensor_parallel_plan_round_trips_with_what_each_op_needs(tmp_path):
     needs = plan.stages[0].needs
     assert needs and set(needs) <= set(plan.stages[0].ops)  # every op of the tensor-parallel stage
     assert needs["embedding"] == [Shard(0), R]  # vocabulary-parallel: the weight split, the indices whole
+    # what the stage's program will issue, as priced: the tensor axis's, forward and backward
+    assert {(c["kind"], c["phase"]) for c in plan.stages[0].collectives} >= {("all_reduce", "forward"),
+                                                                           ("all_reduce", "backward")}
     assert Plan.from_json(plan.to_json()).to_json() == plan.to_json() == path.read_text()
+    capsys.readouterr()
+    assert main(["show", str(path)]) == 0  # no model to lower: what the plan says its program issues
+    assert "tensor-axis collectives each stage's program issues" in capsys.readouterr().out
 
 
 def test_placements_written_as_text_are_typed_before_the_runtime_sees_them(tmp_path):

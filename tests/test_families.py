@@ -78,7 +78,7 @@ def _parallel(rank, world, name, layout, seeded_apart=False):
     pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=optimizer,
                              plan=_plan(w, world, layout))
     losses = [pm.step(inputs, target) for inputs, target in batches]
-    return losses, pm.full_state_dict(), (_momentum_share(pm.optimizer), _offloaded(pm))
+    return losses, pm.full_state_dict(), (_momentum_share(pm.optimizer), _offloaded(pm), pm.programs())
 
 
 def _offloaded(pm) -> set[bool]:
@@ -110,6 +110,13 @@ def assert_same_training(got_losses, got_params, losses, params):
     assert not differences(got_losses, got_params, losses, params)
 
 
+def assert_as_planned(programs):
+    """Every lowered stage issued the collectives its plan records, no other (`runtime.lower.unplanned`)."""
+    for p in programs:
+        if p["runs"] == "lowered":
+            assert not p["unplanned"] and not p["missing"], p
+
+
 # the replicas start from rank 0's weights under DP, PP, ZeRO-3 and a mixed layout
 APART = [("llama", layout, True) for layout in ("dp", "pp", "zero3", "dp-pp")]
 CASES = [(name, layout, False) for name in FOUR for layout in TABLE] + APART + [
@@ -120,8 +127,10 @@ CASES = [(name, layout, False) for name in FOUR for layout in TABLE] + APART + [
 @pytest.mark.parametrize("name, layout", [c[:2] for c in CASES if not c[2] and c[:2] not in ZERO])
 def test_family_trains_like_one_process_under_every_layout(tmp_path, name, layout):
     losses, params = single(name)
-    for got_losses, got_params, _ in shared_ranks(_parallel, WORLD, CASES, (name, layout, False), tmp_path):
+    for got_losses, got_params, (_, _, programs) in shared_ranks(_parallel, WORLD, CASES, (name, layout, False),
+                                                                 tmp_path):
         assert_same_training(got_losses, got_params, losses, params)
+        assert_as_planned(programs)
 
 
 @pytest.mark.parametrize("name, layout", ZERO)
@@ -131,9 +140,10 @@ def test_zero_shards_the_optimizer_states_and_trains_like_one_process(tmp_path, 
     its shards where the plan says so, and trains as one process does."""
     losses, params = single(name)
     dp = int(LAYOUTS[layout].split(",")[0])
-    for got_losses, got_params, (held, offloaded) in shared_ranks(_parallel, WORLD, CASES, (name, layout, False),
-                                                                 tmp_path):
+    for got_losses, got_params, (held, offloaded, programs) in shared_ranks(_parallel, WORLD, CASES,
+                                                                           (name, layout, False), tmp_path):
         assert_same_training(got_losses, got_params, losses, params)
+        assert_as_planned(programs)
         assert held == pytest.approx(1 / dp, rel=0.1)
         assert offloaded == {layout.endswith("offload")}
 
@@ -178,3 +188,4 @@ def test_a_family_of_each_construct_trains_like_one_process_or_is_refused_saying
     losses, params = single(name, slices=got[0]["slices"] if FAMILIES[name].coupled else 1)
     for r in got:
         assert_same_training(r["losses"], r["params"], losses, params)
+        assert_as_planned(r["programs"])

@@ -155,16 +155,12 @@ def test_a_lowered_stage_recomputes_what_the_plan_says(fake_group):
     assert saved["selective"] < kept.saved_bytes()
 
 
-@pytest.mark.parametrize("name", ["gpt-tiny", "mlp-tiny"])
-def test_a_lowered_stage_issues_exactly_the_collectives_the_plan_priced(fake_group, name):
-    """The program's collectives, forward and backward (kind, phase, bytes), are the intra-op
-    plan's for the stage: none unplanned, none missing. (Gradients' own reductions, once per step,
-    are not in the program.) An all-gather is handed this rank's shard; the plan counts the whole."""
+def _planned_stage(name: str):
+    """A `1,2,1` stage of the zoo model on the fake group, lowered (traced at its first call)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.cost_models import get_cluster
-    from autopar.planner.intra_op import shard_stage
-    from autopar.planner.manual import MEGATRON, Layout, manual_plan, manual_search
+    from autopar.planner.manual import Layout, manual_plan, manual_search
     from autopar.planner.search import Search
     from autopar.runtime.export import export_as_planned
     from autopar.runtime.lower import lower
@@ -172,17 +168,53 @@ def test_a_lowered_stage_issues_exactly_the_collectives_the_plan_priced(fake_gro
 
     torch.manual_seed(0)
     w = autopar.load_workload(name, batch=4, device="cpu")
-    sharding = shard_stage(autopar.capture(w.model, w.example_inputs), get_cluster("cpu-local").with_mesh(1, 2),
-                           (1, 2), (1, 2), rule=MEGATRON)
-    predicted = Counter((c["kind"], c["phase"], c["bytes"] // (2 if c["kind"] == "all_gather" else 1))
-                        for c in sharding.collectives if c["axis"] == "tp" and c["phase"] != "gradient")
     plan = manual_plan(manual_search(Search.start(w, get_cluster("cpu-local").with_ranks(2), (1, 2))),
                        Layout.parse("1,2,1"))
     ep = export_as_planned(w.model, w.example_inputs, tuple(w.example_inputs))
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     graph = ShardedGraph(w.model, plan.stages[0], mesh, ep, layers=[layer["nodes"] for layer in plan.layers])
-    program = lower(graph, {"tp": mesh.get_group()})
+    return w, plan, graph, lower(graph, {"tp": mesh.get_group()})
+
+
+@pytest.mark.parametrize("name", ["gpt-tiny", "mlp-tiny"])
+def test_a_lowered_stage_issues_exactly_the_collectives_the_plan_priced(fake_group, name):
+    """The program's collectives, forward and backward (kind, phase, bytes), are the ones the plan
+    records for the stage, which are the intra-op solution's: none unplanned, none missing.
+    (Gradients' own reductions, once per step, are not in the program.) An all-gather is handed
+    this rank's shard; the solution counts what it gathers."""
+    from autopar.cost_models import get_cluster
+    from autopar.planner.intra_op import shard_stage
+    from autopar.planner.manual import MEGATRON
+
+    fresh = autopar.load_workload(name, batch=4, device="cpu")
+    sharding = shard_stage(autopar.capture(fresh.model, fresh.example_inputs), get_cluster("cpu-local").with_mesh(1, 2),
+                           (1, 2), (1, 2), rule=MEGATRON)
+    w, plan, graph, program = _planned_stage(name)
+    solved = Counter((c["kind"], c["phase"], c["bytes"] // (2 if c["kind"] == "all_gather" else 1))
+                     for c in sharding.collectives if c["axis"] == "tp" and c["phase"] != "gradient")
+    assert Counter((c["kind"], c["phase"], c["bytes"]) for c in plan.stages[0].collectives) == solved
     graph(*w.example_inputs).float().pow(2).mean().backward()
     issued = Counter((c.kind, c.phase, c.nbytes) for c in program.collectives())
     assert program.lowered and {c.axis for c in program.collectives()} == {"tp"}
-    assert issued == predicted
+    assert issued == solved and program.unplanned() == ([], [])
+
+
+def test_a_program_that_is_not_its_plan_is_named_at_build_time(fake_group, caplog):
+    """Checked as the stage is built (its training program traced there, on the example inputs):
+    a collective the plan did not price, and one it priced that the program does not issue, are
+    named with their op in one warning and in `programs()`."""
+    from autopar.runtime.lower import lower_now, programs
+
+    w, plan, graph, program = _planned_stage("gpt-tiny")
+    record = plan.stages[0].collectives
+    dropped = next(c for c in record if c["phase"] == "backward")
+    record.remove(dropped)
+    record.append({"node": "made_up", "kind": "all_to_all", "phase": "forward", "bytes": 64.0})
+    with caplog.at_level("WARNING", logger="autopar.runtime.lower"):
+        lower_now(graph, tuple(w.example_inputs))
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert f"issued, not priced: all_reduce in backward at {dropped['node']}" in warning
+    assert "priced, not issued: all_to_all in forward at made_up" in warning
+    (report,) = programs([graph], [0])
+    assert [(c["kind"], c["node"]) for c in report["unplanned"]] == [("all_reduce", dropped["node"])]
+    assert report["missing"] == [record[-1]]

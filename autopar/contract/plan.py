@@ -31,6 +31,8 @@ from autopar.contract.units import human_time, printable, span
 
 SCHEMA = "autopar.plan/2"
 SCHEMAS = ("autopar.plan/1", SCHEMA)  # what loads
+# a stage's fields written only when set (older plans read the same)
+_UNSET_LEFT_OUT = ("recompute_layers", "recompute_granularity", "zero", "offload", "collectives")
 
 
 class PlanError(AutoparError):
@@ -67,6 +69,11 @@ class StagePlan:
     # parameters (and ZeRO-1's whole gradients). None: on the device
     offload: bool | None = None
     cost: dict[str, float] = field(default_factory=dict)  # per microbatch and per step, itemised
+    # the collectives the stage's lowered program must issue per microbatch (the tensor axis's,
+    # forward and backward), priced from the stage's placements: {"node", "kind", "phase", "bytes"
+    # each rank hands in}; the runtime checks its program against them (`runtime.lower.unplanned`).
+    # None: not recorded (a plan from before they were), nothing to check
+    collectives: list[dict[str, Any]] | None = None
 
     @property
     def devices(self) -> int:
@@ -108,8 +115,7 @@ class Plan:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
-        data["stages"] = [{**{k: v for k, v in s.items() if k not in ("recompute_layers", "recompute_granularity", "zero", "offload")
-                              or v is not None},
+        data["stages"] = [{**{k: v for k, v in s.items() if k not in _UNSET_LEFT_OUT or v is not None},
                            "layers": list(s["layers"]), "submesh": list(s["submesh"]),
                            "logical_mesh": list(s["logical_mesh"]), "params": spelled(stage.params),
                            "ops": spelled(stage.ops), "needs": spelled(stage.needs)}
@@ -284,7 +290,14 @@ def _parse(data: Any, source: str) -> Plan:
             recompute_granularity=need(s, "recompute_granularity", str, where)
             if s.get("recompute_granularity") is not None else None,
             zero=need(s, "zero", int, where) if s.get("zero") is not None else None,
-            offload=need(s, "offload", bool, where) if s.get("offload") is not None else None)
+            offload=need(s, "offload", bool, where) if s.get("offload") is not None else None,
+            collectives=need(s, "collectives", list, where) if s.get("collectives") is not None else None)
+        for c in stage.collectives or ():
+            if not (isinstance(c, dict) and all(isinstance(c.get(k), str) for k in ("node", "kind", "phase"))
+                    and isinstance(c.get("bytes"), (int, float)) and not isinstance(c["bytes"], bool)
+                    and math.isfinite(c["bytes"]) and c["bytes"] >= 0):
+                raise PlanError(f"{source}: {where}collectives must be objects with node, kind and phase (strings) "
+                                f"and bytes (a non-negative number), got {c!r}")
         if stage.zero is not None and not (stage.zero in (1, 2) and stage.logical_mesh[0] > 1
                                            and not any(p[0] == "S(0)" for p in stage.params.values())):
             raise PlanError(f"{source}: {where}zero must be 1 or 2 (null: none) on a stage with a data axis (dp > 1) "

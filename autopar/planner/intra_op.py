@@ -227,6 +227,16 @@ def _result(stage: StageGraph, logical, chosen: dict[str, Evaluation], zero: dic
     )
 
 
+def program_collectives(collectives: list[dict[str, Any]], tp: int, per: float = 1.0) -> list[dict[str, Any]]:
+    """Of a stage's priced collectives, those its lowered program issues (`runtime.lower`), in the
+    program's terms: the tensor axis's, forward and backward (gradients' own reductions and
+    FSDP2's gathers run outside it), with the bytes each rank hands in (an all-gather's 1/tp of
+    what it gathers), `per` of them (1/M: a microbatch's share of the captured batch)."""
+    return [{"node": c["node"], "kind": c["kind"], "phase": c["phase"],
+             "bytes": c["bytes"] * per / (tp if c["kind"] == "all_gather" else 1)}
+            for c in collectives if c["axis"] == "tp" and c["phase"] in ("forward", "backward")]
+
+
 def _latency_of(mesh: Mesh, collectives: list[dict[str, Any]]) -> float:
     """The per-message (α) part of every collective a microbatch runs: it does not shrink with
     the microbatch, unlike the bytes."""

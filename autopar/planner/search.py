@@ -24,7 +24,7 @@ from autopar.planner.capture import capture
 from autopar.planner.graph import OpGraph
 from autopar.planner.ilp import InfeasibleError
 from autopar.planner.inter_op import INF, microbatch_counts, stage_dp, submesh_shapes
-from autopar.planner.intra_op import best_sharding, logical_meshes
+from autopar.planner.intra_op import best_sharding, logical_meshes, program_collectives
 from autopar.planner.layering import Layer, cluster_layers
 from autopar.planner.placement import shard_dim
 from autopar.planner.precision import with_precision
@@ -547,7 +547,8 @@ def plan_single_stage(search: Search) -> Plan:
     comm = c["comm_s"] + c["reshard_s"]
     stage = StagePlan(
         layers=(0, len(search.layers)), submesh=search.mesh, logical_mesh=best.logical_mesh, params=placed(best.params),
-        ops=placed(best.ops), needs=placed(best.needs), cost={"forward_s": c["compute_s"] * share + comm / 2 + loss(best) / 2,
+        ops=placed(best.ops), needs=placed(best.needs),
+        collectives=program_collectives(best.collectives, best.logical_mesh[1]), cost={"forward_s": c["compute_s"] * share + comm / 2 + loss(best) / 2,
                             "backward_s": backward(best), "send_s": 0.0,
                             "grad_sync_s": float(costs.exposed_sync(c["grad_sync_s"], backward(best), search.mesh,
                                                                     best.logical_mesh, c["trainable_bytes"])),
@@ -628,6 +629,8 @@ def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int]
             ops=placed(ops), needs=placed(needs), recompute=bool(opt.recompute), recompute_layers=opt.recompute_layers,
             recompute_granularity=opt.recompute if opt.recompute == SELECTIVE else None,
             zero=opt.zero or None, offload=opt.offload or None,
+            collectives=[{**c, "bytes": c["bytes"] / m}  # a microbatch's share of the captured batch
+                         for c in search.costs.collectives(search.atoms(i, j), shape, opt.logical_mesh, opt.lean)],
             cost={"forward_s": opt.forward_s, "backward_s": opt.backward_s, "weight_s": opt.weight_s, "send_s": opt.send_s,
                   "grad_sync_s": opt.unhidden_sync_s if unhidden else opt.grad_sync_s, "optimizer_s": opt.optimizer_s,
                   "state_bytes": opt.state_bytes,

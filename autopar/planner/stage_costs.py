@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -29,7 +30,14 @@ from autopar.cost_models.compute import loss_time
 from autopar.cost_models.memory import OPTIMIZER_STATE_BYTES
 from autopar.planner.graph import OpGraph
 from autopar.planner.ilp import InfeasibleError
-from autopar.planner.intra_op import BUCKET_BYTES, StageSharding, buckets, logical_meshes, shard_stage
+from autopar.planner.intra_op import (
+    BUCKET_BYTES,
+    StageSharding,
+    buckets,
+    logical_meshes,
+    program_collectives,
+    shard_stage,
+)
 from autopar.planner.layering import cut_bytes
 from autopar.planner.stage_graph import layer_hash
 from autopar.planner.strategy_costs import DTYPE_BYTES, Rule
@@ -235,6 +243,26 @@ class StageCosts:
         ops = {nodes[n]: p for n, p in result.ops.items() if n in nodes}
         needs = {nodes[n]: p for n, p in result.needs.items() if n in nodes}
         return params, ops, needs
+
+    def collectives(self, atoms: tuple[int, int], submesh: tuple[int, int], logical: tuple[int, int],
+                    lean: bool) -> list[dict[str, Any]]:
+        """The collectives the lowered program of atoms [a, b) issues at the captured batch
+        (`program_collectives`): the atoms' chosen strategies priced again as one graph. Alone,
+        each atom priced its outputs made replicated (or batch-split) for the next; the program
+        goes from each producer's placement straight to each consumer's need across the boundary.
+        (The stage's time still sums the atoms' prices: where a split value crosses a boundary,
+        an over-estimate of its collectives.)"""
+        if logical[1] == 1:
+            return []
+        fixed: dict = {}
+        for k in range(*atoms):
+            result = self.atom(k, submesh, logical, lean)
+            nodes = dict(zip(self.atoms[self._first[self.hashes[k]]].nodes, self.atoms[k].nodes))
+            fixed.update({nodes.get(a, a): strategy for a, strategy in (result.strategies or {}).items()})
+        whole = self.graph.subgraph([n for k in range(*atoms) for n in self.atoms[k].nodes])
+        priced = shard_stage(whole, self.cluster, submesh, logical, float("inf"), self.time_limit_s, self.rule,
+                             fixed=fixed)
+        return program_collectives(priced.collectives, logical[1])
 
     def options(self, atoms: tuple[int, int], submesh: tuple[int, int], num_microbatches: int,
                 logical: list[tuple[int, int]] | None = None, recompute: tuple | None = None,

@@ -25,6 +25,8 @@ stage run interpreted, with one warning saying why (`Program.fallback`).
 
 from __future__ import annotations
 
+import collections
+import contextlib
 import logging
 import time
 from collections.abc import Callable
@@ -54,9 +56,49 @@ class Collective:
     axis: str  # the mesh axis its group is ("tp", "dp"), or the group's name
     nbytes: int  # the input this rank hands it
     phase: str  # "forward" or "backward"
+    node: str = ""  # the stage's node it was traced under (`traced_as`), where known
 
     def as_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "axis": self.axis, "bytes": self.nbytes, "phase": self.phase}
+        return {"kind": self.kind, "axis": self.axis, "bytes": self.nbytes, "phase": self.phase, "node": self.node}
+
+
+NODE = "autopar_node"  # the annotation naming the stage's node a traced op came from
+
+
+def traced_as(node: str, tracing: bool) -> Any:
+    """While the stage is traced, the ops run inside are annotated with the stage's node they
+    belong to (the partitioner copies annotations to their backward ops): a collective the plan
+    did not price is named by its op."""
+    if not tracing:
+        return contextlib.nullcontext()
+    from torch.fx import traceback as fx_traceback
+
+    return fx_traceback.annotate({NODE: node})
+
+
+def unplanned(issued: list[Collective], planned: list[dict[str, Any]]) -> tuple[list[dict], list[dict]]:
+    """(issued but not priced, priced but not issued): the tensor axis's collectives of one call of a
+    program against the plan's for it (`StagePlan.collectives`), by kind, phase and bytes."""
+    def key(kind: str, phase: str, nbytes: float) -> tuple:
+        return kind, phase, round(nbytes)
+
+    left = collections.Counter(key(c["kind"], c["phase"], c["bytes"]) for c in planned)
+    extra = []
+    for c in issued:
+        if c.axis != "tp":
+            continue
+        k = key(c.kind, c.phase, c.nbytes)
+        if left[k] > 0:
+            left[k] -= 1
+        else:
+            extra.append(c.as_dict())
+    missing = []
+    for c in planned:
+        k = key(c["kind"], c["phase"], c["bytes"])
+        if left[k] > 0:
+            left[k] -= 1
+            missing.append(dict(c))
+    return extra, missing
 
 
 def _ranks(group_name: str) -> tuple[int, ...]:
@@ -79,7 +121,8 @@ def collectives(gm: torch.fx.GraphModule, phase: str, axes: dict[tuple[int, ...]
         vals = [v.meta.get("val") for v in (value if isinstance(value, (list, tuple)) else [value])]
         group = next((a for a in (*node.args[1:], *node.kwargs.values()) if isinstance(a, str) and a.isdigit()), None)
         ranks = _ranks(group) if group is not None else ()
-        out.append(Collective(kind, axes.get(ranks, f"ranks {list(ranks)}"), nbytes_of(vals), phase))
+        out.append(Collective(kind, axes.get(ranks, f"ranks {list(ranks)}"), nbytes_of(vals), phase,
+                              node.meta.get("custom", {}).get(NODE, "")))
     return out
 
 
@@ -176,11 +219,12 @@ class Program:
     mode, train/eval, autocast), lowering once per signature. `axes` names the process groups its
     collectives run on ("tp", "dp" -> group). With `compile`, inductor compiles the graphs."""
 
-    def __init__(self, axes: dict[str, Any], compile: bool = False) -> None:
+    def __init__(self, axes: dict[str, Any], compile: bool = False, planned: list[dict[str, Any]] | None = None) -> None:
         import torch.distributed as dist
 
         self.axes = {tuple(sorted(dist.get_process_group_ranks(g))): axis for axis, g in axes.items()}
         self.compile = compile
+        self.planned = planned  # the collectives the plan priced per call (None: not recorded)
         self.cache: dict[tuple, _Entry] = {}
         self.sent: dict[str, int] = {}  # bytes handed to each axis's collectives since `StageBytes` last looked
         self.fallback: str | None = None  # why the stage (or layer) runs interpreted
@@ -251,6 +295,17 @@ class Program:
         entry = self._latest()
         return entry.collectives if entry is not None else []
 
+    def unplanned(self) -> tuple[list[dict], list[dict]] | None:
+        """(collectives issued but not priced, priced but not issued) by the training program, or
+        None where there is nothing to check yet (no plan record, or no training trace)."""
+        if self.planned is None or not self.trained():
+            return None
+        return unplanned(self.collectives(), self.planned)
+
+    def trained(self) -> bool:
+        """Whether a training program (grad mode) has been traced."""
+        return any(k[2] for k in self.cache)
+
     def saved_bytes(self) -> int:
         """The bytes of activations the training program's forward keeps for its backward, per call."""
         entry = self._latest()
@@ -283,7 +338,10 @@ class Program:
         def partition(joint: torch.fx.GraphModule, inputs: Any, *, num_fwd_outputs: int, **kwargs: Any) -> tuple:
             returned[0] = num_fwd_outputs
             _mark_recomputed(joint)
-            return default_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+            fw, bw = default_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
+            # listed now: AOTAutograd compiles the backward graph only at the first backward
+            entry.collectives[:] = collectives(fw, "forward", self.axes) + collectives(bw, "backward", self.axes)
+            return fw, bw
 
         def compiler(phase: str) -> Callable:
             def compile_graph(gm: torch.fx.GraphModule, example: list) -> Callable:
@@ -291,7 +349,8 @@ class Program:
                     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
                     entry.saved_bytes = nbytes_of([getattr(v, "meta", {}).get("val") for v in out[returned[0]:]])
                 _plain_views(gm)
-                entry.collectives.extend(collectives(gm, phase, self.axes))
+                if not returned[0]:  # a program without backward (not partitioned)
+                    entry.collectives[:] = collectives(gm, phase, self.axes)
                 entry.seconds = time.perf_counter() - start
                 if self.compile:
                     from torch._inductor.compile_fx import compile_fx_inner
@@ -350,8 +409,10 @@ def programs(modules: list[Any], stages: list[int]) -> list[dict[str, Any]]:
         elif program.fallback is not None:
             out.append({"stage": stage, "runs": "interpreted", "why": program.fallback})
         else:
+            unplanned_, missing = program.unplanned() or (None, None)
             out.append({"stage": stage, "runs": "lowered", "why": None, "lowering_s": round(program.seconds(), 3),
-                        "collectives": [c.as_dict() for c in program.collectives()]})
+                        "collectives": [c.as_dict() for c in program.collectives()],
+                        "unplanned": unplanned_, "missing": missing})  # None: nothing to check against
     return out
 
 
@@ -404,8 +465,9 @@ class Segmented(Program):
     `view`): under ZeRO, FSDP2 gathers each layer's parameters around its module's call, so each
     layer is a program of its own, which the stage's loop calls (Python, one call per layer)."""
 
-    def __init__(self, graph: Any, axes: dict[str, Any], compile: bool = False) -> None:
-        super().__init__(axes, compile)
+    def __init__(self, graph: Any, axes: dict[str, Any], compile: bool = False,
+                 planned: list[dict[str, Any]] | None = None) -> None:
+        super().__init__(axes, compile, planned)  # checked against the parts' together
         self.parts = []
         for i in range(len(graph.segments)):
             part = Program(axes, compile)
@@ -427,6 +489,9 @@ class Segmented(Program):
     def collectives(self) -> list[Collective]:
         return [c for p in self.parts for c in p.collectives()]
 
+    def trained(self) -> bool:
+        return all(p.trained() for p in self.parts)
+
     def saved_bytes(self) -> int:
         return sum(p.saved_bytes() for p in self.parts)
 
@@ -437,8 +502,41 @@ class Segmented(Program):
 def lower(graph: Any, axes: dict[str, Any], compile: bool = False) -> Program:
     """Give `graph` (a `ShardedGraph`) its lowered program, traced at its first call: one for the
     whole stage, or under ZeRO (FSDP2's units) one per layer (`Segmented`)."""
-    graph.program = Segmented(graph, axes, compile) if len(graph.units) else Program(axes, compile)
+    planned = graph.stage.collectives
+    graph.program = Segmented(graph, axes, compile, planned) if len(graph.units) else Program(axes, compile, planned)
     return graph.program
+
+
+def lower_now(graph: Any, inputs: tuple) -> None:
+    """Trace `graph`'s training program at build time, on `inputs` as a step will hand them (one
+    forward run and dropped; random state and buffers kept), and check its collectives against
+    the plan's: one warning naming the ops of any the plan did not price or priced but the
+    program does not issue (`programs()` reports them). A stage lowered layer by layer (ZeRO) is
+    traced at its first step, once FSDP2 gathers its layers' parameters."""
+    program = getattr(graph, "program", None)
+    if program is None or program.fallback is not None or isinstance(program, Segmented):
+        return
+    kept = [(t, t.clone()) for t in graph.fixed.values() if isinstance(t, torch.Tensor)]  # BatchNorm's statistics
+    try:
+        with torch.enable_grad(), torch.random.fork_rng(devices=[]):
+            graph(*inputs)
+    finally:
+        with torch.no_grad():
+            for tensor, value in kept:
+                tensor.copy_(value)
+    found = program.unplanned()
+    if found and (found[0] or found[1]):
+        log.warning("the lowered program does not issue the collectives its plan priced: %s", mismatch(*found))
+
+
+def mismatch(extra: list[dict], missing: list[dict]) -> str:
+    """Collectives a program issues that its plan did not price, and ones priced it does not issue,
+    in words (each kind, phase and op once)."""
+    def said(cs: list[dict]) -> str:
+        return ", ".join(sorted({f"{c['kind']} in {c['phase']}" + (f" at {c['node']}" if c.get("node") else "")
+                                 for c in cs}))
+    return "; ".join(part for part in (extra and f"issued, not priced: {said(extra)}",
+                                       missing and f"priced, not issued: {said(missing)}") if part)
 
 
 def _mark_recomputed(joint: torch.fx.GraphModule) -> None:

@@ -33,7 +33,7 @@ from autopar.runtime.export import export_as_planned
 from autopar.runtime.failures import guarded
 from autopar.runtime.grad_sync import EmulatedLink, GradSync
 from autopar.runtime.loop import clip, evaluating, gather_batch_dim, squared_grad_norm
-from autopar.runtime.lower import StageBytes, lower, programs
+from autopar.runtime.lower import StageBytes, lower, lower_now, programs
 from autopar.runtime.precision import fsdp_policy, mixed_precision
 from autopar.runtime.sharded_graph import ShardedGraph, defer_partial_grads, first_failure, reduce_partial_grads
 
@@ -237,6 +237,7 @@ class ParallelModel:
             lower(self.graph, {"tp": self.tp_group}, compile=compile)
             with self.precision.autocast():  # as the steps will run it
                 refuse_failing(self.graph, tuple(micro))
+                lower_now(self.graph, tuple(micro))
         # what trains: the model, or the graph holding its parameters (DTensors with a tensor axis)
         self.trained: nn.Module = self.graph if self.graph is not None else self.model
         self.sync: GradSync | None = None

@@ -47,7 +47,7 @@ from autopar.runtime.fan_out import FanOutSchedule, peers, receive, send
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.grad_sync import local as local_part
 from autopar.runtime.loop import clip, evaluating, squared_grad_norm
-from autopar.runtime.lower import StageBytes, lower, programs
+from autopar.runtime.lower import StageBytes, lower, lower_now, programs
 from autopar.runtime.parallel import (
     UnsupportedPlan,
     _split,
@@ -260,6 +260,7 @@ class PipelineModel:
         for s, module, inputs in zip(self.local, modules, received):
             with self.precision.autocast():  # as the steps run it
                 refuse_failing(module, tuple(micro) if s == 0 else inputs)
+                lower_now(module, tuple(micro) if s == 0 else inputs)
         fan = (1, 1)  # ranks this one sends activations to, and input gradients to
         if g.pp_group is None:  # stages of different sizes: a rank may send to several
             if schedules.splits_backward(plan.schedule):

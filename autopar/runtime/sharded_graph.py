@@ -42,6 +42,7 @@ from autopar.contract.plan import SELECTIVE, Plan, StagePlan
 from autopar.runtime import rng
 from autopar.runtime.buffers import persistent
 from autopar.runtime.cross_mesh import gather_batch, slice_batch
+from autopar.runtime.lower import traced_as
 from autopar.runtime.recompute import Segment, recomputed, segments
 
 log = logging.getLogger(__name__)
@@ -456,7 +457,8 @@ class ShardedGraph(nn.Module):
             if node in done:
                 continue
             try:
-                env[node] = self._run(node, env, wrapped)
+                with traced_as(node.name, self.tracing):
+                    env[node] = self._run(node, env, wrapped)
             except Exception as exc:
                 raise OpFailed(f"{node.name} ({node.target}) failed under the plan's placements "
                                f"{self._placements(node, env)}{source_line(node)}: {exc}") from exc
