@@ -141,6 +141,7 @@ class StageCosts:
         self._first: dict[str, int] = {}  # structural hash -> the atom its results were solved on
         self._prefix: dict = {}  # (submesh, logical, lean) -> prefix sums of atom costs
         self._splits: dict = {}  # (submesh, logical, lean) -> each atom's tp_batch
+        self._collectives: dict = {}  # (atoms, submesh, logical, lean) -> `collectives`
         self.cut = cut_bytes(self.graph, self.atoms)  # bytes crossing the boundary after atom k
         self._batch = next(n for n in self.graph if n.op == "input").outputs[0].shape[0]
         self.fewest = fewest_samples(self.graph, self._batch)  # samples a rank's microbatch needs
@@ -254,6 +255,9 @@ class StageCosts:
         an over-estimate of its collectives.)"""
         if logical[1] == 1:
             return []
+        key = (atoms, submesh, logical, lean)
+        if key in self._collectives:
+            return self._collectives[key]
         fixed: dict = {}
         for k in range(*atoms):
             result = self.atom(k, submesh, logical, lean)
@@ -262,7 +266,8 @@ class StageCosts:
         whole = self.graph.subgraph([n for k in range(*atoms) for n in self.atoms[k].nodes])
         priced = shard_stage(whole, self.cluster, submesh, logical, float("inf"), self.time_limit_s, self.rule,
                              fixed=fixed)
-        return program_collectives(priced.collectives, logical[1])
+        self._collectives[key] = program_collectives(priced.collectives, logical[1])
+        return self._collectives[key]
 
     def options(self, atoms: tuple[int, int], submesh: tuple[int, int], num_microbatches: int,
                 logical: list[tuple[int, int]] | None = None, recompute: tuple | None = None,
