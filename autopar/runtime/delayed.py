@@ -41,6 +41,10 @@ class DelayedSync:
         self.steps = 0
 
     @torch.no_grad()
+    def carry(self, value: torch.Tensor) -> bool:
+        """Delayed averaging reduces no gradients in most steps: the loss goes on its own."""
+        return False
+
     def finish(self) -> None:
         grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in self.params]
         now = torch.cat([g.reshape(-1) for g in grads])

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 BUCKET_BYTES = 25 * 2**20  # DDP's default bucket
+FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket: small, so that communication starts early in backward
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -33,6 +34,15 @@ def write_grad(p: torch.nn.Parameter, value: torch.Tensor) -> None:
         p.grad = value.clone() if not hasattr(p, "to_local") else None
     else:
         local(p.grad).copy_(value)
+
+
+def _set_grad(p: torch.nn.Parameter, value: torch.Tensor) -> None:
+    """The averaged gradient in place of the local one: as a view of the bucket it was averaged in
+    where it can be (DDP's `gradient_as_bucket_view`: no copy), else copied."""
+    if p.grad is not None and not hasattr(p, "to_local") and p.grad.dtype == value.dtype:
+        p.grad = value
+    else:
+        write_grad(p, value)
 
 
 @dataclass
@@ -90,12 +100,15 @@ class GradSync:
         self.sync = True
         self.stats = SyncStats()
         self.buckets: list[_Bucket] = []
+        self._carry: torch.Tensor | None = None  # a value summed with the step's last bucket (`carry`)
+        self.carried: torch.Tensor | None = None  # its sum over the group, once `finish` ran
+        self._launched = 0
         current: list[torch.nn.Parameter] = []
         size = 0
         for p in reversed([p for p in params if p.requires_grad]):
             current.append(p)
             size += local(p).numel() * local(p).element_size()
-            if size >= bucket_bytes:
+            if size >= (min(FIRST_BUCKET_BYTES, bucket_bytes) if not self.buckets else bucket_bytes):
                 self.buckets.append(_Bucket(current))
                 current, size = [], 0
         if current:
@@ -114,10 +127,23 @@ class GradSync:
 
         return ready
 
+    def carry(self, value: torch.Tensor) -> bool:
+        """Sum the scalar `value` over the group with the step's last gradient bucket instead of a
+        collective of its own (the step's loss), where the buckets are all-reduced in a dtype
+        that holds it (fp32 or wider); `finish` leaves the sum in `carried`. Whether it will."""
+        dtypes = {local(p).dtype for b in self.buckets for p in b.params}
+        if self.compressed is not None or not dtypes or not dtypes <= {torch.float32, torch.float64} or not self.sync:
+            return False
+        self._carry = value
+        return True
+
     def _launch(self, bucket: _Bucket, in_backward: bool) -> None:
         grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in bucket.params]
-        bucket.flat = torch.cat([g.reshape(-1) for g in grads])
-        nbytes = bucket.flat.numel() * bucket.flat.element_size()
+        self._launched += 1
+        last = self._launched == len(self.buckets) and self._carry is not None
+        bucket.flat = torch.cat([g.reshape(-1) for g in grads]
+                                + ([self._carry.reshape(1).to(grads[0].dtype)] if last else []))
+        nbytes = sum(g.numel() * g.element_size() for g in grads)  # the gradients' (a carried scalar aside)
         self.stats.bytes_raw += nbytes
         self.stats.bytes_sent += nbytes
         self.stats.collectives.append(("all_reduce", nbytes))
@@ -140,9 +166,13 @@ class GradSync:
             if self.link is not None:
                 self.link.wait(bucket.launched, bucket.flat.numel() * bucket.flat.element_size())
             sizes = [local(p).numel() for p in bucket.params]
-            for p, avg in zip(bucket.params, bucket.flat.split(sizes)):
-                write_grad(p, avg.view_as(local(p)) / self.world)
+            if bucket.flat.numel() > sum(sizes):  # the carried sum, before averaging
+                self.carried = bucket.flat[-1].clone()
+            averaged = bucket.flat[:sum(sizes)].div_(self.world)
+            for p, avg in zip(bucket.params, averaged.split(sizes)):
+                _set_grad(p, avg.view_as(local(p)))
             bucket.ready, bucket.flat, bucket.work = 0, None, None
+        self._launched, self._carry = 0, None
 
     def _finish_compressed(self) -> None:
         before = self.compressed.bytes_sent

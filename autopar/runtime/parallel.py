@@ -255,6 +255,7 @@ class ParallelModel:
         check_optimizer(self.optimizer, plan)
         self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [0, 0]}
         self._issued: list[dict[str, Any]] = []
+        self._carried = False  # the step's loss rode with the gradients (`GradSync.carry`)
         if self.tp > 1:  # replicated values draw one dropout mask on every rank of the tensor axis
             rng.share(mesh["tp"], device)
 
@@ -312,7 +313,10 @@ class ParallelModel:
             self.sync.after_step()
         if self.buffer_sync is not None:
             self.buffer_sync.after_step()
-        dist.all_reduce(total)
+        if self._carried:
+            total, self.sync.carried = self.sync.carried, None
+        else:
+            dist.all_reduce(total)
         return float(total) / self.dp
 
     def _microbatches(self, micro_in: list, micro_target: list, total: torch.Tensor) -> None:
@@ -337,9 +341,11 @@ class ParallelModel:
                 else:
                     loss = self.loss_fn(self.graph(*args), micro_target[i]) / m
                     reported = loss / self.tp
+            total += reported.detach().double()
+            # the step's loss summed with the last gradient bucket, not in a collective of its own
+            self._carried = last and self.tp == 1 and self.sync is not None and self.sync.carry(total)
             with phase("backward"):
                 self.precision.scale(loss).backward()
-            total += reported.detach().double()
 
     @guarded
     def predict(self, inputs: Any) -> torch.Tensor:
