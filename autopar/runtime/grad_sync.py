@@ -36,15 +36,6 @@ def write_grad(p: torch.nn.Parameter, value: torch.Tensor) -> None:
         local(p.grad).copy_(value)
 
 
-def _set_grad(p: torch.nn.Parameter, value: torch.Tensor) -> None:
-    """The averaged gradient in place of the local one: as a view of the bucket it was averaged in
-    where it can be (DDP's `gradient_as_bucket_view`: no copy), else copied."""
-    if p.grad is not None and not hasattr(p, "to_local") and p.grad.dtype == value.dtype:
-        p.grad = value
-    else:
-        write_grad(p, value)
-
-
 @dataclass
 class EmulatedLink:
     """A slower link than the one at hand, for benchmarks (labelled emulated wherever reported):
@@ -170,7 +161,7 @@ class GradSync:
                 self.carried = bucket.flat[-1].clone()
             averaged = bucket.flat[:sum(sizes)].div_(self.world)
             for p, avg in zip(bucket.params, averaged.split(sizes)):
-                _set_grad(p, avg.view_as(local(p)))
+                write_grad(p, avg.view_as(local(p)))
             bucket.ready, bucket.flat, bucket.work = 0, None, None
         self._launched, self._carry = 0, None
 

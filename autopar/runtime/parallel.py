@@ -237,7 +237,6 @@ class ParallelModel:
             lower(self.graph, {"tp": self.tp_group}, compile=compile)
             with self.precision.autocast():  # as the steps will run it
                 refuse_failing(self.graph, tuple(micro))
-                lower_now(self.graph, tuple(micro))
         # what trains: the model, or the graph holding its parameters (DTensors with a tensor axis)
         self.trained: nn.Module = self.graph if self.graph is not None else self.model
         self.sync: GradSync | None = None
@@ -249,6 +248,9 @@ class ParallelModel:
             self.sync = data_sync(list(self.trained.parameters()), self.group, plan)
         if self.tp > 1 and not sharded and not plan.dp_gradient.get("compression"):
             defer_partial_grads(list(self.trained.parameters()))
+        if self.graph is not None:
+            with self.precision.autocast():  # traced as the steps will run it (partial gradients deferred)
+                lower_now(self.graph, tuple(micro))
         self.state_buffers = self.graph.state_buffers if self.graph is not None else persistent(self.model)
         self.buffer_sync = AveragedBuffers(self.state_buffers, self.group) if self.dp > 1 else None
         self.optimizer = optimizer(list(self.trained.parameters()))

@@ -260,7 +260,6 @@ class PipelineModel:
         for s, module, inputs in zip(self.local, modules, received):
             with self.precision.autocast():  # as the steps run it
                 refuse_failing(module, tuple(micro) if s == 0 else inputs)
-                lower_now(module, tuple(micro) if s == 0 else inputs)
         fan = (1, 1)  # ranks this one sends activations to, and input gradients to
         if g.pp_group is None:  # stages of different sizes: a rank may send to several
             if schedules.splits_backward(plan.schedule):
@@ -289,6 +288,9 @@ class PipelineModel:
             self.sync = data_sync(list(self.module.parameters()), self.dp_group, plan)
         if self.tp > 1 and not sharded and not plan.dp_gradient.get("compression"):
             defer_partial_grads(list(self.module.parameters()))
+        for s, module, inputs in zip(self.local, modules, received):
+            with self.precision.autocast():  # traced as the steps run it (partial gradients deferred)
+                lower_now(module, tuple(micro) if s == 0 else inputs)
         for stage in stages:
             stage.sync = self.sync  # buckets launch during the rank's last backward
         self.state_buffers = self.module.state_buffers
