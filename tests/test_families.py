@@ -114,23 +114,11 @@ def assert_same_training(got_losses, got_params, losses, params):
     assert not differences(got_losses, got_params, losses, params)
 
 
-# Where the lowered program is not yet the plan's (the planner misprices it; the list to empty):
-# each case's lowered stages issue the collectives their plan records, none other, except these,
-# which must still differ (a fix takes its case off the list)
-_POSITIONS = ("the position embedding's partial sum has no batch dimension: the plan prices its all-reduce per "
-              "microbatch at 1/M of what the program reduces")
-_FAN_OUT = ("the vocabulary-parallel embedding's partial sum is priced as one all-reduce per consumer (the norm's "
-            "ops); the program reduces it once")
-_INTO_DROPOUT = "a row-parallel output is priced reduce-scattered into its dropout; the program all-reduces it there"
-MISPRICED = {("gpt2", "dp-tp"): _POSITIONS, ("gpt2", "tp-pp"): _POSITIONS, ("bert", "dp-tp"): _POSITIONS,
-             ("bert", "tp-pp"): _POSITIONS,
-             ("gpt2", "tp-sp"): "the embeddings' sum is priced reduce-scattered over the sequence; " + _POSITIONS,
-             ("gpt2", "tp-pp-sp"): "the embeddings' sum is priced reduce-scattered over the sequence; " + _POSITIONS,
-             **{("llama", k): _FAN_OUT for k in ("tp", "dp-tp", "tp-pp", "tp-sp", "tp-pp-sp")},
-             ("gemma2", "tp"): _FAN_OUT,
-             **{("t5", k): _INTO_DROPOUT for k in ("tp", "dp-tp", "tp-pp", "tp-sp")},
-             ("deberta-v2", "tp"): _INTO_DROPOUT,
-             ("clip", "tp"): "the projection heads' normalisation: all-reduces priced in backward, issued in forward"}
+# Where the lowered program is not yet the plan's: each case's lowered stages issue the collectives
+# their plan records, none other, except these, which must still differ (a fix takes its case off)
+_GATHERED_NORM = ("sequence parallelism into a replicated norm: DTensor's backward reduces part of the partial "
+                  "gradient of the gathered value (the all-reduce the plan prices) and reduce-scatters the rest")
+MISPRICED = {("llama", "tp-sp"): _GATHERED_NORM, ("llama", "tp-pp-sp"): _GATHERED_NORM, ("t5", "tp-sp"): _GATHERED_NORM}
 
 
 def assert_as_planned(ranks, case):

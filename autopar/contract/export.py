@@ -163,3 +163,24 @@ def source_line(node: Any) -> str:
             code = frames[i + 1] if i + 1 < len(frames) else ""
             return f" at {frames[i].removeprefix('File ')}: {code}"
     return ""
+
+
+def differentiated(graph: torch.fx.Graph, trainable: set[str]) -> set[str]:
+    """The nodes backward differentiates: floating-point values computed from `trainable` (the
+    placeholders of parameters that require gradients). A value no such parameter feeds (a rotary
+    table, a mask) carries no gradient, across a pipeline boundary too."""
+    out = set(trainable)
+    for node in graph.nodes:
+        if node.op == "call_function" and any(n.name in out for n in node.all_input_nodes) and any(
+                isinstance(v, torch.Tensor) and (v.is_floating_point() or v.is_complex())
+                for v in tree_leaves(node.meta.get("val"))):
+            out.add(node.name)
+    return out
+
+
+def trainable_placeholders(ep: torch.export.ExportedProgram, model: nn.Module) -> set[str]:
+    """The placeholders of `ep` (exported from `model`, perhaps wrapped) whose parameters require gradients."""
+    named = dict(model.named_parameters(remove_duplicate=False))
+    return {ph for ph, fqn in ep.graph_signature.inputs_to_parameters.items()
+            if getattr(named.get(fqn.removeprefix(WRAPPER_PREFIX)), "requires_grad", False)}
+

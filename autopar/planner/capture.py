@@ -19,7 +19,7 @@ from torch import fx, nn
 from torch.utils._pytree import tree_leaves
 
 from autopar.contract.attention import attention_cores, base, core_inputs, is_view
-from autopar.contract.export import WRAPPER_PREFIX, export_program
+from autopar.contract.export import WRAPPER_PREFIX, differentiated, export_program
 from autopar.contract.inputs import as_args
 from autopar.planner.flops import FlopCounter
 from autopar.planner.graph import OpGraph, OpNode, TensorInfo
@@ -61,14 +61,12 @@ def build(
     graph = nx.DiGraph()
     params: dict[str, TensorInfo] = {}
     buffers: dict[str, TensorInfo] = {}
-    needs_grad: set[str] = set()
+    needs_grad = differentiated(fx_graph, {ph for ph, fqn in param_of.items() if model.get_parameter(fqn).requires_grad})
     for node in fx_graph.nodes:
         if node.op == "placeholder":
             info = _infos(node.meta.get("val"))
             if node.name in param_of:
                 params[param_of[node.name]] = info[0]
-                if model.get_parameter(param_of[node.name]).requires_grad:
-                    needs_grad.add(node.name)
             elif node.name in buffer_of:
                 buffers[buffer_of[node.name]] = info[0]
             elif node.name in user_inputs:
@@ -124,8 +122,6 @@ def _op_node(
     grad_of = {id(val_of[n.name]) for n in node.all_input_nodes if n.name in needs_grad}
     out_infos = _infos(node.meta.get("val"))
     in_infos = tuple(i for n in node.all_input_nodes for i in _infos(val_of[n.name]))
-    if grad_of and any(t.dtype.startswith(("float", "bfloat", "complex")) for t in out_infos):
-        needs_grad.add(node.name)
     flops = (0.0, 0.0)
     if not view and isinstance(target, torch._ops.OpOverload):
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), lambda n: val_of[n.name])

@@ -64,12 +64,14 @@ def edge_collectives(stage: StageGraph, chosen: dict[str, Evaluation]) -> list[d
         have = chosen[stage.group(src)].out[stage.canon(src)][stage.out_index(name, src)]
         need = chosen[stage.group(name)].need[stage.canon(name)][i] or R
         nbytes = stage.in_bytes(name, i, src)
+        move = f"{have}>{need}"
         for kind, f in redistribution(have, need, stage.mesh.tp):
-            out.append({"node": name, "kind": kind.value, "axis": "tp", "phase": "forward", "bytes": nbytes * f})
+            out.append(stage.collective(name, kind.value, "forward", nbytes * f, "tp", src, move=move))
         if stage.grad(src):
             partial = i in chosen[stage.group(name)].partial.get(stage.canon(name), ())
             if partial and not stage.first_sharer(src, name):
                 continue  # one collective completes the partial gradients of all its consumers
             for kind, f in redistribution(P if partial else need, R if have == P else have, stage.mesh.tp):
-                out.append({"node": name, "kind": kind.value, "axis": "tp", "phase": "backward", "bytes": nbytes * f})
+                out.append(stage.collective(name, kind.value, "backward", nbytes * f, "tp", src,
+                                            **({"move": move} if have != need else {})))
     return out

@@ -55,6 +55,10 @@ class StageSharding:
     # (size at the whole batch, dp × tp) of each batch dimension the tensor axis splits: a microbatch
     # count m holds only where every such size leaves ≥ 2 per rank (`StageCosts.splits_microbatch`)
     tp_batch: frozenset[tuple[int, int]] = frozenset()
+    # how the ops read the values the graph takes from outside (`reads`), and every op's placement
+    # on the tensor axis per output: a stage of several atoms is priced from them (`StageCosts.collectives`)
+    reads: list[dict[str, Any]] = field(default_factory=list)
+    outs: dict[str, list[str]] = field(default_factory=dict)
 
     @property
     def time(self) -> float:
@@ -94,7 +98,9 @@ def shard_stage(
     anchors = [n for n in stage.names if stage.root.get(n) == n]
     strategies = {a: costs.strategies(a, rule) for a in anchors}
     if fixed:
-        strategies = {a: [s for s in options if s == fixed.get(a)] or options for a, options in strategies.items()}
+        # as chosen, even where this graph would not offer it (a split that ended at an atom's
+        # boundary is all-reduced there, where the stage's graph could reduce-scatter it further on)
+        strategies = {a: [fixed[a]] if a in fixed else options for a, options in strategies.items()}
     stage.tie(strategies)
     classes = [a for a in anchors if stage.cls[a] == a]
     evals = {c: [costs.evaluate(c, s) for s in strategies[c]] for c in classes}
@@ -163,16 +169,15 @@ def _result(stage: StageGraph, logical, chosen: dict[str, Evaluation], zero: dic
                 params[fqn] = ["S(0)" if zero[stage.group(name)] else R, ev.params[fqn_rep]]
     for a in anchors:  # each anchor's own collectives, under its own node names
         names = {stage.canon(m): m for m in stage.members[a]}
-        collectives += [{"node": names.get(n, n), "kind": k, "axis": (rest or ("tp",))[0], "phase": ph, "bytes": b,
-                         **({rest[1]: True} if rest[1:] else {})}
-                        for n, k, ph, b, *rest in chosen[stage.cls[a]].collectives]
-    collectives += edge_collectives(stage, chosen)
+        collectives += [{**c, "node": names.get(c["node"], c["node"]), "tensor": names.get(c["tensor"], c["tensor"])}
+                        for c in chosen[stage.cls[a]].collectives]
+    collectives = distinct(collectives + edge_collectives(stage, chosen))
     for name in stage.graph.outputs:
         if stage.root.get(name):
             have, batch = chosen[stage.group(name)].out[stage.canon(name)][0], stage.batch_of(name, 0)
             if have != shard(batch if batch is not None else -1):
                 nbytes = stage.graph.node(name).output_bytes / stage.dp_share(name)
-                collectives += [{"node": name, "kind": k.value, "axis": "tp", "phase": "forward", "bytes": nbytes * f}
+                collectives += [stage.collective(name, k.value, "forward", nbytes * f, "tp", name, output=True)
                                 for k, f in redistribution(have, R, stage.mesh.tp)]
     per_anchor = [chosen[stage.cls[a]] for a in anchors]
     compute = sum(e.compute for e in per_anchor)
@@ -223,17 +228,55 @@ def _result(stage: StageGraph, logical, chosen: dict[str, Evaluation], zero: dic
                 "ilp_nodes": len(problem.node_costs), "anchors": len(anchors)},
         collectives=collectives,
         needs=needs,
+        reads=reads(stage, chosen),
+        outs={n: list(chosen[stage.group(n)].out[stage.canon(n)]) for n in stage.names if stage.root.get(n)},
         param_states={f: b for e in per_anchor for f, b in e.param_states.items()},
     )
 
 
-def program_collectives(collectives: list[dict[str, Any]], tp: int, per: float = 1.0) -> list[dict[str, Any]]:
+def distinct(collectives: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One collective per redistribution of a value to a placement (its `move`), however many ops
+    read it so: the runtime moves it once for all of them (`ShardedGraph._run`), and their gradients
+    add up before the one collective back."""
+    seen: set[tuple] = set()
+    out = []
+    for c in collectives:
+        key = (c["tensor"], c["move"], c["phase"], c["kind"]) if c.get("move") else None
+        if key is None or key not in seen:
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+def reads(stage: StageGraph, chosen: dict[str, Evaluation]) -> list[dict[str, Any]]:
+    """How each op reads a value the graph takes from outside (an input node): the placement it
+    needs, and whether it leaves that value's gradient partial. The graph priced such a value
+    replicated (or as its input's strategy placed it); in a stage of several atoms it arrives as
+    the atom before left it (`StageCosts.collectives`)."""
+    out = []
+    for name in stage.names:
+        if stage.root.get(name) is None or stage.graph.node(name).op == "input":
+            continue
+        ev, canon = chosen[stage.group(name)], stage.canon(name)
+        for i, src in stage.tensor_inputs(name):
+            if src is None or stage.graph.node(src).op != "input":
+                continue
+            need = ev.need[canon][i] if i < len(ev.need[canon]) else None
+            k = stage.out_index(name, src)
+            out.append({"node": name, "tensor": src, "out": k, "need": need or R, "grad": stage.grad(src),
+                        "partial": i in ev.grads_partial.get(canon, ()),
+                        "bytes": stage.in_bytes(name, i, src), "batch_free": stage.batch_of(src, k) is None})
+    return out
+
+
+def program_collectives(collectives: list[dict[str, Any]], tp: int, m: int = 1) -> list[dict[str, Any]]:
     """Of a stage's priced collectives, those its lowered program issues (`runtime.lower`), in the
     program's terms: the tensor axis's, forward and backward (gradients' own reductions and
     FSDP2's gathers run outside it), with the bytes each rank hands in (an all-gather's 1/tp of
-    what it gathers), `per` of them (1/M: a microbatch's share of the captured batch)."""
+    what it gathers) for one of `m` microbatches: 1/m of the captured batch's, but a tensor
+    without a batch dimension (a position embedding) whole in every microbatch."""
     return [{"node": c["node"], "kind": c["kind"], "phase": c["phase"],
-             "bytes": c["bytes"] * per / (tp if c["kind"] == "all_gather" else 1)}
+             "bytes": c["bytes"] / (1 if c.get("batch_free") else m) / (tp if c["kind"] == "all_gather" else 1)}
             for c in collectives if c["axis"] == "tp" and c["phase"] in ("forward", "backward")]
 
 

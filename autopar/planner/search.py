@@ -629,8 +629,7 @@ def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int]
             ops=placed(ops), needs=placed(needs), recompute=bool(opt.recompute), recompute_layers=opt.recompute_layers,
             recompute_granularity=opt.recompute if opt.recompute == SELECTIVE else None,
             zero=opt.zero or None, offload=opt.offload or None,
-            collectives=[{**c, "bytes": c["bytes"] / m}  # a microbatch's share of the captured batch
-                         for c in search.costs.collectives(search.atoms(i, j), shape, opt.logical_mesh, opt.lean)],
+            collectives=search.costs.collectives(search.atoms(i, j), shape, opt.logical_mesh, opt.lean, m),
             cost={"forward_s": opt.forward_s, "backward_s": opt.backward_s, "weight_s": opt.weight_s, "send_s": opt.send_s,
                   "grad_sync_s": opt.unhidden_sync_s if unhidden else opt.grad_sync_s, "optimizer_s": opt.optimizer_s,
                   "state_bytes": opt.state_bytes,

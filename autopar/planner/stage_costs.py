@@ -34,11 +34,13 @@ from autopar.planner.intra_op import (
     BUCKET_BYTES,
     StageSharding,
     buckets,
+    distinct,
     logical_meshes,
     program_collectives,
     shard_stage,
 )
 from autopar.planner.layering import cut_bytes
+from autopar.planner.placement import P, R, redistribution
 from autopar.planner.stage_graph import layer_hash
 from autopar.planner.strategy_costs import DTYPE_BYTES, Rule
 
@@ -48,6 +50,12 @@ COLUMNS = 24  # of `StageCosts.range_sums`
 # masked attention on CPU 17 %), not where a fused kernel keeps its output and log-sum-exp (8.6–12 %
 # in Llama and gpt-small, for the kernel's forward again): the search of those stays as small as before
 SELECTIVE_SHARE = 0.15
+
+
+def _crossing(read: dict[str, Any], kind: str, phase: str, f: float) -> dict[str, Any]:
+    """A collective where a value crosses into a later atom (`StageCosts._program`)."""
+    return {"node": read["node"], "kind": kind, "phase": phase, "bytes": read["bytes"] * f, "axis": "tp",
+            "tensor": read["tensor"], "move": read["move"], **({"batch_free": True} if read["batch_free"] else {})}
 
 
 def gathered_peak(per_layer: np.ndarray, precision: str | None, loss: float = 0.0,
@@ -141,7 +149,7 @@ class StageCosts:
         self._first: dict[str, int] = {}  # structural hash -> the atom its results were solved on
         self._prefix: dict = {}  # (submesh, logical, lean) -> prefix sums of atom costs
         self._splits: dict = {}  # (submesh, logical, lean) -> each atom's tp_batch
-        self._collectives: dict = {}  # (atoms, submesh, logical, lean) -> `collectives`
+        self._collectives: dict = {}  # (atoms, submesh, logical, lean) -> priced collectives, whole batch
         self.cut = cut_bytes(self.graph, self.atoms)  # bytes crossing the boundary after atom k
         self._batch = next(n for n in self.graph if n.op == "input").outputs[0].shape[0]
         self.fewest = fewest_samples(self.graph, self._batch)  # samples a rank's microbatch needs
@@ -246,28 +254,61 @@ class StageCosts:
         return params, ops, needs
 
     def collectives(self, atoms: tuple[int, int], submesh: tuple[int, int], logical: tuple[int, int],
-                    lean: bool) -> list[dict[str, Any]]:
-        """The collectives the lowered program of atoms [a, b) issues at the captured batch
-        (`program_collectives`): the atoms' chosen strategies priced again as one graph. Alone,
-        each atom priced its outputs made replicated (or batch-split) for the next; the program
-        goes from each producer's placement straight to each consumer's need across the boundary.
-        (The stage's time still sums the atoms' prices: where a split value crosses a boundary,
-        an over-estimate of its collectives.)"""
+                    lean: bool, m: int = 1) -> list[dict[str, Any]]:
+        """The collectives the lowered program of atoms [a, b) issues per microbatch of `m`
+        (`program_collectives`). Each atom's own, but where a value crosses from one atom to a
+        later one: alone, an atom priced its outputs made replicated (or batch-split) and its
+        inputs read from there; the program, following the plan's placements, redistributes the
+        producer's placement straight to each consumer's need (`intra_op.reads`). (The stage's
+        time still sums the atoms' prices: where a split value crosses a boundary, an
+        over-estimate of its collectives.)"""
         if logical[1] == 1:
             return []
         key = (atoms, submesh, logical, lean)
-        if key in self._collectives:
-            return self._collectives[key]
-        fixed: dict = {}
+        if key not in self._collectives:
+            self._collectives[key] = self._program(atoms, submesh, logical, lean)
+        return program_collectives(self._collectives[key], logical[1], m)
+
+    def _program(self, atoms: tuple[int, int], submesh: tuple[int, int], logical: tuple[int, int],
+                 lean: bool) -> list[dict[str, Any]]:
+        inside = {n for k in range(*atoms) for n in self.atoms[k].nodes}
+        # values that leave the stage (to the loss, a later stage) go made whole, as each atom priced
+        leaving = {n for n in inside if n in self.graph.outputs
+                   or any(d not in inside for d in self.graph.graph.successors(n))}
+        placed: dict[str, list[str]] = {}  # value -> its placement on the tensor axis per output
+        out: list[dict[str, Any]] = []
         for k in range(*atoms):
-            result = self.atom(k, submesh, logical, lean)
-            nodes = dict(zip(self.atoms[self._first[self.hashes[k]]].nodes, self.atoms[k].nodes))
-            fixed.update({nodes.get(a, a): strategy for a, strategy in (result.strategies or {}).items()})
-        whole = self.graph.subgraph([n for k in range(*atoms) for n in self.atoms[k].nodes])
-        priced = shard_stage(whole, self.cluster, submesh, logical, float("inf"), self.time_limit_s, self.rule,
-                             fixed=fixed)
-        self._collectives[key] = program_collectives(priced.collectives, logical[1])
-        return self._collectives[key]
+            result, name = self.atom(k, submesh, logical, lean), self._names(k)
+            own = set(self.atoms[self._first[self.hashes[k]]].nodes)
+            for c in result.collectives:
+                read = c["tensor"] is not None and c["tensor"] not in own  # a value from before the atom
+                if read or c.get("output") and name[c["tensor"]] not in leaving:
+                    continue  # a boundary: priced below, as the program crosses it
+                out.append({**c, "node": name.get(c["node"], c["node"]), "tensor": name.get(c["tensor"])})
+            for read in result.reads:
+                cross = {**read, "node": name[read["node"]], "tensor": name.get(read["tensor"], read["tensor"])}
+                have = placed.get(cross["tensor"], [R] * (read["out"] + 1))[read["out"]]
+                cross["move"] = f"{have}>{read['need']}"
+                for kind, f in redistribution(have, read["need"], logical[1]):
+                    out.append(_crossing(cross, kind.value, "forward", f))
+                if read["grad"]:  # the consumers' gradients add up before the way back (`distinct`)
+                    grad = P if read["partial"] else read["need"]
+                    for kind, f in redistribution(grad, R if have == P else have, logical[1]):
+                        out.append(_crossing(cross, kind.value, "backward", f))
+            placed.update({name[n]: p for n, p in result.outs.items() if n in own})
+        return distinct(out)
+
+    def _names(self, k: int) -> dict[str, str]:
+        """The names of atom k's nodes and of the values it reads, from those of the identical atom
+        its solve was made on (the same position in each op's inputs)."""
+        k0 = self._first[self.hashes[k]]
+        names = dict(zip(self.atoms[k0].nodes, self.atoms[k].nodes))
+        fx = self.graph.fx_nodes
+        for n0, nk in list(names.items()):
+            if n0 in fx and nk in fx:
+                for a0, ak in zip(fx[n0].all_input_nodes, fx[nk].all_input_nodes):
+                    names.setdefault(a0.name, ak.name)
+        return names
 
     def options(self, atoms: tuple[int, int], submesh: tuple[int, int], num_microbatches: int,
                 logical: list[tuple[int, int]] | None = None, recompute: tuple | None = None,

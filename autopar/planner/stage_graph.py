@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import operator
 from dataclasses import dataclass
+from typing import Any
 
 from torch import fx
 
@@ -131,8 +132,17 @@ class StageGraph:
                 if d is not None and d < len(sig.inputs[i]):
                     letter = sig.inputs[i][d]
                     break
+            if letter is None and node.op == "aten.expand.default" and self._expands_to_batch(node, sig):
+                out[name] = [0]  # a buffer broadcast to the batch (BERT's token types): every rank expands to its slice
+                continue
             out[name] = [o.find(letter) if letter and letter in o else None for o in sig.outputs]
         return out
+
+    def _expands_to_batch(self, node, sig) -> bool:
+        """An expand whose dimension 0 is new (broadcast from size 1, or prepended) and the batch's
+        size: the model sized it from its input's batch, which the runtime traces at each rank's slice."""
+        shape = node.outputs[0].shape if node.outputs else ()
+        return bool(shape) and shape[0] == self.graph.batch and sig.outputs[0][:1].isupper()
 
     def batch_of(self, name: str, k: int, batch: dict | None = None) -> int | None:
         dims = (self.batch if batch is None else batch).get(name) or []
@@ -222,6 +232,15 @@ class StageGraph:
         val = self.fx[name].all_input_nodes[i].meta.get("val")
         nbytes = val.numel() * val.element_size() if hasattr(val, "numel") else 0
         return nbytes / (self.dp_share(src, self.out_index(name, src)) if src else 1)
+
+    def collective(self, node: str, kind: str, phase: str, nbytes: float, axis: str, tensor: str | None = None,
+                   **flags: Any) -> dict:
+        """One priced collective (`StageSharding.collectives`) at `node`, moving `tensor` (read by
+        `node`, or its own output): a tensor without a batch dimension is marked `batch_free`, since
+        every microbatch moves it whole (`intra_op.program_collectives`)."""
+        free = tensor is not None and self.batch_of(tensor, 0 if tensor == node else self.out_index(node, tensor)) is None
+        return {"node": node, "kind": kind, "phase": phase, "bytes": nbytes, "axis": axis, "tensor": tensor,
+                **flags, **({"batch_free": True} if free else {})}
 
     def sharers(self, src: str) -> int:
         """Consumers whose partial gradients of src add up locally before the one collective that

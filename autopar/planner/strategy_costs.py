@@ -78,9 +78,11 @@ class Evaluation:
     attention_memory: float = 0.0
     attention_kept: float = 0.0
     attention_s: float = 0.0
-    collectives: list[tuple] = field(default_factory=list)  # (node, kind, phase, bytes[, axis]); axis tp if absent
+    # {node, kind, phase, bytes, axis[, unit | param | batch_free: True]}: `StageSharding.collectives`
+    collectives: list[dict] = field(default_factory=list)
     letters: dict[str, str | None] = field(default_factory=dict)  # node -> the letter split on the tensor axis
-    partial: dict[str, set[int]] = field(default_factory=dict)  # node -> inputs whose gradient it leaves partial
+    partial: dict[str, set[int]] = field(default_factory=dict)  # node -> inputs whose gradient the edge prices partial
+    grads_partial: dict[str, set[int]] = field(default_factory=dict)  # node -> every value input whose gradient it leaves partial
     scattered: bool = False  # a partial sum was reduce-scattered (Strategy.scatter took effect)
 
     @property
@@ -200,22 +202,26 @@ class StrategyCosts:
                     and self.g.divisible(name, c)):
                 nbytes, have = self.g.in_bytes(name, primary_i, primary), shard(scatter)
                 ev.comm += edge_time(P, have, nbytes, self.mesh.tp, self.mesh.tp_link, self.g.grad(primary))
-                self._record(ev, name, P, have, nbytes)
+                self._record(ev, name, primary, P, have, nbytes)
                 if self.g.grad(primary):
-                    self._record(ev, name, have, R, nbytes, "backward")
+                    self._record(ev, name, primary, have, R, nbytes, "backward", move=f"{P}>{have}")
                 letter, ev.scattered = c, True
         if letter is None and have != R:  # the placement cannot pass: gather or reduce first
             nbytes = self.g.in_bytes(name, primary_i, primary)
             ev.comm += edge_time(have, R, nbytes, self.mesh.tp, self.mesh.tp_link, self.g.grad(primary))
-            self._record(ev, name, have, R, nbytes)
+            self._record(ev, name, primary, have, R, nbytes)
         ev.letters[name] = letter
         ev.need[name] = [self._placement_of(letter, ls) if ls is not None else None for ls in sig.inputs]
         ev.need[name][primary_i] = have if letter is not None else R
         ev.out[name] = [self._placement_of(letter, ls) for ls in sig.outputs]
 
-    def _record(self, ev: Evaluation, name: str, src: str, dst: str, nbytes: float, phase: str = "forward") -> None:
+    def _record(self, ev: Evaluation, name: str, tensor: str, src: str, dst: str, nbytes: float,
+                phase: str = "forward", move: str | None = None) -> None:
+        """The collectives redistributing `name`'s input `tensor` from `src` to `dst` on the tensor
+        axis (`move`: the forward redistribution this one goes with, `intra_op.distinct`)."""
         for kind, f in redistribution(src, dst, self.mesh.tp):
-            ev.collectives.append((name, kind.value, phase, nbytes * f))
+            ev.collectives.append(self.g.collective(name, kind.value, phase, nbytes * f, "tp", tensor,
+                                                    move=move or f"{src}>{dst}"))
 
     def _cost_node(self, ev: Evaluation, name: str, strategy: Strategy) -> None:
         node, sig, mesh = self.graph.node(name), self.g.sig[name], self.mesh
@@ -260,7 +266,7 @@ class StrategyCosts:
                 if src and self.g.batch_of(src, self.g.out_index(name, src)) is not None:
                     nbytes = self.g.in_bytes(name, i, src) * mesh.dp
                     ev.comm += collective_time("all_gather", nbytes, mesh.dp, mesh.dp_link)
-                    ev.collectives.append((name, "all_gather", "forward", nbytes, "dp"))
+                    ev.collectives.append(self.g.collective(name, "all_gather", "forward", nbytes, "dp", src))
         letter, out_letters = ev.letters.get(name), "".join(sig.outputs)
         for i, src in self.g.tensor_inputs(name):
             if sig.inputs[i] is None:
@@ -268,6 +274,8 @@ class StrategyCosts:
             # the split letter is summed out of this input's gradient: its shards hold partial sums
             partial = letter is not None and letter in out_letters and letter not in sig.inputs[i]
             fqn, placement = self.g.param_input(name, i, ev.need[name][i] or R)
+            if partial and fqn is None:
+                ev.grads_partial.setdefault(name, set()).add(i)
             if fqn is not None:
                 self._cost_param(ev, name, fqn, placement, strategy, partial)
             elif partial and self.g.root.get(src) is not None and src != self.g.primary(name):
@@ -276,7 +284,7 @@ class StrategyCosts:
                 nbytes = self.g.in_bytes(name, i, src)
                 ev.comm += collective_time("all_reduce", nbytes, mesh.tp, mesh.tp_link) / self.g.sharers(src)
                 if self.g.first_sharer(src, name):
-                    ev.collectives.append((name, "all_reduce", "backward", nbytes))
+                    ev.collectives.append(self.g.collective(name, "all_reduce", "backward", nbytes, "tp", src))
 
     def _cost_param(self, ev: Evaluation, name: str, fqn: str, placement: str, strategy: Strategy, partial: bool) -> None:
         """Model states and gradient synchronisation of one parameter.
@@ -295,13 +303,13 @@ class StrategyCosts:
         syncs = []
         if trainable and partial and mesh.tp > 1:
             ev.tp_grad += collective_time("all_reduce", local, mesh.tp, mesh.tp_link)
-            ev.collectives.append((name, "all_reduce", "gradient", local, "tp", "param"))
+            ev.collectives.append(self.g.collective(name, "all_reduce", "gradient", local, "tp", param=True))
         if self.g.owner[fqn] == name:
             if trainable and mesh.dp > 1 and zero:  # ZeRO-3: gathered for every forward and backward, a
                 # layer's weights in one collective (FSDP2's unit): their α once per stage solve (`_unit_latency`)
                 for phase in ("forward", "backward"):
                     ev.comm += collective_time("all_gather", local, mesh.dp, dp_bw)
-                    ev.collectives.append((name, "all_gather", phase, local, "dp", "unit"))
+                    ev.collectives.append(self.g.collective(name, "all_gather", phase, local, "dp", unit=True))
                 ev.zero_gather += 2 * collective_time("all_gather", local, mesh.dp, dp_bw)
                 ev.zero_scatter += collective_time("reduce_scatter", local, mesh.dp, dp_bw)
                 syncs.append(("dp", "reduce_scatter", "gradient", mesh.dp, dp_bw))
@@ -321,4 +329,4 @@ class StrategyCosts:
             ev.weight_copies += local * PRECISIONS[self.graph.precision].itemsize / DTYPE_BYTES.get(info.dtype, 4)
         for axis, kind, phase, n, link in syncs:
             ev.grad_sync += collective_time(kind, local, n, link)
-            ev.collectives.append((name, kind, phase, local, axis))
+            ev.collectives.append(self.g.collective(name, kind, phase, local, axis))

@@ -103,7 +103,8 @@ class FanOutSchedule:
 
 
 def receive(like: tuple[torch.Tensor, ...], src: int | None, grad: bool = True) -> tuple[torch.Tensor, ...]:
-    """Tensors shaped like `like` from rank `src` (activations need gradients: `grad`)."""
+    """Tensors shaped like `like` from rank `src`: activations (`grad`) require gradients where
+    `like` does; gradients come for every floating-point value (zeros where it had none)."""
     out = []
     for x in like:
         if not grad and not x.is_floating_point():
@@ -111,7 +112,7 @@ def receive(like: tuple[torch.Tensor, ...], src: int | None, grad: bool = True) 
             continue
         buf = torch.empty_like(x)
         dist.recv(buf, src)
-        out.append(buf.requires_grad_(grad and buf.is_floating_point()))
+        out.append(buf.requires_grad_(grad and x.requires_grad))
     return tuple(out)
 
 

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from autopar.contract import schedules
 from autopar.contract.errors import AutoparError
-from autopar.contract.export import first_tensor
+from autopar.contract.export import differentiated, first_tensor, trainable_placeholders
 from autopar.contract.inputs import as_args
 from autopar.contract.plan import Plan
 from autopar.contract.precision import retyped
@@ -236,15 +236,18 @@ class PipelineModel:
         if g.bridged_after:
             self.module.gather_outputs = {i: (dims.get(n), self.dp_group) for i, n in enumerate(part.outputs)}
 
+        differentiable = differentiated(ep.graph, trainable_placeholders(ep, model))
+
         def like(names: list[str], grad: bool, whole: bool) -> tuple[torch.Tensor, ...]:
-            """Zero tensors of what crosses the boundary (activations carry gradients)."""
+            """Zero tensors of what crosses the boundary (activations carry gradients; a value no
+            trainable parameter feeds, such as a rotary table, does not)."""
             out = []
             for n in names:
                 shape = list(getattr(example[n], "shape", ()))
                 if whole and dims.get(n) is not None:
                     shape[dims[n]] *= self.dp
                 out.append(torch.zeros(shape, dtype=example[n].dtype, device=device)
-                           .requires_grad_(grad and example[n].is_floating_point()))
+                           .requires_grad_(grad and n in differentiable))
             return tuple(out)
 
         kind = schedule_class(plan.schedule, plan.groups, self.m, plan.virtual)

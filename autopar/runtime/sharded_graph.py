@@ -9,7 +9,9 @@ inputs are redistributed to the placements the plan says it needs (`StagePlan.ne
 it the output is brought to the plan's placement when DTensor chose another. Values replicated on
 the tensor axis stay plain tensors between ops (no DTensor dispatch where nothing is split), and
 each is wrapped once, so the partial gradients of all its split consumers add up before the one
-all-reduce that makes them whole (the planner's assumption). Ops DTensor has no sharding rule for
+all-reduce that makes them whole; a value is redistributed once to each placement its consumers
+need, and their gradients add up before the one collective back (the planner's assumptions,
+`planner.intra_op.distinct`). Ops DTensor has no sharding rule for
 (CPU attention, DESIGN.md §6) run on the local shards when the plan splits a dimension they treat
 independently; the plan only splits such ops along letters present in all their inputs and outputs.
 """
@@ -57,6 +59,9 @@ _CONV = {torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, torch.ops
          torch.ops.aten.convolution.default}
 _LOCAL |= _CONV
 _EMBEDDING = torch.ops.aten.embedding.default
+# layout-only ops: on a partial sum DTensor reduces first (an all-reduce the plan did not price);
+# each rank's part can be laid out on its own
+_LAYOUT = {torch.ops.aten.contiguous.default, torch.ops.aten.clone.default}
 
 
 def mutates(node: fx.Node) -> bool:
@@ -92,6 +97,19 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+class _PartialLayout(torch.autograd.Function):
+    """A layout-only op (`_LAYOUT`) on each rank's part of a partial sum, which DTensor would
+    reduce first: the identity on the value, so its gradient passes as it comes."""
+
+    @staticmethod
+    def forward(ctx: Any, x: DTensor, op: Any, args: tuple, kwargs: dict) -> DTensor:
+        return DTensor.from_local(op(x._local_tensor, *args, **kwargs), x.device_mesh, x.placements, run_check=False)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad, None, None, None
+
+
 def _grouped(target: Any) -> bool:
     """A grouped matmul (aten's, or the fallback custom op transformers runs experts through)."""
     return "grouped_mm" in str(target)
@@ -116,6 +134,10 @@ def _reduced(value: DTensor, want: Placement) -> bool:
     """A partial sum the plan expects that DTensor already reduced (its `contiguous` does): the value
     is right as it is, and DTensor refuses to turn it back into partial sums."""
     return isinstance(want, Partial) and isinstance(value.placements[0], Replicate)
+
+
+def _partial(value: Any) -> bool:
+    return isinstance(value, DTensor) and value.placements[0].is_partial()
 
 
 def _same(have: Placement, want: Placement) -> bool:
@@ -508,7 +530,7 @@ class ShardedGraph(nn.Module):
             # replicated by the plan: on whole tensors, without DTensor's dispatch (ops DTensor has no
             # rule for, forward or backward, run too: a weight norm's, `cond`, an autocast region);
             # split inputs are gathered (their gradients split back)
-            whole = partial(self._whole, env)
+            whole = partial(self._whole, env, wrapped)
             return node.target(*fx.node.map_arg(node.args, whole), **fx.node.map_arg(node.kwargs, whole))
         split = (want is not None and not want.is_replicate()) or any(not p.is_replicate() for p in need.values()) \
             or any(isinstance(env[i], DTensor) for i in inputs)
@@ -524,7 +546,7 @@ class ShardedGraph(nn.Module):
                     wrapped[inp] = DTensor.from_local(value, self.mesh, [Replicate()], run_check=False)
                 value = wrapped[inp]
             if inp in need and not _same(value.placements[0], need[inp]) and not _reduced(value, need[inp]):
-                value = value.redistribute(self.mesh, [need[inp]])
+                value = self._moved(wrapped, inp, value, need[inp])
             return value
 
         args = fx.node.map_arg(node.args, arg)
@@ -538,10 +560,19 @@ class ShardedGraph(nn.Module):
                 return self._op(node, args, kwargs, want)
         return self._op(node, args, kwargs, want)
 
-    def _whole(self, env: dict, inp: fx.Node) -> Any:
+    def _whole(self, env: dict, wrapped: dict, inp: fx.Node) -> Any:
         """The value of `inp` whole, as a plain tensor."""
         value = env[inp]
-        return value.redistribute(self.mesh, [Replicate()]).to_local() if isinstance(value, DTensor) else value
+        if not isinstance(value, DTensor):
+            return value
+        return (value if value.placements[0].is_replicate() else self._moved(wrapped, inp, value, Replicate())).to_local()
+
+    def _moved(self, wrapped: dict, inp: fx.Node, value: DTensor, placement: Placement) -> DTensor:
+        """`inp`'s value redistributed to `placement`, once for every op that needs it so: their
+        gradients add up before the one collective back."""
+        if (inp, placement) not in wrapped:
+            wrapped[inp, placement] = value.redistribute(self.mesh, [placement])
+        return wrapped[inp, placement]
 
     def _writes_split(self, node: fx.Node, env: dict, want: Placement | None, need: dict) -> bool:
         """Whether an in-place op writes into a split value as it lies (DTensor's own in-place op:
@@ -559,13 +590,14 @@ class ShardedGraph(nn.Module):
         while is_view(chain[-1]) and chain[-1].all_input_nodes and chain[-1].all_input_nodes[0] in env:
             chain.append(chain[-1].all_input_nodes[0])
         if any(isinstance(env[v], DTensor) for v in chain):
-            env[chain[-1]] = self._whole(env, chain[-1]).clone()
+            env[chain[-1]] = self._whole(env, wrapped, chain[-1]).clone()
             for view in reversed(chain[:-1]):
                 env[view] = view.target(*fx.node.map_arg(view.args, env.__getitem__),
                                         **fx.node.map_arg(view.kwargs, env.__getitem__))
         for value in chain:
-            wrapped.pop(value, None)
-        whole = partial(self._whole, env)
+            for key in [k for k in wrapped if k is value or isinstance(k, tuple) and k[0] is value]:
+                del wrapped[key]
+        whole = partial(self._whole, env, wrapped)
         return node.target(*fx.node.map_arg(node.args, whole), **fx.node.map_arg(node.kwargs, whole))
 
     def _op(self, node: fx.Node, args: Any, kwargs: dict, want: Placement | None) -> Any:
@@ -574,6 +606,8 @@ class ShardedGraph(nn.Module):
             out = self._run_local(node, args, kwargs, want)
         elif node.target is _EMBEDDING and _split_rows(args[0]) and not _split_rows(args[1]):
             out = self._vocab_parallel(*args[:3])
+        elif node.target in _LAYOUT and _partial(args[0]) and want is not None and want.is_partial():
+            out = _PartialLayout.apply(args[0], node.target, tuple(args[1:]), kwargs)
         else:
             try:
                 out = node.target(*args, **kwargs)
