@@ -15,7 +15,7 @@ import math
 
 from autopar.contract.compression import Spec, dgc_sparsifies
 from autopar.cost_models.cluster import DeviceSpec, Link
-from autopar.cost_models.comm import all_gather_time, all_reduce_time
+from autopar.cost_models.comm import all_gather_time, all_reduce_time, bucketed
 
 # the methods `--compression auto` weighs: those published without loss of accuracy at these settings
 AUTO = (None, "fp16", "powersgd:4", "dgc:0.999")
@@ -60,7 +60,6 @@ def wire(spec: Spec, shape: tuple[int, ...], ranks: int) -> tuple[str, int]:
 
 
 PER_TENSOR = ("dgc", "powersgd", "onebit", "terngrad", "qsgd")  # the others compress a bucket end to end
-BUCKET_ELEMENTS = 25 * 2**20 // 4  # the synchroniser's 25 MiB buckets of fp32 gradients
 
 
 def messages(spec: Spec, kind: str) -> int:
@@ -71,16 +70,9 @@ def messages(spec: Spec, kind: str) -> int:
 
 
 def buckets(shapes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
-    """Gradients grouped in order into buckets of at most BUCKET_ELEMENTS (a larger one alone)."""
-    out: list[list[tuple[int, ...]]] = [[]]
-    filled = 0
-    for shape in shapes:
-        if out[-1] and filled + math.prod(shape) > BUCKET_ELEMENTS:
-            out.append([])
-            filled = 0
-        out[-1].append(shape)
-        filled += math.prod(shape)
-    return out
+    """Gradients of these shapes (fp32, in the order backward produces them) grouped as the
+    synchroniser groups them (`comm.bucketed`)."""
+    return [[shapes[i] for i in group] for group in bucketed([4 * math.prod(s) for s in shapes])] or [[]]
 
 
 def sync_time(spec: Spec, shapes: list[tuple[int, ...]], ranks: int, link: Link, device: DeviceSpec) -> float:

@@ -21,7 +21,6 @@ in `edge_costs.py`; this module builds the ILP, solves it and assembles the resu
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from autopar.cost_models import ClusterSpec, collective_time
-from autopar.cost_models.comm import all_reduce_latency
+from autopar.cost_models.comm import all_reduce_latency, bucket_count
 from autopar.planner.edge_costs import edge_collectives, edge_costs, output_costs
 from autopar.planner.graph import OpGraph
 from autopar.planner.ilp import InfeasibleError, Problem, solve
@@ -63,13 +62,6 @@ class StageSharding:
     @property
     def time(self) -> float:
         return self.cost["total_s"]
-
-
-BUCKET_BYTES = 25e6  # DDP's default gradient bucket
-
-
-def buckets(nbytes: float) -> int:
-    return max(1, math.ceil(nbytes / BUCKET_BYTES)) if nbytes else 0
 
 
 def _bucket_latency(stage: StageGraph) -> float:
@@ -192,7 +184,7 @@ def _result(stage: StageGraph, logical, chosen: dict[str, Evaluation], zero: dic
         return stage.graph.params[f].nbytes / (tp * dp)
 
     trainable_bytes = sum(trainable_shard(f, zero=False) for f in stage.graph.trainable if f in params)
-    latency = per_bucket * buckets(trainable_bytes)
+    latency = per_bucket * bucket_count(trainable_bytes)
     total = problem.objective(sol.choice) + latency + gather
     return StageSharding(
         logical_mesh=tuple(logical),

@@ -24,16 +24,14 @@ from autopar.contract.compression import Spec
 from autopar.contract.plan import SELECTIVE
 from autopar.contract.precision import PRECISIONS
 from autopar.cost_models import ClusterSpec, axis_link, optimizer_time, p2p_time
-from autopar.cost_models.comm import all_reduce_time, exposed_time, stage_send_link
+from autopar.cost_models.comm import all_reduce_time, bucket_count, exposed_time, stage_send_link
 from autopar.cost_models.compression import dense_time, sync_time
 from autopar.cost_models.compute import loss_time
 from autopar.cost_models.memory import OPTIMIZER_STATE_BYTES
 from autopar.planner.graph import OpGraph
 from autopar.planner.ilp import InfeasibleError
 from autopar.planner.intra_op import (
-    BUCKET_BYTES,
     StageSharding,
-    buckets,
     distinct,
     logical_meshes,
     program_collectives,
@@ -447,7 +445,7 @@ class StageCosts:
         states = states - self._excess[key]
         comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
         with np.errstate(invalid="ignore", divide="ignore"):
-            n_buckets = np.where(trainable > 0, np.maximum(1, np.ceil(trainable / BUCKET_BYTES)), 0)
+            n_buckets = bucket_count(trainable)
             sync = sync + np.where(trainable > 0, weighted / np.where(trainable > 0, trainable, 1) * n_buckets, 0)
         fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m + copies
         fwd, bwd = fwd + fixed_f * (1 - 1 / m), bwd + fixed_b * (1 - 1 / m)  # every microbatch issues every op
@@ -528,7 +526,7 @@ class StageCosts:
                 share = f / (f + b) if f + b else 0.5
                 c = p.cost  # the atom's bucket latency is replaced by the stage's (its buckets hold all its weights)
                 bucketed = lm[0] > 1 and not any(pl[0] == "S(0)" for pl in p.params.values())  # GradSync's copies
-                latency = c["bucket_latency_s"] * buckets(c["trainable_bytes"])
+                latency = c["bucket_latency_s"] * bucket_count(c["trainable_bytes"])
                 rows.append([c["compute_s"] * share, c["compute_s"] * (1 - share), c["comm_s"] + c["reshard_s"],
                              c["grad_sync_s"] - latency, p.memory["model_states"], p.memory["activations"],
                              c["trainable_bytes"], c["bucket_latency_s"] * c["trainable_bytes"], c["comm_latency_s"],
@@ -557,7 +555,7 @@ class StageCosts:
         states -= float(self.tied_excess(np.array(atoms), submesh, lm, lean)[0, 1])
         comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
         if trainable:  # one bucket latency per 25 MB of the stage's weights (byte-weighted over its atoms)
-            sync += weighted_latency / trainable * buckets(trainable)
+            sync += weighted_latency / trainable * bucket_count(trainable)
         # a linear layer's backward computes its input's and its weight's gradients at equal cost
         # (Qi et al. price T_W = T_B): the weights' half of the computation, none of its collectives
         weight = bwd / m / 2

@@ -20,8 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-BUCKET_BYTES = 25 * 2**20  # DDP's default bucket
-FIRST_BUCKET_BYTES = 2**20  # DDP's first bucket: small, so that communication starts early in backward
+from autopar.cost_models.comm import BUCKET_BYTES, bucketed
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
@@ -90,20 +89,12 @@ class GradSync:
         self.world = dist.get_world_size(group)
         self.sync = True
         self.stats = SyncStats()
-        self.buckets: list[_Bucket] = []
         self._carry: torch.Tensor | None = None  # a value summed with the step's last bucket (`carry`)
         self.carried: torch.Tensor | None = None  # its sum over the group, once `finish` ran
         self._launched = 0
-        current: list[torch.nn.Parameter] = []
-        size = 0
-        for p in reversed([p for p in params if p.requires_grad]):
-            current.append(p)
-            size += local(p).numel() * local(p).element_size()
-            if size >= (min(FIRST_BUCKET_BYTES, bucket_bytes) if not self.buckets else bucket_bytes):
-                self.buckets.append(_Bucket(current))
-                current, size = [], 0
-        if current:
-            self.buckets.append(_Bucket(current))
+        ordered = list(reversed([p for p in params if p.requires_grad]))  # as backward produces them
+        self.buckets = [_Bucket([ordered[i] for i in group]) for group in bucketed(
+            [local(p).numel() * local(p).element_size() for p in ordered], bucket_bytes)]
         for bucket in self.buckets:
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(self._hook(bucket))
