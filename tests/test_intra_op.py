@@ -168,7 +168,7 @@ def test_unknown_op_runs_replicated_said_once_without_a_warning(caplog):
 
 
 def test_a_new_op_rule_is_one_decorator(monkeypatch):
-    """flip has no rule, so the data axis gathers the batch before it; one decorated function (the
+    """flip has no rule, so its output keeps no batch dimension for the data axis; one decorated function (the
     flipped dimensions keep no letter) lets the batch split pass through."""
     graph = capture(Flipper(), torch.randn(64, 64))
     flip = next(n.name for n in graph if n.op == "aten.flip.default")

@@ -230,7 +230,7 @@ class StrategyCosts:
         split = any(shard_dim(p) is not None for p in ev.out[name]) or (P in ev.out[name] and not sig.view)
         tp_share = mesh.tp if split else 1
         batched = any(d is not None for d in self.g.batch[name]) or self.g.batch_letters(name)
-        dp_share = mesh.dp if batched and sig.kind != L.UNKNOWN else 1
+        dp_share = mesh.dp if batched else 1  # every op runs on the rank's slice of the batch, ruled or not
         # every op is issued forward and, when a gradient flows through it, again in backward; on
         # DTensors (split on the tensor axis, or reading split inputs) at DTensor's cost
         ops = 1 + self.g.grad(name)
@@ -261,12 +261,6 @@ class StrategyCosts:
                                                (node.bytes_read + node.bytes_written) / (dp_share * tp_share),
                                                device, dtype, ops=1, matmuls=1 if node.flops_fwd else 0,
                                                sharded=sharded)
-        if sig.kind == L.UNKNOWN and mesh.dp > 1:  # runs on whole tensors: gather the batch first
-            for i, src in self.g.tensor_inputs(name):
-                if src and self.g.batch_of(src, self.g.out_index(name, src)) is not None:
-                    nbytes = self.g.in_bytes(name, i, src) * mesh.dp
-                    ev.comm += collective_time("all_gather", nbytes, mesh.dp, mesh.dp_link)
-                    ev.collectives.append(self.g.collective(name, "all_gather", "forward", nbytes, "dp", src))
         letter, out_letters = ev.letters.get(name), "".join(sig.outputs)
         for i, src in self.g.tensor_inputs(name):
             if sig.inputs[i] is None:

@@ -251,6 +251,10 @@ class Program:
             return graph.interpret(inputs)
         params = [getattr(module, name) for module, name in graph.param_of.values()]
         fixed = [t for t in graph.fixed.values() if isinstance(t, torch.Tensor)]
+        if self.compile:  # inductor's code assumes the strides it was traced with: a step's inputs may be
+            # slices (a batch's tokens and targets cut from one block), traced as contiguous ones
+            inputs = tuple(x.contiguous() for x in inputs)
+            fixed = [t.contiguous() for t in fixed]
         key = (tuple((tuple(x.shape), x.dtype, x.requires_grad) for x in (*inputs, *fixed)),
                tuple(p.requires_grad for p in params), torch.is_grad_enabled(), graph.training,
                _autocast_state())
