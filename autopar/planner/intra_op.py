@@ -90,8 +90,6 @@ def shard_stage(
     anchors = [n for n in stage.names if stage.root.get(n) == n]
     strategies = {a: costs.strategies(a, rule) for a in anchors}
     if fixed:
-        # as chosen, even where this graph would not offer it (a split that ended at an atom's
-        # boundary is all-reduced there, where the stage's graph could reduce-scatter it further on)
         strategies = {a: [fixed[a]] if a in fixed else options for a, options in strategies.items()}
     stage.tie(strategies)
     classes = [a for a in anchors if stage.cls[a] == a]
