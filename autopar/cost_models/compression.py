@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import math
 
+from autopar.contract.buckets import bucketed
 from autopar.contract.compression import Spec, dgc_sparsifies
 from autopar.cost_models.cluster import DeviceSpec, Link
-from autopar.cost_models.comm import all_gather_time, all_reduce_time, bucketed
+from autopar.cost_models.comm import all_gather_time, all_reduce_time
 
 # the methods `--compression auto` weighs: those published without loss of accuracy at these settings
 AUTO = (None, "fp16", "powersgd:4", "dgc:0.999")

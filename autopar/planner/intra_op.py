@@ -27,8 +27,9 @@ from typing import Any
 
 import numpy as np
 
+from autopar.contract.buckets import bucket_count
 from autopar.cost_models import ClusterSpec, collective_time
-from autopar.cost_models.comm import all_reduce_latency, bucket_count
+from autopar.cost_models.comm import all_reduce_latency
 from autopar.planner.edge_costs import edge_collectives, edge_costs, output_costs
 from autopar.planner.graph import OpGraph
 from autopar.planner.ilp import InfeasibleError, Problem, solve

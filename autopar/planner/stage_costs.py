@@ -20,11 +20,12 @@ from typing import Any
 
 import numpy as np
 
+from autopar.contract.buckets import bucket_count
 from autopar.contract.compression import Spec
 from autopar.contract.plan import SELECTIVE
 from autopar.contract.precision import PRECISIONS
 from autopar.cost_models import ClusterSpec, axis_link, optimizer_time, p2p_time
-from autopar.cost_models.comm import all_reduce_time, bucket_count, exposed_time, stage_send_link
+from autopar.cost_models.comm import all_reduce_time, exposed_time, stage_send_link
 from autopar.cost_models.compression import dense_time, sync_time
 from autopar.cost_models.compute import loss_time
 from autopar.cost_models.memory import OPTIMIZER_STATE_BYTES

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.cost_models.comm import BUCKET_BYTES, bucketed
+from autopar.contract.buckets import BUCKET_BYTES, bucketed
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
