@@ -24,10 +24,10 @@ stage holds. Writes docs/benchmarks/results/host_overhead.md.
 On a GPU (`--device cuda`, issue 38's item 6: models of real size, e.g. `gpt-small` and
 `rotary_decoder.py:llama_small`) a call returns once its kernels are queued: each program is timed
 twice per round, the *host* time until the call returns and the *step* time until the GPU has
-finished (synchronised before and after), the median over rounds; then one forward + backward under the
-profiler for the GPU's busy time (its kernels' and copies' own time) and the calls that made the
-host wait for the GPU. Collectives still return at once (one rank's program, its communication left
-out). Writes host_overhead-cuda.md.
+finished (synchronised before and after), the median over rounds; then one forward + backward
+under the profiler for the GPU's busy time (its kernels' and copies' own time), the calls that
+made the host wait for the GPU and the asynchronous copies issued. Collectives still return at
+once (one rank's program, its communication left out). Writes host_overhead-cuda.md.
 
     python benchmarks/host_overhead.py [--models gpt-tiny,benchmarks/rotary_decoder.py:llama_tiny]
         [--layouts 1,2,1 1,2,2 2,2,1] [--rounds 7] [--device cuda] [--compile]
@@ -154,13 +154,13 @@ def measure(progs: dict, rounds: int, cuda: bool = False) -> dict[str, dict[str,
     return times
 
 
-SYNCS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+WAITS = {"cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy"}
 
 
 def kernels(progs: dict, times: dict) -> None:
     """Per program, one forward + backward under the profiler: the GPU's busy time (the kernels' and
-    copies' own time; "kernels") and the calls that make the host wait for the GPU ("syncs"), so
-    that a step's time can be read as the host's or the GPU's."""
+    copies' own time; "kernels"), the calls that make the host wait for the GPU ("waits") and the
+    asynchronous memory copies issued ("copies"), so a step's time can be read as the host's or the GPU's."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -172,7 +172,9 @@ def kernels(progs: dict, times: dict) -> None:
         events = prof.key_averages()
         on_gpu = [e for e in events if e.device_type == DeviceType.CUDA]  # not the CPU ops that launched them
         times[name]["kernels"] = [sum(e.self_device_time_total for e in on_gpu) / 1e6]
-        times[name]["syncs"] = [sum(e.count for e in events if e.key.startswith(SYNCS)) - 1]  # less our own
+        calls = {e.key: e.count for e in events}
+        times[name]["waits"] = [sum(calls.get(k, 0) for k in WAITS) - 1]  # less our own synchronize
+        times[name]["copies"] = [calls.get("cudaMemcpyAsync", 0)]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -209,8 +211,8 @@ def main(argv: list[str] | None = None) -> int:
             dist.destroy_process_group()
     if cuda:
         body = table(["model", "layout", "program", "ops", "forward host ms", "forward step ms",
-                      "forward + backward host ms", "µs/op", "forward + backward step ms", "GPU busy ms", "syncs",
-                      "step × generated code"], rows, right=tuple(range(3, 12)))
+                      "forward + backward host ms", "µs/op", "forward + backward step ms", "GPU busy ms", "host waits",
+                      "copies", "step × generated code"], rows, right=tuple(range(3, 13)))
     else:
         body = table(["model", "layout", "program", "ops", "forward ms", "µs/op", "forward + backward ms", "µs/op",
                       "per op × generated code"], rows, right=(3, 4, 5, 6, 7, 8))
@@ -231,7 +233,7 @@ def _rows(model: str, layout: str, progs: dict, times: dict, cuda: bool) -> list
             ratio = t["forward_backward_step"] / statistics.median(times[base]["forward_backward_step"])
             rows.append([model, layout, name, ops, ms["forward"], ms["forward_step"], ms["forward_backward"],
                          f"{t['forward_backward'] / ops * 1e6:.0f}", ms["forward_backward_step"], ms["kernels"],
-                         f"{t['syncs']:.0f}", f"{ratio:.2f}"])
+                         f"{t['waits']:.0f}", f"{t['copies']:.0f}", f"{ratio:.2f}"])
         else:
             per_op = (t["forward_backward"] / ops) / (min(times[base]["forward_backward"]) / progs[base][1])
             rows.append([model, layout, name, ops, ms["forward"], f"{t['forward'] / ops * 1e6:.0f}",
