@@ -53,7 +53,9 @@ ZERO = [("llama", "zero1"), ("llama", "zero2-offload"), ("llama", "zero1-pp"), (
         ("t5", "zero1-pp-offload")]
 TWO = ["falcon", "gemma2", "convnext", "deepseek-v3", "resnet", "mobilenet-v2", "clip", "whisper", "dinov2",
        "wav2vec2", "deberta-v2", "modernbert", "switch"]
-TWO_LAYOUTS = {"dp": "2,1,1", "tp": "1,2,1", "pp": "1,1,2,2", "searched": None}
+# (on 2 ranks the search picks a data axis with microbatches or a two-stage pipeline, what these
+# three run: the searched plan runs on 4 ranks above and for every family in the sweep)
+TWO_LAYOUTS = {"dp": "2,1,1", "tp": "1,2,1", "pp": "1,1,2,2"}
 # what the runtime cannot run: refused at `parallelize` time, on every rank, saying why
 TWO_REFUSED = {("switch", "tp"): "needs the model's graph: cannot capture SwitchTransformersForConditionalGeneration",
                ("switch", "pp"): "needs the model's graph: cannot capture SwitchTransformersForConditionalGeneration"}
