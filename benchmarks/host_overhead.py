@@ -126,7 +126,7 @@ def programs(spec: str, layout: str, world: int, device: str = "cpu",
         program = Program({"tp": mesh.get_group()}, compile=compile)
         run_stage(program, True)  # traced (and compiled): forward and backward
         if program.fallback is not None:
-            raise SystemExit(f"{spec} under {layout} did not lower: {program.fallback}")
+            raise RuntimeError(f"{spec} under {layout} did not lower: {program.fallback}")
         progs[name] = (partial(run_stage, program), ops)
     return progs
 
