@@ -3,7 +3,8 @@ times, with the error on layouts the fit did not see.
 
 Each hand-written layout of the bench is planned again on the calibrated cluster (the shardings
 each solve chooses recorded), then priced again, those shardings held, on clusters with one
-parameter doubled: FLOP rate, memory bandwidth, a plain op's fixed cost, an op's on DTensors,
+parameter doubled: FLOP rate, memory bandwidth, a plain op's fixed cost, a sharded op's (on DTensors
+and in a lowered stage alike),
 link latency, link bandwidth. A stage's times are sums of terms each proportional to one of
 them, so the six differences give every stage's times for any scaling (exactly, up to the
 roofline's max and the overlap's clipping), and the simulator turns them into step times. The
@@ -39,7 +40,8 @@ def scaled(cluster: Any, factors: dict[str, float]) -> Any:
     device = dataclasses.replace(
         dev, peak_flops={k: v / f["flops"] for k, v in dev.peak_flops.items()},
         memory_bandwidth=dev.memory_bandwidth / f["memory"], op_overhead_s=dev.op_overhead_s * f["op_overhead"],
-        sharded_op_overhead_s=dev.sharded_op_overhead_s * f["sharded_overhead"])
+        sharded_op_overhead_s=dev.sharded_op_overhead_s * f["sharded_overhead"],
+        lowered_op_overhead_s=dev.lowered_op_overhead_s * f["sharded_overhead"])
 
     def link(x: Any) -> Any:
         return dataclasses.replace(x, latency=x.latency * f["latency"], bandwidth=x.bandwidth / f["bandwidth"])

@@ -388,8 +388,11 @@ def test_calibrate_writes_a_cluster_the_planner_reads(capsys, tmp_path):
     # all-gathers and reduce-scatters as measured: the ring formula's time × the link's factor
     assert spec.intra_host.gather_factor > 0 and spec.intra_host.scatter_factor > 0
     assert all(r["measured_s"] > 0 and r["fitted_s"] > 0 for r in result["collectives"])
-    # the terms beside FLOPs and bytes: per op, on DTensors, the optimizer, cores, overlap
+    # the terms beside FLOPs and bytes: per op, in a lowered sharded stage, on DTensors, the optimizer,
+    # cores, overlap; the runtime measured as it runs and as a stage left to the interpreter runs
     assert 0 < spec.device.op_overhead_s < 1e-3 and spec.device.sharded_op_overhead_s >= 0
+    assert 0 <= spec.device.lowered_op_overhead_s < 1e-3
+    assert {"dp", "tp", "tp_interpreted"} <= set(result["runtime"])
     assert spec.device.optimizer_ops > 0 and spec.device.optimizer_bytes > 0
     assert 1 <= spec.cores_per_host <= 2 and 0 <= spec.intra_host.overlap <= 1
     plan = run_json(capsys, "plan", "mlp-tiny", "--cluster", str(path), "--mesh", "1x2")

@@ -69,10 +69,12 @@ def test_fixed_costs_per_op():
     from autopar.cost_models import fixed_time, optimizer_time
 
     cpu = DeviceSpec(name="core", peak_flops={"float32": 1e11}, memory_bytes=1, memory_bandwidth=1e10, efficiency=1.0,
-                     op_overhead_s=5e-6, sharded_op_overhead_s=40e-6, matmul_half_flops=1e6)
+                     op_overhead_s=5e-6, sharded_op_overhead_s=40e-6, lowered_op_overhead_s=1e-6,
+                     matmul_half_flops=1e6)
     # a matmul of 1 MFLOP forward and 2 backward: 30 µs of FLOPs, 3 × 10 µs short of the peak, 2 dispatches
     assert compute_time(3e6, 0, cpu, ops=2, matmuls=3) == pytest.approx(30e-6 + 30e-6 + 10e-6)
-    assert fixed_time(cpu, ops=2, matmuls=3, sharded=True) == pytest.approx(30e-6 + 2 * 45e-6)
+    # a sharded stage as it runs: lowered, not op by op through DTensor
+    assert fixed_time(cpu, ops=2, matmuls=3, sharded=True) == pytest.approx(30e-6 + 2 * 6e-6)
     # a GPU issues kernels ahead: the host's time is a floor under each op, not an addition
     gpu = dataclasses.replace(cpu, asynchronous=True)
     assert compute_time(3e9, 0, gpu, ops=2) == pytest.approx(0.03)

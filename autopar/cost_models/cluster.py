@@ -53,7 +53,12 @@ class DeviceSpec:
     # host time to issue one op (forward or backward: dispatch, autograd); it adds to the op's
     # time, or on an `asynchronous` device (a GPU) bounds it from below (the kernel-launch floor)
     op_overhead_s: float = 0.0
-    sharded_op_overhead_s: float = 0.0  # more per op on DTensors (sharding propagation)
+    # more per op dispatched on DTensors (DTensor's sharding propagation): the optimizer's steps on
+    # DTensor parameters (and every op of a stage the lowering leaves to the interpreter, unpriced:
+    # the planner prices stages lowered, `runtime.lower` warns where one is not)
+    sharded_op_overhead_s: float = 0.0
+    # more per op of a sharded stage as it runs, lowered: its program over the plain code's per op
+    lowered_op_overhead_s: float = 0.0
     asynchronous: bool = False
     # Adam's step: bytes moved per parameter (fused: read 4 fp32 tensors, write 3) and ops per tensor
     optimizer_bytes: float = 28.0
@@ -171,6 +176,7 @@ def _parse_cluster(data: Any, source: str) -> ClusterSpec:
         matmul_half_flops=optional(dev, "matmul_half_flops", "device.", 0.0),
         op_overhead_s=optional(dev, "op_overhead_s", "device.", 0.0, at_most=1.0),
         sharded_op_overhead_s=optional(dev, "sharded_op_overhead_s", "device.", 0.0, at_most=1.0),
+        lowered_op_overhead_s=optional(dev, "lowered_op_overhead_s", "device.", 0.0, at_most=1.0),
         asynchronous=bool(dev.get("asynchronous", False)),
         optimizer_bytes=optional(dev, "optimizer_bytes", "device.", 28.0, at_most=1e4),
         optimizer_ops=optional(dev, "optimizer_ops", "device.", 0.0, at_most=1e4),

@@ -13,9 +13,10 @@ LOSS_PASSES, LOSS_OPS = 5, 6  # cross-entropy's passes over its input's size, an
 
 def fixed_time(device: DeviceSpec, dtype: str = "float32", ops: int = 0, matmuls: int = 0,
                sharded: bool = False) -> float:
-    """`ops` dispatches of host time (more on DTensors: `sharded`), and `matmuls` matmuls' shortfall:
-    a matmul of f FLOPs reaches `f / (f + f½)` of the peak, i.e. takes `f½ / peak` longer."""
-    host = ops * (device.op_overhead_s + (device.sharded_op_overhead_s if sharded else 0.0))
+    """`ops` dispatches of host time (more in a sharded stage: `sharded`, at its lowered program's
+    cost), and `matmuls` matmuls' shortfall: a matmul of f FLOPs reaches `f / (f + f½)` of the
+    peak, i.e. takes `f½ / peak` longer."""
+    host = ops * (device.op_overhead_s + (device.lowered_op_overhead_s if sharded else 0.0))
     return host + matmuls * device.matmul_half_flops / (device.flops_for(dtype) * device.efficiency)
 
 

@@ -232,7 +232,7 @@ class StrategyCosts:
         batched = any(d is not None for d in self.g.batch[name]) or self.g.batch_letters(name)
         dp_share = mesh.dp if batched else 1  # every op runs on the rank's slice of the batch, ruled or not
         # every op is issued forward and, when a gradient flows through it, again in backward; on
-        # DTensors (split on the tensor axis, or reading split inputs) at DTensor's cost
+        # a sharded stage (split on the tensor axis, or reading split inputs) at its lowered program's cost
         ops = 1 + self.g.grad(name)
         sharded = mesh.tp > 1 and (split or any(p not in (None, R) for p in ev.need.get(name, ())))
         device = self.cluster.device
