@@ -269,10 +269,19 @@ class Program:
         self.cache: dict[tuple, _Entry] = {}
         self.sent: dict[str, int] = {}  # bytes handed to each axis's collectives since `StageBytes` last looked
         self.fallback: str | None = None  # why the stage (or layer) runs interpreted
+        self._warned = False
 
     def _fall_back(self, why: str) -> None:
         self.fallback = why
-        log.warning("part of the plan runs interpreted (DTensor per op), not lowered: %s", why)
+
+    def _interpreted(self, graph: Any, inputs: tuple) -> Any:
+        """The stage run op by op; the warning once it ran (an op that fails there is the build's
+        refusal, not a stage run interpreted)."""
+        out = graph.interpret(inputs)
+        if not self._warned:
+            self._warned = True
+            log.warning("part of the plan runs interpreted (DTensor per op), not lowered: %s", self.fallback)
+        return out
 
     @property
     def lowered(self) -> bool:
@@ -282,7 +291,7 @@ class Program:
         if self.fallback is None and not all(isinstance(x, torch.Tensor) for x in inputs):
             self._fall_back("a value that is not a tensor crosses into it")
         if self.fallback is not None:
-            return graph.interpret(inputs)
+            return self._interpreted(graph, inputs)
         params = [getattr(module, name) for module, name in graph.param_of.values()]
         fixed = [t for t in graph.fixed.values() if isinstance(t, torch.Tensor)]
         if self.compile:  # inductor's code assumes the strides it was traced with: a step's inputs may be
@@ -317,7 +326,7 @@ class Program:
         finally:
             graph.tracing, graph._given = False, {}  # (a recomputed layer's backward is traced by then)
         if self.fallback is not None:
-            return graph.interpret(inputs)
+            return self._interpreted(graph, inputs)
         entry.specs[:] = [_grad_spec(p, entry.record[i]) for i, p in enumerate(params) if isinstance(p, DTensor)]
         self.cache[key] = entry
         self._tally(entry)
@@ -560,16 +569,18 @@ def lower(graph: Any, axes: dict[str, Any], compile: bool = False) -> Program:
     return graph.program
 
 
-def lower_now(graph: Any, inputs: tuple) -> None:
+def lower_now(graph: Any, inputs: tuple) -> bool:
     """Trace `graph`'s training program at build time, on `inputs` as a step will hand them (one
     forward run and dropped; random state and buffers kept), and check its collectives against
     the plan's: the ops of any the plan did not price, or priced but the program does not issue,
     are logged (`programs()` reports them; a log line, not an error, until the full families sweep
     is re-run on the lowered runtime: every case of CI's slice matches). A stage lowered layer by
-    layer (ZeRO) is traced at its first step, once FSDP2 gathers its layers' parameters."""
+    layer (ZeRO) is traced at its first step, once FSDP2 gathers its layers' parameters. Whether
+    the forward ran (traced, or interpreted where the trace fell back): an op that fails under the
+    plan raises (`OpFailed`)."""
     program = getattr(graph, "program", None)
     if program is None or program.fallback is not None or isinstance(program, Segmented):
-        return
+        return False
     kept = [(t, t.clone()) for t in graph.fixed.values() if isinstance(t, torch.Tensor)]  # BatchNorm's statistics
     try:
         with torch.enable_grad(), torch.random.fork_rng(devices=[]):
@@ -581,6 +592,7 @@ def lower_now(graph: Any, inputs: tuple) -> None:
     found = program.unplanned()
     if found and (found[0] or found[1]):
         log.info("the lowered program does not issue the collectives its plan priced: %s", mismatch(*found))
+    return True
 
 
 def mismatch(extra: list[dict], missing: list[dict]) -> str:

@@ -33,19 +33,44 @@ from autopar.runtime.export import export_as_planned
 from autopar.runtime.failures import guarded
 from autopar.runtime.grad_sync import EmulatedLink, GradSync
 from autopar.runtime.loop import clip, evaluating, gather_batch_dim, squared_grad_norm
-from autopar.runtime.lower import StageBytes, lower, lower_now, programs
+from autopar.runtime.lower import Segmented, StageBytes, lower, lower_now, programs
 from autopar.runtime.precision import fsdp_policy, mixed_precision
-from autopar.runtime.sharded_graph import ShardedGraph, defer_partial_grads, first_failure, reduce_partial_grads
+from autopar.runtime.sharded_graph import (
+    OpFailed,
+    ShardedGraph,
+    defer_partial_grads,
+    first_failure,
+    reduce_partial_grads,
+)
 
 
 class UnsupportedPlan(ValueError):
     """A plan this runtime cannot execute yet (the message says which part)."""
 
 
-def refuse_failing(module: nn.Module, inputs: tuple) -> None:
-    """A model the runtime cannot run under this plan is refused now, on every rank, naming the op
-    and the model's line, rather than at the first step."""
-    failed = first_failure(module, inputs)
+def refuse_failing(module: ShardedGraph, inputs: tuple) -> None:
+    """A model the runtime cannot run under this plan is refused when it is built, on every rank,
+    naming the op and the model's line, rather than at the first step. A stage lowered layer by
+    layer (ZeRO), traced only at its first step, runs its forward interpreted now, before FSDP2
+    wraps it (`first_failure`); the others are checked by `build_checked`. A collective: every rank
+    calls it, once per stage it holds."""
+    failed = first_failure(module, inputs, run=isinstance(module.program, Segmented))
+    if failed is not None:
+        raise UnsupportedPlan(f"the runtime cannot run this model under the plan: {failed}")
+
+
+def build_checked(module: ShardedGraph, inputs: tuple) -> None:
+    """Trace the stage's training program now (`lower_now`: its forward run once and checked against
+    the plan) and refuse, on every rank, a model whose op fails under the plan (the trace falls
+    back to the interpreter, where the op fails again). A collective, as `refuse_failing`."""
+    failed = None
+    try:
+        lower_now(module, inputs)
+    except OpFailed as exc:
+        failed = str(exc)
+    said: list = [None] * dist.get_world_size()
+    dist.all_gather_object(said, failed)
+    failed = next((f for f in said if f is not None), None)
     if failed is not None:
         raise UnsupportedPlan(f"the runtime cannot run this model under the plan: {failed}")
 
@@ -250,7 +275,7 @@ class ParallelModel:
             defer_partial_grads(list(self.trained.parameters()))
         if self.graph is not None:
             with self.precision.autocast():  # traced as the steps will run it (partial gradients deferred)
-                lower_now(self.graph, tuple(micro))
+                build_checked(self.graph, tuple(micro))
         self.state_buffers = self.graph.state_buffers if self.graph is not None else persistent(self.model)
         self.buffer_sync = AveragedBuffers(self.state_buffers, self.group) if self.dp > 1 else None
         self.optimizer = optimizer(list(self.trained.parameters()))

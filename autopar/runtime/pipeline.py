@@ -47,11 +47,12 @@ from autopar.runtime.fan_out import FanOutSchedule, peers, receive, send
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.grad_sync import local as local_part
 from autopar.runtime.loop import clip, evaluating, squared_grad_norm
-from autopar.runtime.lower import StageBytes, lower, lower_now, programs
+from autopar.runtime.lower import StageBytes, lower, programs
 from autopar.runtime.parallel import (
     UnsupportedPlan,
     _split,
     average_grads,
+    build_checked,
     check_batch,
     check_optimizer,
     data_sharded,
@@ -293,7 +294,7 @@ class PipelineModel:
             defer_partial_grads(list(self.module.parameters()))
         for s, module, inputs in zip(self.local, modules, received):
             with self.precision.autocast():  # traced as the steps run it (partial gradients deferred)
-                lower_now(module, tuple(micro) if s == 0 else inputs)
+                build_checked(module, tuple(micro) if s == 0 else inputs)
         for stage in stages:
             stage.sync = self.sync  # buckets launch during the rank's last backward
         self.state_buffers = self.module.state_buffers

@@ -209,28 +209,33 @@ class OpFailed(RuntimeError):
     """An op of the exported graph failed under the plan: names the op and the user's line."""
 
 
-def first_failure(module: ShardedGraph, inputs: tuple, group: Any = None) -> str | None:
+def first_failure(module: ShardedGraph, inputs: tuple, group: Any = None, run: bool = True) -> str | None:
     """Run `module` forward once on `inputs` (no gradients; random state and buffers kept) and agree over
     `group` (all ranks: every rank must take the same decision) on the first op that failed.
-    A collective: every rank of the group calls it."""
+    A collective: every rank of the group calls it (one not asked to `run` only agrees)."""
     import torch.distributed as dist
 
-    failed = None
+    failed = _fails(module, inputs) if run else None
+    said: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(said, failed, group=group)
+    return next((s for s in said if s is not None), None)
+
+
+def _fails(module: ShardedGraph, inputs: tuple) -> str | None:
+    """The op of `module`'s forward on `inputs` that fails, interpreted, if one does."""
     kept = [(t, t.clone()) for t in module.fixed.values() if isinstance(t, torch.Tensor)]  # BatchNorm's statistics
     program, module.program = module.program, None  # interpreted: the check needs the op that fails
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=[]):
             module(*inputs)
     except OpFailed as exc:
-        failed = str(exc)
+        return str(exc)
     finally:
         module.program = program
         with torch.no_grad():
             for tensor, value in kept:
                 tensor.copy_(value)
-    said: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(said, failed, group=group)
-    return next((s for s in said if s is not None), None)
+    return None
 
 
 @dataclass
