@@ -271,9 +271,6 @@ class Program:
         self.fallback: str | None = None  # why the stage (or layer) runs interpreted
         self._warned = False
 
-    def _fall_back(self, why: str) -> None:
-        self.fallback = why
-
     def _interpreted(self, graph: Any, inputs: tuple) -> Any:
         """The stage run op by op; the warning once it ran (an op that fails there is the build's
         refusal, not a stage run interpreted)."""
@@ -289,7 +286,7 @@ class Program:
 
     def __call__(self, graph: Any, inputs: tuple) -> Any:
         if self.fallback is None and not all(isinstance(x, torch.Tensor) for x in inputs):
-            self._fall_back("a value that is not a tensor crosses into it")
+            self.fallback = "a value that is not a tensor crosses into it"
         if self.fallback is not None:
             return self._interpreted(graph, inputs)
         params = [getattr(module, name) for module, name in graph.param_of.values()]
@@ -322,7 +319,7 @@ class Program:
                 raise
             cause = exc.__cause__ or exc
             where = str(exc).split(" failed under")[0] + ": " if "failed under" in str(exc) else ""
-            self._fall_back(f"{where}{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}")
+            self.fallback = f"{where}{type(cause).__name__}: {str(cause).splitlines()[0] if str(cause) else ''}"
         finally:
             graph.tracing, graph._given = False, {}  # (a recomputed layer's backward is traced by then)
         if self.fallback is not None:
@@ -569,18 +566,17 @@ def lower(graph: Any, axes: dict[str, Any], compile: bool = False) -> Program:
     return graph.program
 
 
-def lower_now(graph: Any, inputs: tuple) -> bool:
+def lower_now(graph: Any, inputs: tuple) -> None:
     """Trace `graph`'s training program at build time, on `inputs` as a step will hand them (one
     forward run and dropped; random state and buffers kept), and check its collectives against
-    the plan's: the ops of any the plan did not price, or priced but the program does not issue,
-    are logged (`programs()` reports them; a log line, not an error, until the full families sweep
-    is re-run on the lowered runtime: every case of CI's slice matches). A stage lowered layer by
-    layer (ZeRO) is traced at its first step, once FSDP2 gathers its layers' parameters. Whether
-    the forward ran (traced, or interpreted where the trace fell back): an op that fails under the
-    plan raises (`OpFailed`)."""
+    the plan's: a program that issues a collective the plan did not price, or does not issue one
+    it priced, raises `NotAsPlanned` naming their ops (`programs()` reports them too). A stage
+    lowered layer by layer (ZeRO) is traced at its first step, once FSDP2 gathers its layers'
+    parameters: there `programs()` reports a mismatch. An op that fails under the plan (the trace
+    falls back to the interpreter, where it fails again) raises `OpFailed`."""
     program = getattr(graph, "program", None)
     if program is None or program.fallback is not None or isinstance(program, Segmented):
-        return False
+        return
     kept = [(t, t.clone()) for t in graph.fixed.values() if isinstance(t, torch.Tensor)]  # BatchNorm's statistics
     try:
         with torch.enable_grad(), torch.random.fork_rng(devices=[]):
@@ -591,8 +587,12 @@ def lower_now(graph: Any, inputs: tuple) -> bool:
                 tensor.copy_(value)
     found = program.unplanned()
     if found and (found[0] or found[1]):
-        log.info("the lowered program does not issue the collectives its plan priced: %s", mismatch(*found))
-    return True
+        raise NotAsPlanned(f"its lowered program does not issue the collectives the plan priced ({mismatch(*found)})")
+
+
+class NotAsPlanned(RuntimeError):
+    """A stage's lowered program is not its plan: the planner priced other collectives than the
+    program issues (the planner's error, not the user's)."""
 
 
 def mismatch(extra: list[dict], missing: list[dict]) -> str:
