@@ -93,3 +93,10 @@ def test_conv_and_embedding():
 def test_pointwise_broadcast_gets_fresh_letters():
     s = one(lambda x, y: x + y, "aten.add.Tensor", torch.randn(2, 3, 4), torch.randn(3, 1))
     assert s.inputs[0] == "abc" and s.inputs[1][0] == "b" and s.inputs[1][1] not in "abc"
+
+
+def test_type_as_reads_only_the_other_tensors_dtype():
+    """`x.type_as(other)` follows x; `other` needs no placement (Gemma3's q/k norms: the plan priced
+    gathering it, which no program does)."""
+    s = one(lambda x, y: x.type_as(y), "aten.type_as.default", torch.randn(2, 3), torch.randn(2, 3))
+    assert s.kind == FOLLOWER and s.inputs == [s.outputs[0], None]

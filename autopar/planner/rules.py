@@ -326,7 +326,10 @@ def _pointwise(ins, out):
 @rule(aten.alias, aten.detach, aten.clone, aten.contiguous, aten._to_copy, aten.to, aten.type_as)
 def _same(node, ins, outs):
     letters = string.ascii_lowercase[: len(ins[0])]
-    return Signature(_place(node, ins, {0: letters}), [letters], FOLLOWER, view=True)
+    placed = _place(node, ins, {0: letters})
+    if "type_as" in str(node.target):  # `x.type_as(other)` reads only other's dtype: no placement to need
+        placed[1:] = [None] * (len(placed) - 1)
+    return Signature(placed, [letters], FOLLOWER, view=True)
 
 
 @rule(aten.dropout)
