@@ -391,6 +391,7 @@ class Program:
             _mark_recomputed(joint)
             fw, bw = default_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
             _drop_dead_collectives(bw)
+            _unaliased_grads(bw)
             # listed now: AOTAutograd compiles the backward graph only at the first backward
             entry.collectives[:] = collectives(fw, "forward", self.axes) + collectives(bw, "backward", self.axes)
             return fw, bw
@@ -616,6 +617,38 @@ def _drop_dead_collectives(gm: torch.fx.GraphModule) -> None:
         return node.is_impure()
 
     if gm.graph.eliminate_dead_code(is_impure_node=impure):
+        gm.recompile()
+
+
+def _unaliased_grads(gm: torch.fx.GraphModule) -> None:
+    """Each gradient the backward graph returns in memory of its own. The graph may return one
+    tensor, or views of one, for several inputs (at one sample per microbatch a position embedding's
+    gradient is the incoming gradient itself, and the class token's a slice of it), or the incoming
+    gradient it was handed. Autograd stores a gradient it is handed as the parameter's and adds the
+    next microbatch's into it in place: gradients sharing memory would add into each other. (Eager
+    autograd sees the sharing; the graph runs below view tracking, `_below_autograd`.)"""
+    def base(node: Any) -> Any:
+        while isinstance(node, torch.fx.Node) and node.op == "call_function" and getattr(node.target, "is_view", False):
+            node = node.args[0]
+        return node
+
+    output = next(n for n in gm.graph.nodes if n.op == "output")
+    returned = list(output.args[0])
+    seen: set = set()
+    changed = False
+    for i, value in enumerate(returned):
+        if not isinstance(value, torch.fx.Node):
+            continue
+        root = base(value)
+        if root.op == "placeholder" or root in seen:
+            with gm.graph.inserting_before(output):
+                returned[i] = gm.graph.call_function(torch.ops.aten.clone.default, (value,))
+            returned[i].meta = dict(value.meta)
+            changed = True
+        else:
+            seen.add(root)
+    if changed:
+        output.args = (tuple(returned), *output.args[1:])
         gm.recompile()
 
 
