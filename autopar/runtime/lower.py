@@ -173,26 +173,24 @@ class _Locals(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple:
-        out, kept = [], set()
+        out = []
         for g, spec, p, (node, _) in zip(grads, ctx.specs, ctx.params, ctx.next_functions):
-            if g is not None and id(g) in kept:  # one tensor, two gradients: each its own
-                g = g.clone()
-            if g is None or _accumulate(p, g, spec, node, kept):
+            if g is None or _accumulate(p, g, spec, node):
                 out.append(None)
             else:  # (DTensor's `__new__` alone: its `__init__` costs more than the rest of the backward per parameter)
                 out.append(DTensor.__new__(DTensor, g.contiguous(), spec, requires_grad=False))
         return (None, *out)
 
 
-def _accumulate(param: DTensor, grad: torch.Tensor, spec: DTensorSpec, node: Any, kept: set[int]) -> bool:
+def _accumulate(param: DTensor, grad: torch.Tensor, spec: DTensorSpec, node: Any) -> bool:
     """What autograd's AccumulateGrad would do with `grad` (the local shard of a gradient placed as
-    `spec`), done on local tensors: store it as the parameter's gradient, or add it to the one
-    there. AccumulateGrad does the same through DTensor's dispatch (a `detach` or an `add_` per
-    parameter per backward); handed no gradient, it still runs the parameter's post-accumulate
-    hooks (the synchroniser's), which then see this one. Whether it did (else autograd does):
-    not where this backward does not accumulate into the parameter (`autograd.grad`, `backward(inputs=)`),
-    builds a graph of the gradient, meets a hook on the parameter's gradient, or adds to a gradient
-    placed otherwise."""
+    `spec`, in memory of its own: `_unaliased_grads`), done on local tensors: store it as the
+    parameter's gradient, or add it to the one there. AccumulateGrad does the same through DTensor's
+    dispatch (a `detach` or an `add_` per parameter per backward); handed no gradient, it still
+    runs the parameter's post-accumulate hooks (the synchroniser's), which then see this one.
+    Whether it did (else autograd does): not where this backward does not accumulate into the
+    parameter (`autograd.grad`, `backward(inputs=)`), builds a graph of the gradient, meets a hook
+    on the parameter's gradient, or adds to a gradient placed otherwise."""
     if torch.is_grad_enabled() or node is None or param._backward_hooks:
         return False
     try:
@@ -202,7 +200,6 @@ def _accumulate(param: DTensor, grad: torch.Tensor, spec: DTensorSpec, node: Any
         return False
     have = param.grad
     if have is None:
-        kept.add(id(grad))
         param.grad = DTensor.__new__(DTensor, grad.contiguous(), spec, requires_grad=False)
     elif isinstance(have, DTensor) and (have._spec is spec or have._spec == spec):
         have._local_tensor.add_(grad)
