@@ -633,8 +633,8 @@ def _unaliased_grads(gm: torch.fx.GraphModule) -> None:
     seen: set = set()
     changed = False
     for i, value in enumerate(returned):
-        if not isinstance(value, torch.fx.Node):
-            continue
+        if not isinstance(value, torch.fx.Node) or not isinstance(value.meta.get("val"), torch.Tensor):
+            continue  # (an opaque value passed through: a device mesh)
         root = base(value)
         if root.op == "placeholder" or root in seen:
             with gm.graph.inserting_before(output):
