@@ -145,45 +145,45 @@ def test_moe_experts_split_with_all_to_all():
     assert any(c["kind"] == "all_to_all" for c in r.collectives)
 
 
-class Flipper(nn.Module):
+class RunningMax(nn.Module):
     def __init__(self):
         super().__init__()
         self.fc = nn.Linear(64, 64)
 
     def forward(self, x):
-        return self.fc(torch.flip(self.fc(x), dims=[1]))
+        return self.fc(torch.cummax(self.fc(x), dim=1).values)
 
 
 def test_unknown_op_runs_replicated_said_once_without_a_warning(caplog):
     """An op without a rule is priced replicated; capture says so once, at info level (only a plan
     whose tensor axis gathers split values for it warns: `tests/test_unruled.py`)."""
     with caplog.at_level(logging.INFO, logger="autopar"):
-        graph = capture(Flipper(), torch.randn(64, 64))
+        graph = capture(RunningMax(), torch.randn(64, 64))
         r = shard_stage(graph, HOST, (1, 8), (1, 8))
         shard_stage(graph, HOST, (1, 8), (2, 4))
-    said = [rec for rec in caplog.records if "flip" in rec.getMessage()]
+    said = [rec for rec in caplog.records if "cummax" in rec.getMessage()]
     assert [rec.levelno for rec in said] == [logging.INFO]
-    flip = next(n.name for n in graph if n.op == "aten.flip.default")
-    assert r.ops[flip][1] == "R"
+    op = next(n.name for n in graph if n.op == "aten.cummax.default")
+    assert r.ops[op][1] == "R"
 
 
 def test_a_new_op_rule_is_one_decorator(monkeypatch):
-    """flip has no rule, so its output keeps no batch dimension for the data axis; one decorated function (the
-    flipped dimensions keep no letter) lets the batch split pass through."""
-    graph = capture(Flipper(), torch.randn(64, 64))
-    flip = next(n.name for n in graph if n.op == "aten.flip.default")
-    assert shard_stage(graph, HOST, (1, 8), (8, 1)).ops[flip][0] == "R"
+    """cummax has no rule, so its output keeps no batch dimension for the data axis; one decorated
+    function (the scanned dimension keeps no letter) lets the batch split pass through."""
+    graph = capture(RunningMax(), torch.randn(64, 64))
+    op = next(n.name for n in graph if n.op == "aten.cummax.default")
+    assert shard_stage(graph, HOST, (1, 8), (8, 1)).ops[op][0] == "R"
     monkeypatch.setattr(rules, "RULES", dict(rules.RULES))  # the registration ends with the test
 
-    @rules.rule(torch.ops.aten.flip)
-    def _flip(node, ins, outs):
+    @rules.rule(torch.ops.aten.cummax)
+    def _cummax(node, ins, outs):
         kept = "abcdefgh"[: len(ins[0])]
-        flipped = {d % len(kept) for d in node.args[1]}
-        out = "".join(c.upper() if i in flipped else c for i, c in enumerate(kept))
-        return rules.Signature([kept], [out], rules.FOLLOWER)
+        d = node.args[1] % len(kept)
+        out = kept[:d] + kept[d].upper() + kept[d + 1:]
+        return rules.Signature([kept], [out, out], rules.FOLLOWER)
 
-    graph = capture(Flipper(), torch.randn(64, 64))
-    assert shard_stage(graph, HOST, (1, 8), (8, 1)).ops[flip][0] == "S(0)"
+    graph = capture(RunningMax(), torch.randn(64, 64))
+    assert shard_stage(graph, HOST, (1, 8), (8, 1)).ops[op][0] == "S(0)"
 
 
 @pytest.mark.parametrize("name", ["wresnet-tiny", "moe-tiny", "gpt-tiny", "mlp-tiny"])
@@ -238,3 +238,35 @@ def test_data_axis_must_divide_the_batch():
         shard_stage(graph, HOST, (1, 8), (8, 1))
     best, results, rejected = best_sharding(graph, HOST, (1, 8))
     assert (8, 1) in rejected and (4, 2) in rejected and best.logical_mesh in ((2, 4), (1, 8))
+
+
+class Positions(nn.Module):
+    """Token and position embeddings, a sequence as long as the batch: then a contrastive product
+    of the batch with itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.tokens, self.positions, self.fc = nn.Embedding(32, 16), nn.Embedding(8, 16), nn.Linear(16, 16)
+
+    def forward(self, ids):
+        h = self.fc(self.tokens(ids) + self.positions(torch.arange(ids.shape[1])))
+        pooled = h.mean(1)
+        return pooled @ pooled.t()
+
+
+def test_the_batch_dimensions_a_stage_priced_are_the_whole_graphs():
+    """Of a stage cut from the graph, a value made before it keeps the batch dimension the whole
+    graph gives it: a position index the batch's size (8 positions, 8 samples) is not split by the
+    data axis. A product of the batch with itself has two batch dimensions: each data-parallel rank
+    holds (8/dp)² of it, and a microbatch a quarter of twice its size."""
+    from autopar.planner.stage_graph import Mesh, StageGraph
+
+    graph = capture(Positions(), torch.zeros(8, 8, dtype=torch.long))
+    names = [n.name for n in graph]
+    positions = next(n for n in names if n.startswith("arange"))
+    after = names[names.index(positions) + 1:]
+    mesh = Mesh(2, 1, None, None)
+    stage = StageGraph(graph.subgraph(after), mesh)
+    assert stage.graph.node(positions).op == "input" and stage.batch_of(positions, 0) is None
+    product = next(n for n in reversed(names) if graph.node(n).op.startswith("aten.matmul"))
+    assert StageGraph(graph, mesh).batch_rank(product) == 2 and StageGraph(graph, mesh).dp_share(product) == 4

@@ -100,3 +100,23 @@ def test_type_as_reads_only_the_other_tensors_dtype():
     gathering it, which no program does)."""
     s = one(lambda x, y: x.type_as(y), "aten.type_as.default", torch.randn(2, 3), torch.randn(2, 3))
     assert s.kind == FOLLOWER and s.inputs == [s.outputs[0], None]
+
+
+def test_gathers_pads_rolls_and_pools_carry_the_dims_they_keep():
+    """The ops between an embedding and its batch in unseen families (RoBERTa's token types gather
+    a buffer at each sample's positions; Swin pads, rolls and pools in 1-d; CLIP picks each text's
+    end token): without a rule the batch dimension stops there, and the plan prices the tensors
+    after it whole."""
+    x = torch.randn(4, 6, 8)
+    s = one(lambda t, i: t.gather(1, i), "aten.gather.default", x, torch.zeros(4, 2, 8, dtype=torch.long))
+    assert s.kind == FOLLOWER and s.outputs[0] == s.inputs[1] == "abc"
+    assert s.inputs[0][0] == "a" and s.inputs[0][1] not in "abc" and s.inputs[0][2] == "c"  # gathered along dim 1
+    s = one(lambda t: F.pad(t, (0, 2)), "aten.pad.default", x)
+    assert s.outputs[0][:2] == "ab" and s.outputs[0][2] not in "abc"
+    s = one(lambda t: t.roll(1, dims=2), "aten.roll.default", x)
+    assert s.outputs[0][:2] == "ab" and s.outputs[0][2] not in "abc"
+    s = one(lambda t: F.adaptive_avg_pool1d(t, 1), "aten.adaptive_avg_pool1d.default", x)
+    assert s.outputs[0][:2] == "ab" and s.outputs[0][2] not in "abc"
+    s = one(lambda t, i: t[torch.arange(4), i], "aten.index.Tensor", x, torch.zeros(4, dtype=torch.long))
+    index = s.inputs[2]  # (x, arange, i)
+    assert s.outputs[0][0] == index == "a" and s.outputs[0][1] not in s.inputs[0]

@@ -104,6 +104,7 @@ class OpGraph:
         first = next((self.node(n) for n in self._order if self.node(n).op == "input" and self.node(n).outputs), None)
         # the model's batch: dim 0 of its first input (a subgraph keeps its parent's)
         self.batch = batch if batch is not None else (first.outputs[0].shape[0] if first and first.outputs[0].shape else None)
+        self.parent: OpGraph | None = None  # the graph a subgraph was cut from (its inputs are the parent's ops)
 
     @functools.cached_property
     def fx_nodes(self) -> dict[str, Any]:
@@ -200,6 +201,7 @@ class OpGraph:
                       buffers=self.buffers, outputs=outputs, warnings=self.warnings, fx_graph=self.fx_graph,
                       placeholders=self.placeholders, trainable=self.trainable & used, batch=self.batch)
         sub.precision = self.precision
+        sub.parent = self
         return sub
 
     def fingerprint(self) -> str:

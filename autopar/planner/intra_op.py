@@ -256,7 +256,7 @@ def reads(stage: StageGraph, chosen: dict[str, Evaluation]) -> list[dict[str, An
             k = stage.out_index(name, src)
             out.append({"node": name, "tensor": src, "out": k, "need": need or R, "grad": stage.grad(src),
                         "partial": i in ev.grads_partial.get(canon, ()),
-                        "bytes": stage.in_bytes(name, i, src), "batch_free": stage.batch_of(src, k) is None})
+                        "bytes": stage.in_bytes(name, i, src), "batch_dims": stage.batch_rank(src, k)})
     return out
 
 
@@ -264,10 +264,10 @@ def program_collectives(collectives: list[dict[str, Any]], tp: int, m: int = 1) 
     """Of a stage's priced collectives, those its lowered program issues (`runtime.lower`), in the
     program's terms: the tensor axis's, forward and backward (gradients' own reductions and
     FSDP2's gathers run outside it), with the bytes each rank hands in (an all-gather's 1/tp of
-    what it gathers) for one of `m` microbatches: 1/m of the captured batch's, but a tensor
-    without a batch dimension (a position embedding) whole in every microbatch."""
+    what it gathers) for one of `m` microbatches: 1/m of the captured batch's per batch dimension
+    of the tensor (`batch_dims`, default 1): a position embedding (none) whole in every microbatch."""
     return [{"node": c["node"], "kind": c["kind"], "phase": c["phase"],
-             "bytes": c["bytes"] / (1 if c.get("batch_free") else m) / (tp if c["kind"] == "all_gather" else 1)}
+             "bytes": c["bytes"] / m ** c.get("batch_dims", 1) / (tp if c["kind"] == "all_gather" else 1)}
             for c in collectives if c["axis"] == "tp" and c["phase"] in ("forward", "backward")]
 
 

@@ -30,7 +30,9 @@ def megatron_letters(sig: L.Signature, node: OpNode, batch: set[str]) -> set[str
     """Megatron-LM's tensor parallelism: which letter each kind of op may split."""
     op = node.op.removeprefix("aten.").rsplit(".", 1)[0]
     if op in ("linear", "addmm", "mm", "matmul", "bmm"):
-        return {"n", "k"}  # column- or row-parallel; the ILP alternates them to save all-reduces
+        # column- or row-parallel; the ILP alternates them to save all-reduces (never a batch:
+        # CLIP's image-text similarities multiply the batch by the batch)
+        return ({"n", "k"} - batch) or {None}
     if op == "embedding":
         return {"v"}  # vocabulary-parallel
     if "scaled_dot_product" in op:

@@ -478,14 +478,89 @@ def _along(node, ins, outs):
     return Signature(_place(node, ins, {0: letters}), [letters[:d] + "Z" + letters[d + 1:]], FOLLOWER)
 
 
-@rule(aten.max_pool2d, aten.max_pool2d_with_indices, aten.avg_pool2d, aten.adaptive_avg_pool2d,
-      aten._adaptive_avg_pool2d)
+@rule(aten.pad, aten.constant_pad_nd)
+def _pad(node, ins, outs):
+    """Padding (Swin pads its feature map to whole windows): an unpadded dim carries through."""
+    src, dst = ins[0], outs[0]
+    if src is None or len(src) != len(dst):
+        return None
+    letters, own = string.ascii_lowercase[: len(src)], iter(string.ascii_uppercase)
+    out = "".join(c if src[i] == dst[i] else next(own) for i, c in enumerate(letters))
+    return Signature(_place(node, ins, {0: letters}), [out], FOLLOWER)
+
+
+@rule(aten.roll, aten.flip)
+def _roll(node, ins, outs):
+    """roll / flip along some dims (Swin's shifted windows): the others carry through."""
+    src = ins[0]
+    dims = _arg(node, "dims", [])
+    dims = {d % len(src) for d in (dims if isinstance(dims, (list, tuple)) else [dims])} if src else set()
+    if not dims:  # roll without dims: over the flattened tensor
+        dims = set(range(len(src)))
+    letters, own = string.ascii_lowercase[: len(src)], iter(string.ascii_uppercase)
+    out = "".join(next(own) if i in dims else c for i, c in enumerate(letters))
+    return Signature(_place(node, ins, {0: letters}), [out], FOLLOWER)
+
+
+@rule(aten.gather)
+def _gather(node, ins, outs):
+    """`gather(x, dim, index)`: the output has the index's shape, and along every other dim reads
+    x at the index's position (RoBERTa's token types: a buffer expanded to the batch, gathered at
+    each sample's positions), so those dims carry through where x has the index's size."""
+    args = _args(node)
+    x, index = _shape(args[0].meta["val"]), _shape(args[2].meta["val"])
+    if x is None or index is None or len(x) != len(index) or not x:
+        return None
+    d = args[1] % len(x)
+    letters = string.ascii_lowercase[: len(index)]
+    own = iter(string.ascii_uppercase)
+    xl = "".join(next(own) if i == d or x[i] != index[i] else c for i, c in enumerate(letters))
+    assign = {_input_index(node, args[0]): xl, _input_index(node, args[2]): letters}
+    return Signature(_place(node, ins, assign), [letters], FOLLOWER)
+
+
+@rule(aten.index)
+def _index(node, ins, outs):
+    """`x[i, j]` with index tensors on x's leading dims (CLIP's pooled token,
+    `hidden[arange(b), eos]`): the output's leading dims are the indices' broadcast shape and carry
+    their letters (a batch among them: the data axis splits it); x's dims keep letters of their
+    own (its sharding on the tensor axis is not carried through the gather)."""
+    args = _args(node)
+    indices = list(args[1]) if isinstance(args[1], (list, tuple)) else []
+    last = max((i for i, t in enumerate(indices) if isinstance(t, fx.Node)), default=-1)
+    if last < 0 or any(not isinstance(t, fx.Node) for t in indices[: last + 1]) or len(outs) != 1:
+        return None
+    shapes = [_shape(t.meta.get("val")) for t in indices]
+    if any(s is None for s in shapes):
+        return None
+    width = max(len(s) for s in shapes)
+    if len(outs[0]) < width:
+        return None
+    letters, own = string.ascii_lowercase[:width], iter(string.ascii_uppercase)
+    out = [d for d in outs[0][:width]]
+    assign = {}
+    for t, shape in zip(indices, shapes):
+        lead = width - len(shape)
+        assign[_input_index(node, t)] = "".join(letters[lead + i] if n == out[lead + i] else next(own)
+                                                for i, n in enumerate(shape))
+    x = _input_index(node, args[0])
+    assign[x] = "".join(next(own) for _ in ins[x])
+    rest = "".join(next(own) for _ in outs[0][width:])
+    return Signature(_place(node, ins, assign), [letters + rest], FOLLOWER)
+
+
+@rule(aten.max_pool1d, aten.max_pool1d_with_indices, aten.avg_pool1d, aten.adaptive_avg_pool1d,
+      aten.adaptive_max_pool1d, aten.max_pool2d, aten.max_pool2d_with_indices, aten.avg_pool2d,
+      aten.adaptive_avg_pool2d, aten._adaptive_avg_pool2d, aten.adaptive_max_pool2d, aten.max_pool3d,
+      aten.avg_pool3d, aten.adaptive_avg_pool3d, aten._adaptive_avg_pool3d)
 def _pool(node, ins, outs):
-    """Pooling: batch and channels carry through, the window's dims do not."""
+    """Pooling (1-, 2- or 3-d: Swin pools its tokens in 1-d): batch and channels carry through,
+    the window's dims do not."""
     src = ins[0]
     letters = string.ascii_lowercase[: len(src)]
-    lead = len(src) - 2
-    out = letters[:lead] + "XY"
+    spatial = int(next((c for c in str(node.target.overloadpacket) if c in "123"), "2"))
+    lead = len(src) - spatial
+    out = letters[:lead] + "XYZ"[:spatial]
     return Signature(_place(node, ins, {0: letters}), [out] * len(outs), FOLLOWER)
 
 

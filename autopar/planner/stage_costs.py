@@ -54,7 +54,7 @@ SELECTIVE_SHARE = 0.15
 def _crossing(read: dict[str, Any], kind: str, phase: str, f: float) -> dict[str, Any]:
     """A collective where a value crosses into a later atom (`StageCosts._program`)."""
     return {"node": read["node"], "kind": kind, "phase": phase, "bytes": read["bytes"] * f, "axis": "tp",
-            "tensor": read["tensor"], "move": read["move"], **({"batch_free": True} if read["batch_free"] else {})}
+            "tensor": read["tensor"], "move": read["move"], **({"batch_dims": read["batch_dims"]} if read["batch_dims"] != 1 else {})}
 
 
 def gathered_peak(per_layer: np.ndarray, precision: str | None, loss: float = 0.0,

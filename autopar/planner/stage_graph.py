@@ -34,6 +34,16 @@ class Mesh:
         return Mesh(logical[0], logical[1], axis_link(cluster, logical, 0, submesh), axis_link(cluster, logical, 1, submesh))
 
 
+def whole_batch_dims(graph: OpGraph) -> tuple[dict[str, list[int | None]], dict[str, list[frozenset[int]]]]:
+    """`StageGraph.batch` and `batch_sets` over the whole of `graph` (computed once): a subgraph's
+    input is an op of its parent, whose batch dimensions only the parent's ops tell (a position
+    index the size of the batch is not split by it)."""
+    if getattr(graph, "_whole_batch", None) is None:
+        whole = StageGraph(graph, Mesh(1, 1, None, None))
+        graph._whole_batch = whole.batch, whole.batch_sets
+    return graph._whole_batch
+
+
 class StageGraph:
     """Everything the ILP needs to know about one stage graph's structure on one mesh."""
 
@@ -45,6 +55,7 @@ class StageGraph:
         self.sig = {name: self._signature(name) for name in self.names}
         self.param_views = self._param_views()
         self.batch = self._batch_dims()
+        self.batch_sets = self._batch_sets()
         self._check_batch()
         self.root = self._roots()
         self.owner, self.param_users = self._param_owners()
@@ -120,7 +131,12 @@ class StageGraph:
         for name in self.names:
             sig = self.sig[name]
             node = self.graph.node(name)
-            if node.op == "input":  # the batch is dim 0 of the inputs as long as the model's batch
+            if node.op == "input":
+                parent = self.graph.parent
+                if parent is not None and name in parent.graph and parent.node(name).op != "input":
+                    out[name] = whole_batch_dims(parent)[0][name]  # an op before this subgraph: as found there
+                    continue
+                # the model's own inputs: the batch is dim 0 where it is the model's batch
                 same = bool(node.outputs) and node.outputs[0].shape[:1] == (self.graph.batch,)
                 out[name] = [0 if sig.outputs[0] and same else None]
                 continue
@@ -131,7 +147,8 @@ class StageGraph:
                 d = self.batch_of(src, self.out_index(name, src), out)
                 if d is not None and d < len(sig.inputs[i]):
                     letter = sig.inputs[i][d]
-                    break
+                    if any(letter in o for o in sig.outputs):
+                        break  # (else an input whose batch the op gathers away: `x[arange(b), eos]`)
             if letter is None and node.op == "aten.expand.default" and self._expands_to_batch(node, sig):
                 out[name] = [0]  # a buffer broadcast to the batch (BERT's token types): every rank expands to its slice
                 continue
@@ -143,6 +160,26 @@ class StageGraph:
         size: the model sized it from its input's batch, which the runtime traces at each rank's slice."""
         shape = node.outputs[0].shape if node.outputs else ()
         return bool(shape) and shape[0] == self.graph.batch and sig.outputs[0][:1].isupper()
+
+    def _batch_sets(self) -> dict[str, list[frozenset[int]]]:
+        """Every dimension of each output that is the batch's (`batch` names the first): CLIP's
+        image-text similarities have two, and shrink by the data axis and the microbatches twice."""
+        out: dict[str, list[frozenset[int]]] = {}
+        for name in self.names:
+            sig, node, first = self.sig[name], self.graph.node(name), self.batch[name]
+            parent = self.graph.parent
+            if node.op == "input" and parent is not None and name in parent.graph and parent.node(name).op != "input":
+                out[name] = whole_batch_dims(parent)[1][name]
+                continue
+            letters: set[str] = set()
+            for i, src in self.tensor_inputs(name):
+                if src is not None and sig.inputs[i] is not None:
+                    k = self.out_index(name, src)
+                    dims = out[src][k] if k < len(out[src]) else ()
+                    letters |= {sig.inputs[i][d] for d in dims if d < len(sig.inputs[i])}
+            out[name] = [frozenset() if d is None else frozenset({d} | {j for j, c in enumerate(o) if c in letters})
+                         for o, d in zip(sig.outputs, first)]
+        return out
 
     def batch_of(self, name: str, k: int, batch: dict | None = None) -> int | None:
         dims = (self.batch if batch is None else batch).get(name) or []
@@ -224,8 +261,13 @@ class StageGraph:
     def grad(self, name: str | None) -> bool:
         return bool(name) and self.graph.node(name).requires_grad
 
+    def batch_rank(self, name: str, k: int = 0) -> int:
+        """How many dimensions of output k are the batch's (each shrinks with the data axis and the microbatch)."""
+        sets = self.batch_sets.get(name) or []
+        return len(sets[k]) if k < len(sets) else 0
+
     def dp_share(self, name: str, out_index: int = 0) -> int:
-        return self.mesh.dp if self.batch_of(name, out_index) is not None else 1
+        return self.mesh.dp ** self.batch_rank(name, out_index)
 
     def in_bytes(self, name: str, i: int, src: str | None) -> float:
         """Bytes per data-parallel rank of input i (the full tensor on the tensor axis)."""
@@ -236,11 +278,12 @@ class StageGraph:
     def collective(self, node: str, kind: str, phase: str, nbytes: float, axis: str, tensor: str | None = None,
                    **flags: Any) -> dict:
         """One priced collective (`StageSharding.collectives`) at `node`, moving `tensor` (read by
-        `node`, or its own output): a tensor without a batch dimension is marked `batch_free`, since
-        every microbatch moves it whole (`intra_op.program_collectives`)."""
-        free = tensor is not None and self.batch_of(tensor, 0 if tensor == node else self.out_index(node, tensor)) is None
+        `node`, or its own output), with how many batch dimensions it has (`batch_dims`: 0, every
+        microbatch moves it whole; 2, a microbatch moves a quarter of what one of half the size
+        does; `intra_op.program_collectives`)."""
+        dims = 1 if tensor is None else self.batch_rank(tensor, 0 if tensor == node else self.out_index(node, tensor))
         return {"node": node, "kind": kind, "phase": phase, "bytes": nbytes, "axis": axis, "tensor": tensor,
-                **flags, **({"batch_free": True} if free else {})}
+                **flags, **({"batch_dims": dims} if dims != 1 else {})}
 
     def sharers(self, src: str) -> int:
         """Consumers whose partial gradients of src add up locally before the one collective that

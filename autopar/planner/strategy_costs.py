@@ -230,7 +230,8 @@ class StrategyCosts:
         split = any(shard_dim(p) is not None for p in ev.out[name]) or (P in ev.out[name] and not sig.view)
         tp_share = mesh.tp if split else 1
         batched = any(d is not None for d in self.g.batch[name]) or self.g.batch_letters(name)
-        dp_share = mesh.dp if batched else 1  # every op runs on the rank's slice of the batch, ruled or not
+        # every op runs on the rank's slice of the batch, ruled or not (a batch × batch product: of both)
+        dp_share = max(self.g.dp_share(name), mesh.dp) if batched else 1
         # every op is issued forward and, when a gradient flows through it, again in backward; on
         # a sharded stage (split on the tensor axis, or reading split inputs) at its lowered program's cost
         ops = 1 + self.g.grad(name)

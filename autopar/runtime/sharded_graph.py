@@ -59,9 +59,10 @@ _CONV = {torch.ops.aten.conv1d.default, torch.ops.aten.conv2d.default, torch.ops
          torch.ops.aten.convolution.default}
 _LOCAL |= _CONV
 _EMBEDDING = torch.ops.aten.embedding.default
-# layout-only ops: on a partial sum DTensor reduces first (an all-reduce the plan did not price);
-# each rank's part can be laid out on its own
-_LAYOUT = {torch.ops.aten.contiguous.default, torch.ops.aten.clone.default}
+# layout-only ops: on a partial sum DTensor reduces first (an all-reduce the plan did not price;
+# `reshape` of a non-contiguous value copies, and DTensor's copy reduces); each rank's part can be
+# laid out on its own
+_LAYOUT = {torch.ops.aten.contiguous.default, torch.ops.aten.clone.default, torch.ops.aten.reshape.default}
 
 
 def mutates(node: fx.Node) -> bool:
@@ -99,15 +100,16 @@ class _ContiguousGrad(torch.autograd.Function):
 
 class _PartialLayout(torch.autograd.Function):
     """A layout-only op (`_LAYOUT`) on each rank's part of a partial sum, which DTensor would
-    reduce first: the identity on the value, so its gradient passes as it comes."""
+    reduce first: the identity on the values, so its gradient passes as it comes, in the input's shape."""
 
     @staticmethod
     def forward(ctx: Any, x: DTensor, op: Any, args: tuple, kwargs: dict) -> DTensor:
+        ctx.shape = x.shape
         return DTensor.from_local(op(x._local_tensor, *args, **kwargs), x.device_mesh, x.placements, run_check=False)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple:
-        return grad, None, None, None
+        return (grad if grad.shape == ctx.shape else grad.reshape(ctx.shape)), None, None, None
 
 
 def _grouped(target: Any) -> bool:
