@@ -112,6 +112,22 @@ class _PartialLayout(torch.autograd.Function):
         return (grad if grad.shape == ctx.shape else grad.reshape(ctx.shape)), None, None, None
 
 
+class _FromPartial(torch.autograd.Function):
+    """A partial sum redistributed (reduced, or reduce-scattered) where the plan says, its gradient
+    made whole on the way back, as the plan prices it (`edge_costs`): DTensor leaves a partial
+    gradient partial there, and the ops before then reduce it with collectives no plan priced."""
+
+    @staticmethod
+    def forward(ctx: Any, x: DTensor, placement: Placement) -> DTensor:
+        return x.redistribute(x.device_mesh, [placement])
+
+    @staticmethod
+    def backward(ctx: Any, grad: Any) -> tuple:
+        if isinstance(grad, DTensor) and not grad.placements[0].is_replicate():
+            grad = grad.redistribute(grad.device_mesh, [Replicate()])
+        return grad, None
+
+
 def _grouped(target: Any) -> bool:
     """A grouped matmul (aten's, or the fallback custom op transformers runs experts through)."""
     return "grouped_mm" in str(target)
@@ -578,7 +594,8 @@ class ShardedGraph(nn.Module):
         """`inp`'s value redistributed to `placement`, once for every op that needs it so: their
         gradients add up before the one collective back."""
         if (inp, placement) not in wrapped:
-            wrapped[inp, placement] = value.redistribute(self.mesh, [placement])
+            wrapped[inp, placement] = _FromPartial.apply(value, placement) if _partial(value) and value.requires_grad \
+                else value.redistribute(self.mesh, [placement])
         return wrapped[inp, placement]
 
     def _writes_split(self, node: fx.Node, env: dict, want: Placement | None, need: dict) -> bool:
