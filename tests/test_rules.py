@@ -120,3 +120,15 @@ def test_gathers_pads_rolls_and_pools_carry_the_dims_they_keep():
     s = one(lambda t, i: t[torch.arange(4), i], "aten.index.Tensor", x, torch.zeros(4, dtype=torch.long))
     index = s.inputs[2]  # (x, arange, i)
     assert s.outputs[0][0] == index == "a" and s.outputs[0][1] not in s.inputs[0]
+
+
+def test_grouped_convolutions_repeats_and_inplace_dropout_carry_the_batch():
+    """ConvNeXt's and MobileNet's depthwise convolutions carry the batch (only the batch: a channel
+    split would change each rank's groups); DeBERTa tiles its relative positions with `repeat`
+    (a dim repeated once carries through); MobileNet drops out in place."""
+    s = one(lambda x, w: F.conv2d(x, w, groups=4), "aten.conv2d.default", torch.randn(2, 4, 6, 6), torch.randn(4, 1, 3, 3))
+    assert s.kind == ANCHOR and s.shardable == {"b"} and s.outputs[0][:2] == "bo" and s.inputs[0][1] != "o"
+    s = one(lambda x: x.repeat(3, 1, 1), "aten.repeat.default", torch.randn(2, 5, 4))
+    assert s.outputs[0][0] not in s.inputs[0] and s.outputs[0][1:] == s.inputs[0][1:]
+    s = one(lambda x: F.dropout(x, 0.0, True, inplace=True) * 1, "aten.dropout_.default", torch.randn(2, 3))
+    assert s.kind == FOLLOWER and s.outputs[0] == s.inputs[0]

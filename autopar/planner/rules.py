@@ -204,13 +204,16 @@ def _conv(node, ins, outs):
     args = _args(node)
     x, w = _shape(args[0].meta["val"]), _shape(args[1].meta["val"])
     groups = args[-1] if isinstance(args[-1], int) else 1
-    if groups != 1 or len(x) != len(w):
+    if len(x) != len(w):
         return None
     spatial_in, spatial_w, spatial_out = "HWD"[: len(x) - 2], "KLM"[: len(x) - 2], "XYZ"[: len(x) - 2]
-    assign = {_input_index(node, args[0]): "bc" + spatial_in, _input_index(node, args[1]): "oc" + spatial_w}
+    # grouped (ConvNeXt's and MobileNet's depthwise): each group reads its own input channels, so
+    # only the batch carries through (a channel split would change the groups each rank runs)
+    c, shardable = ("c", {"b", "o", "c"}) if groups == 1 else ("CG", {"b"})
+    assign = {_input_index(node, args[0]): "b" + c[0] + spatial_in, _input_index(node, args[1]): "o" + c[-1] + spatial_w}
     if isinstance(args[2], fx.Node):
         assign[_input_index(node, args[2])] = "o"
-    return Signature(_place(node, ins, assign), ["bo" + spatial_out], ANCHOR, {"b", "o", "c"}, linear=True)
+    return Signature(_place(node, ins, assign), ["bo" + spatial_out], ANCHOR, shardable, linear=groups == 1)
 
 
 @rule("aten._grouped_mm", "transformers.grouped_mm_fallback")
@@ -332,7 +335,7 @@ def _same(node, ins, outs):
     return Signature(placed, [letters], FOLLOWER, view=True)
 
 
-@rule(aten.dropout)
+@rule(aten.dropout, aten.dropout_, aten.feature_dropout, aten.alpha_dropout)
 def _elementwise(node, ins, outs):
     letters = string.ascii_lowercase[: len(ins[0])]
     return Signature(_place(node, ins, {0: letters}), [letters] * len(outs), FOLLOWER)
@@ -499,6 +502,17 @@ def _roll(node, ins, outs):
         dims = set(range(len(src)))
     letters, own = string.ascii_lowercase[: len(src)], iter(string.ascii_uppercase)
     out = "".join(next(own) if i in dims else c for i, c in enumerate(letters))
+    return Signature(_place(node, ins, {0: letters}), [out], FOLLOWER)
+
+
+@rule(aten.repeat)
+def _repeat(node, ins, outs):
+    """`x.repeat(r...)` tiles x: a dim repeated once carries through; a tiled or new one is new."""
+    src, dst = ins[0], outs[0]
+    reps = list(_args(node)[1])
+    lead = len(dst) - len(src)
+    letters, own = string.ascii_lowercase[: len(src)], iter(string.ascii_uppercase)
+    out = "".join(letters[j - lead] if j >= lead and reps[j] == 1 else next(own) for j in range(len(dst)))
     return Signature(_place(node, ins, {0: letters}), [out], FOLLOWER)
 
 

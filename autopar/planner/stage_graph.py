@@ -149,17 +149,23 @@ class StageGraph:
                     letter = sig.inputs[i][d]
                     if any(letter in o for o in sig.outputs):
                         break  # (else an input whose batch the op gathers away: `x[arange(b), eos]`)
-            if letter is None and node.op == "aten.expand.default" and self._expands_to_batch(node, sig):
+            if letter is None and self._sized_by_batch(name, node, sig):
                 out[name] = [0]  # a buffer broadcast to the batch (BERT's token types): every rank expands to its slice
                 continue
             out[name] = [o.find(letter) if letter and letter in o else None for o in sig.outputs]
         return out
 
-    def _expands_to_batch(self, node, sig) -> bool:
+    def _sized_by_batch(self, name: str, node, sig) -> bool:
         """An expand whose dimension 0 is new (broadcast from size 1, or prepended) and the batch's
-        size: the model sized it from its input's batch, which the runtime traces at each rank's slice."""
+        size, or a repeat that tiles dimension 0 as many times as the batch has samples (DeBERTa's
+        relative positions, once per sample and head): the model sized it from its input's batch,
+        which the runtime traces at each rank's slice."""
         shape = node.outputs[0].shape if node.outputs else ()
-        return bool(shape) and shape[0] == self.graph.batch and sig.outputs[0][:1].isupper()
+        if not shape or not sig.outputs[0][:1].isupper():
+            return False
+        if node.op == "aten.expand.default":
+            return shape[0] == self.graph.batch
+        return node.op == "aten.repeat.default" and list(self.fx[name].args[1])[:1] == [self.graph.batch]
 
     def _batch_sets(self) -> dict[str, list[frozenset[int]]]:
         """Every dimension of each output that is the batch's (`batch` names the first): CLIP's
