@@ -167,12 +167,23 @@ def test_unknown_op_runs_replicated_said_once_without_a_warning(caplog):
     assert r.ops[op][1] == "R"
 
 
+class ScanOverBatch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(2048, 8192), nn.Linear(8192, 2048)
+
+    def forward(self, x):
+        return self.fc2(torch.cummax(self.fc1(x), dim=0).values)
+
+
 def test_a_new_op_rule_is_one_decorator(monkeypatch):
-    """cummax has no rule, so its output keeps no batch dimension for the data axis; one decorated
-    function (the scanned dimension keeps no letter) lets the batch split pass through."""
-    graph = capture(RunningMax(), torch.randn(64, 64))
+    """cummax has no rule, so a column-parallel split cannot pass through it: the plan gathers its
+    input whole. One decorated function (the scanned dimension keeps no letter, the others carry
+    through) lets the split stay."""
+    with torch.device("meta"):  # weights large enough that splitting them pays
+        graph = capture(ScanOverBatch(), torch.randn(64, 2048))
     op = next(n.name for n in graph if n.op == "aten.cummax.default")
-    assert shard_stage(graph, HOST, (1, 8), (8, 1)).ops[op][0] == "R"
+    assert shard_stage(graph, HOST, (1, 8), (1, 8)).ops[op][1] == "R"
     monkeypatch.setattr(rules, "RULES", dict(rules.RULES))  # the registration ends with the test
 
     @rules.rule(torch.ops.aten.cummax)
@@ -182,8 +193,9 @@ def test_a_new_op_rule_is_one_decorator(monkeypatch):
         out = kept[:d] + kept[d].upper() + kept[d + 1:]
         return rules.Signature([kept], [out, out], rules.FOLLOWER)
 
-    graph = capture(RunningMax(), torch.randn(64, 64))
-    assert shard_stage(graph, HOST, (1, 8), (8, 1)).ops[op][0] == "S(0)"
+    with torch.device("meta"):
+        graph = capture(ScanOverBatch(), torch.randn(64, 2048))
+    assert shard_stage(graph, HOST, (1, 8), (1, 8)).ops[op][1] == "S(1)"
 
 
 @pytest.mark.parametrize("name", ["wresnet-tiny", "moe-tiny", "gpt-tiny", "mlp-tiny"])

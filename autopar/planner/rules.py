@@ -52,6 +52,7 @@ class Signature:
     shardable: set[str] = field(default_factory=set)  # letters an anchor may split
     linear: bool = False  # contracting (or reducing) a letter yields partial sums, P
     view: bool = False  # moves no data: a partial (P) input stays partial
+    addends: frozenset[int] = frozenset()  # inputs added to a linear op's product (biases), not multiplied
 
 
 class _Letters:
@@ -162,9 +163,11 @@ def _linear(node, ins, outs):
     x = _shape(args[0].meta["val"])
     lead = string.ascii_lowercase[: len(x) - 1].replace("k", "z").replace("n", "y")
     assign = {_input_index(node, args[0]): lead + "k", _input_index(node, args[1]): "nk"}
-    if isinstance(args[2], fx.Node):
-        assign[_input_index(node, args[2])] = "n"
-    return Signature(_place(node, ins, assign), [lead + "n"], ANCHOR, set(lead + "kn"), linear=True)
+    bias = _input_index(node, args[2])
+    if bias is not None:
+        assign[bias] = "n"
+    return Signature(_place(node, ins, assign), [lead + "n"], ANCHOR, set(lead + "kn"), linear=True,
+                     addends=frozenset({bias} - {None}))
 
 
 @rule(aten.mm, aten.bmm, aten.matmul)
@@ -175,12 +178,14 @@ def _mm(node, ins, outs, bias_first: bool = False):
         return None  # matrix-vector products: no rule, the fallback replicates them
     la, lb, lo = _matmul_letters(_shape(a.meta["val"]), _shape(b.meta["val"]), outs[0])
     assign = {_input_index(node, a): la, _input_index(node, b): lb}
+    addends = frozenset()
     if bias_first and isinstance(args[0], fx.Node):
         bias = _shape(args[0].meta["val"])
         assign[_input_index(node, args[0])] = lo[len(lo) - len(bias):] if bias else ""
+        addends = frozenset({_input_index(node, args[0])})
     if len(set(assign.values())) < len(assign) and _input_index(node, a) == _input_index(node, b):
         return None  # x @ x: one input in two roles; leave to the fallback
-    return Signature(_place(node, ins, assign), [lo], ANCHOR, set(la + lb), linear=True)
+    return Signature(_place(node, ins, assign), [lo], ANCHOR, set(la + lb), linear=True, addends=addends)
 
 
 @rule(aten.addmm, aten.baddbmm)
@@ -211,9 +216,11 @@ def _conv(node, ins, outs):
     # only the batch carries through (a channel split would change the groups each rank runs)
     c, shardable = ("c", {"b", "o", "c"}) if groups == 1 else ("CG", {"b"})
     assign = {_input_index(node, args[0]): "b" + c[0] + spatial_in, _input_index(node, args[1]): "o" + c[-1] + spatial_w}
-    if isinstance(args[2], fx.Node):
-        assign[_input_index(node, args[2])] = "o"
-    return Signature(_place(node, ins, assign), ["bo" + spatial_out], ANCHOR, shardable, linear=groups == 1)
+    bias = _input_index(node, args[2])
+    if bias is not None:
+        assign[bias] = "o"
+    return Signature(_place(node, ins, assign), ["bo" + spatial_out], ANCHOR, shardable, linear=groups == 1,
+                     addends=frozenset({bias} - {None}))
 
 
 @rule("aten._grouped_mm", "transformers.grouped_mm_fallback")

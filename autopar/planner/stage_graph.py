@@ -145,15 +145,31 @@ class StageGraph:
                 if src is None or sig.inputs[i] is None:
                     continue
                 d = self.batch_of(src, self.out_index(name, src), out)
-                if d is not None and d < len(sig.inputs[i]):
+                # the first input whose batch letter the op keeps (not one it gathers away: `x[arange(b), eos]`)
+                if d is not None and d < len(sig.inputs[i]) and any(sig.inputs[i][d] in o for o in sig.outputs):
                     letter = sig.inputs[i][d]
-                    if any(letter in o for o in sig.outputs):
-                        break  # (else an input whose batch the op gathers away: `x[arange(b), eos]`)
+                    break
             if letter is None and self._sized_by_batch(name, node, sig):
                 out[name] = [0]  # a buffer broadcast to the batch (BERT's token types): every rank expands to its slice
                 continue
+            if letter is None and sig.kind == L.UNKNOWN:
+                out[name] = self._kept_length(name, node, out)
+                continue
             out[name] = [o.find(letter) if letter and letter in o else None for o in sig.outputs]
         return out
+
+    def _kept_length(self, name: str, node, batch: dict) -> list[int | None]:
+        """An op without a rule keeps a batch dimension where its output has one as long as its
+        input's (an MoE router's argsort of its tokens by expert, and the division that maps them
+        back): each rank's output is as long as its slice. Its letters are its own, so nothing stays
+        split on the tensor axis through it."""
+        for i, src in self.tensor_inputs(name):
+            d = self.batch_of(src, self.out_index(name, src), batch) if src is not None else None
+            shape = self.fx[name].all_input_nodes[i].meta.get("val")
+            if d is not None and hasattr(shape, "shape") and d < len(shape.shape):
+                n = shape.shape[d]
+                return [next((j for j, size in enumerate(t.shape) if size == n), None) for t in node.outputs]
+        return [None for _ in node.outputs]
 
     def _sized_by_batch(self, name: str, node, sig) -> bool:
         """An expand whose dimension 0 is new (broadcast from size 1, or prepended) and the batch's

@@ -267,7 +267,11 @@ class StrategyCosts:
             if sig.inputs[i] is None:
                 continue
             # the split letter is summed out of this input's gradient: its shards hold partial sums
-            partial = letter is not None and letter in out_letters and letter not in sig.inputs[i]
+            # (the output's letter, or one a linear op contracts from its other factors only: a
+            # grouped matmul split by expert leaves each token's gradient on its expert's rank;
+            # not a bias, which is added)
+            partial = letter is not None and letter not in sig.inputs[i] and (
+                letter in out_letters or sig.linear and i not in sig.addends)
             fqn, placement = self.g.param_input(name, i, ev.need[name][i] or R)
             if partial and fqn is None:
                 ev.grads_partial.setdefault(name, set()).add(i)

@@ -44,6 +44,7 @@ from autopar.contract.plan import SELECTIVE, Plan, StagePlan
 from autopar.runtime import rng
 from autopar.runtime.buffers import persistent
 from autopar.runtime.cross_mesh import gather_batch, slice_batch
+from autopar.runtime.experts import local_experts
 from autopar.runtime.lower import traced_as
 from autopar.runtime.recompute import Segment, recomputed, segments
 
@@ -668,16 +669,14 @@ class ShardedGraph(nn.Module):
     def _local_experts(self, op: Any, x: Any, weight: DTensor, offs: Any) -> DTensor:
         """Expert parallelism for a grouped matmul (tokens sorted by expert): this rank multiplies
         the rows of the experts it holds; the other rows are zero, so the output is a partial sum
-        and the tokens' gradient too."""
+        and the tokens' gradient too. One opaque op (`experts.local_experts`): which rows are this
+        rank's depends on the data, which a traced program cannot slice by."""
         w = weight.to_local()
         if isinstance(x, DTensor):
             x = x.to_local(grad_placements=[Partial()])
         offs = offs.to_local() if isinstance(offs, DTensor) else offs
         _, first = Shard.local_shard_size_and_offset(weight.shape[0], self.mesh.size(), self.mesh.get_local_rank())
-        bounds = [0, *offs.tolist()]
-        start, end = bounds[first], bounds[first + w.shape[0]]
-        mine = op(x[start:end], w, offs[first:first + w.shape[0]] - start)
-        rows = torch.cat([mine.new_zeros(start, mine.shape[1]), mine, mine.new_zeros(x.shape[0] - end, mine.shape[1])])
+        rows = local_experts(x, w, offs, first, op.name())
         return DTensor.from_local(rows, self.mesh, [Partial()], run_check=False)
 
     def _run_local(self, node: fx.Node, args: tuple, kwargs: dict, want: Placement | None) -> Any:
