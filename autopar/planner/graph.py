@@ -105,6 +105,7 @@ class OpGraph:
         # the model's batch: dim 0 of its first input (a subgraph keeps its parent's)
         self.batch = batch if batch is not None else (first.outputs[0].shape[0] if first and first.outputs[0].shape else None)
         self.parent: OpGraph | None = None  # the graph a subgraph was cut from (its inputs are the parent's ops)
+        self._whole_batch: tuple | None = None  # `stage_graph.whole_batch_dims`, computed once
 
     @functools.cached_property
     def fx_nodes(self) -> dict[str, Any]:

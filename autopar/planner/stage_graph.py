@@ -38,7 +38,7 @@ def whole_batch_dims(graph: OpGraph) -> tuple[dict[str, list[int | None]], dict[
     """`StageGraph.batch` and `batch_sets` over the whole of `graph` (computed once): a subgraph's
     input is an op of its parent, whose batch dimensions only the parent's ops tell (a position
     index the size of the batch is not split by it)."""
-    if getattr(graph, "_whole_batch", None) is None:
+    if graph._whole_batch is None:
         whole = StageGraph(graph, Mesh(1, 1, None, None))
         graph._whole_batch = whole.batch, whole.batch_sets
     return graph._whole_batch
@@ -132,9 +132,8 @@ class StageGraph:
             sig = self.sig[name]
             node = self.graph.node(name)
             if node.op == "input":
-                parent = self.graph.parent
-                if parent is not None and name in parent.graph and parent.node(name).op != "input":
-                    out[name] = whole_batch_dims(parent)[0][name]  # an op before this subgraph: as found there
+                if self._made_before(name):
+                    out[name] = whole_batch_dims(self.graph.parent)[0][name]
                     continue
                 # the model's own inputs: the batch is dim 0 where it is the model's batch
                 same = bool(node.outputs) and node.outputs[0].shape[:1] == (self.graph.batch,)
@@ -157,6 +156,12 @@ class StageGraph:
                 continue
             out[name] = [o.find(letter) if letter and letter in o else None for o in sig.outputs]
         return out
+
+    def _made_before(self, name: str) -> bool:
+        """Whether input `name` is an op of the graph this stage was cut from, made before it: its
+        batch dimensions are the whole graph's (`whole_batch_dims`), not guessed from its size."""
+        parent = self.graph.parent
+        return parent is not None and name in parent.graph and parent.node(name).op != "input"
 
     def _kept_length(self, name: str, node, batch: dict) -> list[int | None]:
         """An op without a rule keeps a batch dimension where its output has one as long as its
@@ -189,9 +194,8 @@ class StageGraph:
         out: dict[str, list[frozenset[int]]] = {}
         for name in self.names:
             sig, node, first = self.sig[name], self.graph.node(name), self.batch[name]
-            parent = self.graph.parent
-            if node.op == "input" and parent is not None and name in parent.graph and parent.node(name).op != "input":
-                out[name] = whole_batch_dims(parent)[1][name]
+            if node.op == "input" and self._made_before(name):
+                out[name] = whole_batch_dims(self.graph.parent)[1][name]
                 continue
             letters: set[str] = set()
             for i, src in self.tensor_inputs(name):
