@@ -178,10 +178,14 @@ class StageGraph:
 
     def _sized_by_batch(self, name: str, node, sig) -> bool:
         """An expand whose dimension 0 is new (broadcast from size 1, or prepended) and the batch's
-        size, or a repeat that tiles dimension 0 as many times as the batch has samples (DeBERTa's
-        relative positions, once per sample and head): the model sized it from its input's batch,
-        which the runtime traces at each rank's slice."""
+        size, a repeat that tiles dimension 0 as many times as the batch has samples (DeBERTa's
+        relative positions, once per sample and head), or a tensor of two or more dimensions made
+        from nothing whose first is the batch's size (not a square of it: a causal mask as long as
+        the batch): the model sized it from its input's batch, which the runtime traces at each
+        rank's slice. (Export fixes sizes, so these are read from sizes.)"""
         shape = node.outputs[0].shape if node.outputs else ()
+        if sig.kind == L.SOURCE:  # made from nothing: `torch.ones(b, s)`, OPT's mask for its positions
+            return len(shape) >= 2 and shape[0] == self.graph.batch and set(shape) != {shape[0]}
         if not shape or not sig.outputs[0][:1].isupper():
             return False
         if node.op == "aten.expand.default":
