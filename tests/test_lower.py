@@ -193,21 +193,22 @@ def test_a_lowered_stage_issues_exactly_the_collectives_the_plan_priced(fake_gro
     assert issued == solved and program.unplanned() == ([], [])
 
 
-def test_a_program_that_is_not_its_plan_is_an_error_at_build_time(fake_group):
+def test_a_program_that_is_not_its_plan_is_named_at_build_time(fake_group, caplog):
     """Checked as the stage is built (its training program traced there, on the example inputs):
     a collective the plan did not price, and one it priced that the program does not issue, are
-    named with their op in the error and in `programs()`."""
-    from autopar.runtime.lower import NotAsPlanned, lower_now, programs
+    named with their op in one warning and in `programs()`."""
+    from autopar.runtime.lower import lower_now, programs
 
     w, plan, graph, program = _planned_stage("gpt-tiny")
     record = plan.stages[0].collectives
     dropped = next(c for c in record if c["phase"] == "backward")
     record.remove(dropped)
     record.append({"node": "made_up", "kind": "all_to_all", "phase": "forward", "bytes": 64.0})
-    with pytest.raises(NotAsPlanned) as error:
+    with caplog.at_level("WARNING", logger="autopar.runtime.lower"):
         lower_now(graph, tuple(w.example_inputs))
-    assert f"issued, not priced: all_reduce in backward at {dropped['node']}" in str(error.value)
-    assert "priced, not issued: all_to_all in forward at made_up" in str(error.value)
+    (warning,) = [r.getMessage() for r in caplog.records if "other collectives than its plan priced" in r.getMessage()]
+    assert f"issued, not priced: all_reduce in backward at {dropped['node']}" in warning
+    assert "priced, not issued: all_to_all in forward at made_up" in warning
     (report,) = programs([graph], [0])
     assert [(c["kind"], c["node"]) for c in report["unplanned"]] == [("all_reduce", dropped["node"])]
     assert report["missing"] == [record[-1]]
