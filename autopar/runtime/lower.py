@@ -570,7 +570,7 @@ def lower_now(graph: Any, inputs: tuple) -> None:
     the plan's: a program that issues a collective the plan did not price, or does not issue one
     it priced, is warned of once, naming their ops (`programs()` reports them too): the step may
     take another time than predicted. (Not an error yet: the families sweep finds none of 572 cells
-    differing, but bf16, recomputation's second forward and the zero-bubble split backward are
+    differing, but recomputation's second forward and the zero-bubble split backward are
     still priced otherwise than their programs issue, each training as planned.) A stage lowered
     layer by layer (ZeRO) is traced at its first step, once FSDP2 gathers its layers' parameters:
     there only `programs()` reports it. An op that fails under the plan (the trace falls back to
