@@ -5,6 +5,7 @@ the rest of the suite checks: the lowered program is the default runtime.)"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 
 import pytest
@@ -167,7 +168,7 @@ def _planned_stage(name: str):
     ep = export_as_planned(w.model, w.example_inputs, tuple(w.example_inputs))
     mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
     graph = ShardedGraph(w.model, plan.stages[0], mesh, ep, layers=[layer["nodes"] for layer in plan.layers])
-    return w, plan, graph, lower(graph, {"tp": mesh.get_group()})
+    return w, plan, graph, lower(graph, {"tp": mesh.get_group()}, planned=plan.priced_collectives(plan.stages[0]))
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "mlp-tiny"])
@@ -193,25 +194,38 @@ def test_a_lowered_stage_issues_exactly_the_collectives_the_plan_priced(fake_gro
     assert issued == solved and program.unplanned() == ([], [])
 
 
-def test_a_program_that_is_not_its_plan_is_named_at_build_time(fake_group, caplog):
+def test_a_program_that_is_not_its_plan_is_an_error_at_build_time(fake_group):
     """Checked as the stage is built (its training program traced there, on the example inputs):
     a collective the plan did not price, and one it priced that the program does not issue, are
-    named with their op in one warning and in `programs()`."""
-    from autopar.runtime.lower import lower_now, programs
+    named with their op in the error and in `programs()`."""
+    from autopar.runtime.lower import NotAsPlanned, lower_now, programs
 
     w, plan, graph, program = _planned_stage("gpt-tiny")
     record = plan.stages[0].collectives
     dropped = next(c for c in record if c["phase"] == "backward")
     record.remove(dropped)
     record.append({"node": "made_up", "kind": "all_to_all", "phase": "forward", "bytes": 64.0})
-    with caplog.at_level("WARNING", logger="autopar.runtime.lower"):
+    with pytest.raises(NotAsPlanned) as error:
         lower_now(graph, tuple(w.example_inputs))
-    (warning,) = [r.getMessage() for r in caplog.records if "other collectives than its plan priced" in r.getMessage()]
-    assert f"issued, not priced: all_reduce in backward at {dropped['node']}" in warning
-    assert "priced, not issued: all_to_all in forward at made_up" in warning
+    assert f"issued, not priced: all_reduce in backward at {dropped['node']}" in str(error.value)
+    assert "priced, not issued: all_to_all in forward at made_up" in str(error.value)
     (report,) = programs([graph], [0])
     assert [(c["kind"], c["node"]) for c in report["unplanned"]] == [("all_reduce", dropped["node"])]
     assert report["missing"] == [record[-1]]
+
+
+def test_a_plan_edited_after_planning_is_not_checked_against_its_old_record(fake_group):
+    """The record is of the program the planner priced: a plan whose placements, precision or
+    recomputation were changed afterwards (by hand, in its JSON) runs unchecked, not refused; the
+    record and what it was priced from survive JSON."""
+    w, plan, graph, program = _planned_stage("gpt-tiny")
+    stage = plan.stages[0]
+    assert stage.collectives and plan.priced_collectives(stage) is stage.collectives
+    again = autopar.Plan.from_json(plan.to_json())
+    assert again.priced_collectives(again.stages[0]) == stage.collectives
+    for edit in ({"recompute": True}, {"ops": {**stage.ops, next(iter(stage.ops)): [None]}}):
+        assert plan.priced_collectives(dataclasses.replace(stage, **edit)) is None
+    assert dataclasses.replace(plan, precision="bf16").priced_collectives(stage) is None
 
 
 def test_a_lowered_stage_accumulates_gradients_as_autograd_does(fake_group):

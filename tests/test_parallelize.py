@@ -323,12 +323,16 @@ def _bad(rank, world, case):
             gelu = next(n for n in plan.stages[0].ops if n.startswith("gelu"))
             plan.stages[0].needs[gelu] = [Partial()]  # within its rank, but a partial sum gelu cannot take
             autopar.parallelize(w.model, (1, world), w.example_inputs, plan=plan, **kwargs)
+        elif case == "mispriced":  # the plan's record of its collectives is not what its program issues
+            plan = _layout(w, world, "1,2,1")
+            plan.stages[0].collectives = [c for c in plan.stages[0].collectives if c["phase"] != "backward"]
+            autopar.parallelize(w.model, (1, world), w.example_inputs, plan=plan, **kwargs)
     except AutoparError as exc:
         return str(exc)
     return "no error"
 
 
-BAD = [("mesh",), ("batch",), ("other-model",), ("unrunnable",)]
+BAD = [("mesh",), ("batch",), ("other-model",), ("unrunnable",), ("mispriced",)]
 
 
 @pytest.mark.parametrize("case, message", [
@@ -337,6 +341,8 @@ BAD = [("mesh",), ("batch",), ("other-model",), ("unrunnable",)]
     ("other-model", "this plan was made for another model"),
     # refused when the model is built, on every rank, naming the op and the model's line
     ("unrunnable", "cannot run this model under the plan: gelu (aten.gelu.default) failed"),
+    # the program that would run is not the one priced: refused when built, naming the collectives
+    ("mispriced", "its lowered program does not issue the collectives the plan priced (issued, not priced: "),
 ])
 def test_bad_plans_are_one_clear_message(tmp_path, case, message):
     for text in shared_ranks(_bad, 2, BAD, (case,), tmp_path):

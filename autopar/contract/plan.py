@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -32,7 +33,7 @@ from autopar.contract.units import human_time, printable, span
 SCHEMA = "autopar.plan/2"
 SCHEMAS = ("autopar.plan/1", SCHEMA)  # what loads
 # a stage's fields written only when set (older plans read the same)
-_UNSET_LEFT_OUT = ("recompute_layers", "recompute_granularity", "zero", "offload", "collectives")
+_UNSET_LEFT_OUT = ("recompute_layers", "recompute_granularity", "zero", "offload", "collectives", "collectives_key")
 
 
 class PlanError(AutoparError):
@@ -74,6 +75,10 @@ class StagePlan:
     # each rank hands in}; the runtime checks its program against them (`runtime.lower.unplanned`).
     # None: not recorded (a plan from before they were), nothing to check
     collectives: list[dict[str, Any]] | None = None
+    # what `collectives` was priced from (`Plan.record_key`): a plan edited after planning (its
+    # placements, precision, recomputation, microbatches) keeps a record of another program, which
+    # the runtime then does not check (`Plan.priced_collectives`)
+    collectives_key: str | None = None
 
     @property
     def devices(self) -> int:
@@ -110,6 +115,22 @@ class Plan:
     estimate: Estimate | None = None
     search: dict[str, Any] = field(default_factory=dict)  # how it was found: "auto" / "manual", solves, hits
     name: str = "auto"
+
+    def record_key(self, stage: StagePlan) -> str:
+        """A digest of what a stage's record of collectives depends on: its placements, precision,
+        recomputation, ZeRO level and the microbatch's size."""
+        what = {"precision": self.precision, "batch": self.batch, "microbatches": self.num_microbatches,
+                "params": spelled(stage.params), "ops": spelled(stage.ops), "needs": spelled(stage.needs),
+                **{k: getattr(stage, k) for k in ("layers", "logical_mesh", "recompute", "recompute_layers",
+                                                  "recompute_granularity", "zero")}}
+        return hashlib.sha256(json.dumps(what, sort_keys=True, default=list).encode()).hexdigest()[:16]
+
+    def priced_collectives(self, stage: StagePlan) -> list[dict[str, Any]] | None:
+        """The collectives the planner priced for `stage`, to check its program against; None where
+        there is no record, or the stage was edited after planning (the record is of another program)."""
+        if stage.collectives is None or stage.collectives_key != self.record_key(stage):
+            return None
+        return stage.collectives
 
     # ---- JSON ------------------------------------------------------------------------------
 
@@ -291,7 +312,8 @@ def _parse(data: Any, source: str) -> Plan:
             if s.get("recompute_granularity") is not None else None,
             zero=need(s, "zero", int, where) if s.get("zero") is not None else None,
             offload=need(s, "offload", bool, where) if s.get("offload") is not None else None,
-            collectives=need(s, "collectives", list, where) if s.get("collectives") is not None else None)
+            collectives=need(s, "collectives", list, where) if s.get("collectives") is not None else None,
+            collectives_key=need(s, "collectives_key", str, where) if s.get("collectives_key") is not None else None)
         for c in stage.collectives or ():
             if not (isinstance(c, dict) and all(isinstance(c.get(k), str) for k in ("node", "kind", "phase"))
                     and isinstance(c.get("bytes"), (int, float)) and not isinstance(c["bytes"], bool)

@@ -81,7 +81,7 @@ def build(
     if saved is not None:
         for name in graph.nodes:
             op = graph.nodes[name]["op"]
-            op.saved_outputs, op.saved_hidden = saved.get(name, (frozenset(), 0))
+            op.saved_outputs, op.saved_hidden, op.saved_by = saved.get(name, (frozenset(), 0, frozenset()))
     _mark_attention(fx_graph, graph, set(param_of))
     _attribute(fx_graph, graph, param_of, params, "params")
     _attribute(fx_graph, graph, buffer_of, buffers, "buffers")

@@ -48,9 +48,10 @@ class OpNode:
     cast_bytes: int = 0
     casts: bool = False
     # what backward keeps of it (`autopar.planner.saved`): its outputs it saves, and bytes saved that are no
-    # op's output; None: unknown, every output counts
+    # op's output; None: unknown, every output counts. `saved_by`: the ops whose backward saves its outputs
     saved_outputs: frozenset[int] | None = None
     saved_hidden: int = 0
+    saved_by: frozenset[str] | None = None
     # selective recomputation (`autopar.contract.attention`): whether it is in an attention's core,
     # and its outputs a core reads that backward does not save otherwise (a checkpointed core keeps them)
     attention: bool = False

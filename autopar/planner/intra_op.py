@@ -225,14 +225,16 @@ def _result(stage: StageGraph, logical, chosen: dict[str, Evaluation], zero: dic
     )
 
 
-def distinct(collectives: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def distinct(collectives: list[dict[str, Any]], segment: Callable[[dict], Any] | None = None
+             ) -> list[dict[str, Any]]:
     """One collective per redistribution of a value to a placement (its `move`), however many ops
     read it so: the runtime moves it once for all of them (`ShardedGraph._run`), and their gradients
-    add up before the one collective back."""
+    add up before the one collective back; with `segment`, once per segment it gives a collective
+    (a recomputing stage moves a value once per layer)."""
     seen: set[tuple] = set()
     out = []
     for c in collectives:
-        key = (c["tensor"], c["move"], c["phase"], c["kind"]) if c.get("move") else None
+        key = (c["tensor"], c["move"], c["phase"], c["kind"], segment and segment(c)) if c.get("move") else None
         if key is None or key not in seen:
             seen.add(key)
             out.append(c)

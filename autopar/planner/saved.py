@@ -18,14 +18,18 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 
-def saved_outputs(graph: fx.Graph, trainable: set[str]) -> dict[str, tuple[frozenset[int], int]] | None:
-    """node name -> (indices of its outputs backward saves, bytes it saves beyond them); None
-    when the replay fails (the caller counts every output then). `trainable`: the placeholders
-    that require gradients. A saved view counts as its base, once, for the op that made the base."""
+def saved_outputs(graph: fx.Graph, trainable: set[str]
+                  ) -> dict[str, tuple[frozenset[int], int, frozenset[str]]] | None:
+    """node name -> (indices of its outputs backward saves, bytes it saves beyond them, the ops
+    whose backward saves its outputs); None when the replay fails (the caller counts every output
+    then). `trainable`: the placeholders that require gradients. A saved view counts as its base,
+    once, for the op that made the base. Who saves a value says what a recomputed layer must
+    compute again for its own backward (`StageCosts.recomputed`)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     made: dict[int, tuple[str, int]] = {}  # id of a tensor an op made -> (node, output index)
     keep: list[Any] = []  # every value stays alive: ids must not be reused during the replay
     out: dict[str, tuple[set[int], int]] = {}
+    savers: dict[str, set[str]] = {}
     current: list[str | None] = [None]
     placeholders: set[int] = set()
 
@@ -35,6 +39,8 @@ def saved_outputs(graph: fx.Graph, trainable: set[str]) -> dict[str, tuple[froze
         if id(base) in made:
             name, index = made[id(base)]
             out.setdefault(name, (set(), 0))[0].add(index)
+            if node is not None:
+                savers.setdefault(name, set()).add(node)
         elif id(base) not in placeholders and node is not None:
             indices, hidden = out.setdefault(node, (set(), 0))
             out[node] = (indices, hidden + t.numel() * t.element_size())
@@ -71,4 +77,4 @@ def saved_outputs(graph: fx.Graph, trainable: set[str]) -> dict[str, tuple[froze
                 keep.append(values.get(node.name))
     except Exception:  # noqa: BLE001 — an op fake tensors cannot run: every output counts, as before
         return None
-    return {name: (frozenset(indices), hidden) for name, (indices, hidden) in out.items()}
+    return {name: (frozenset(indices), hidden, frozenset(savers.get(name, ()))) for name, (indices, hidden) in out.items()}

@@ -629,7 +629,8 @@ def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int]
             ops=placed(ops), needs=placed(needs), recompute=bool(opt.recompute), recompute_layers=opt.recompute_layers,
             recompute_granularity=opt.recompute if opt.recompute == SELECTIVE else None,
             zero=opt.zero or None, offload=opt.offload or None,
-            collectives=search.costs.collectives(search.atoms(i, j), shape, opt.logical_mesh, opt.lean, m),
+            collectives=search.costs.collectives(search.atoms(i, j), shape, opt.logical_mesh, opt.lean, m,
+                                               opt.recompute, opt.recompute_layers),
             cost={"forward_s": opt.forward_s, "backward_s": opt.backward_s, "weight_s": opt.weight_s, "send_s": opt.send_s,
                   "grad_sync_s": opt.unhidden_sync_s if unhidden else opt.grad_sync_s, "optimizer_s": opt.optimizer_s,
                   "state_bytes": opt.state_bytes,
@@ -705,7 +706,7 @@ def _plan(search: Search, stages: list[StagePlan], sim, m: int, name: str, info:
         step_time_s=sim.step_time_s, tflops_per_device=model_flops / sim.step_time_s / devices / 1e12,
         peak_memory_bytes=peak, bubble_fraction=sim.bubble_fraction, fits=peak <= search.memory_limit)
     zero = any(p[0] == Shard(0) for s in stages for p in s.params.values())
-    return Plan(
+    plan = Plan(
         model=search.workload.name, graph_hash=search.graph.fingerprint(), batch=search.workload.batch,
         cluster=search.cluster.name, mesh=search.mesh,
         layers=[{"name": layer.name, "nodes": list(layer.nodes)} for layer in search.layers],
@@ -716,3 +717,7 @@ def _plan(search: Search, stages: list[StagePlan], sim, m: int, name: str, info:
         estimate=estimate, name=name,
         search={"method": name, **info, **({"hosts": [sim.hosts.devices_per_host, sim.hosts.cores_per_host]}
                                             if sim.hosts else {})})
+    for stage in stages:
+        if stage.collectives is not None:
+            stage.collectives_key = plan.record_key(stage)
+    return plan

@@ -253,20 +253,100 @@ class StageCosts:
         return params, ops, needs
 
     def collectives(self, atoms: tuple[int, int], submesh: tuple[int, int], logical: tuple[int, int],
-                    lean: bool, m: int = 1) -> list[dict[str, Any]]:
+                    lean: bool, m: int = 1, recompute: bool | str = False, depth: int | None = None
+                    ) -> list[dict[str, Any]]:
         """The collectives the lowered program of atoms [a, b) issues per microbatch of `m`
         (`program_collectives`). Each atom's own, but where a value crosses from one atom to a
         later one: alone, an atom priced its outputs made replicated (or batch-split) and its
         inputs read from there; the program, following the plan's placements, redistributes the
         producer's placement straight to each consumer's need (`intra_op.reads`). (The stage's
         time still sums the atoms' prices: where a split value crosses a boundary, an
-        over-estimate of its collectives.)"""
+        over-estimate of its collectives.) A stage that recomputes (`recompute`, its first `depth`
+        layers) issues again in backward the forward collectives it recomputes (`recomputed`)."""
         if logical[1] == 1:
             return []
         key = (atoms, submesh, logical, lean)
         if key not in self._collectives:
             self._collectives[key] = self._program(atoms, submesh, logical, lean)
-        return program_collectives(self._collectives[key], logical[1], m)
+        if not recompute:
+            return program_collectives(distinct(self._collectives[key]), logical[1], m)
+        # a recomputing stage moves a value once per layer that reads it (`ShardedGraph.interpret`)
+        regions = self.recomputed(atoms, recompute, depth)
+        layer = {n: i for i, region in enumerate(self._layers(atoms)) for n in region}
+
+        def moved(c: dict) -> tuple:  # what one collective of the runtime serves
+            return (c["tensor"], c["move"], c["kind"], layer.get(c["node"])) if c.get("move") else (id(c),)
+
+        raw = self._collectives[key]
+        again = {moved(c) for c in raw if c["phase"] == "forward" and self._again(c, regions)}
+        found = distinct(raw, lambda c: layer.get(c["node"]))
+        found = found + [{**c, "phase": "backward", "recomputed": True} for c in found
+                         if c["phase"] == "forward" and moved(c) in again]
+        return program_collectives(found, logical[1], m)
+
+    def recomputed(self, atoms: tuple[int, int], recompute: bool | str, depth: int | None) -> list[set[str]]:
+        """The regions of atoms [a, b) a recomputing stage runs again before their backward: each
+        layer (its first `depth`), or under SELECTIVE each layer's attention cores."""
+        regions = self._layers(atoms)
+        if recompute != SELECTIVE and depth is not None:
+            regions = regions[:depth]
+        if recompute == SELECTIVE:
+            regions = [{n for n in region if self.graph.node(n).attention} for region in regions]
+        return regions
+
+    def _layers(self, atoms: tuple[int, int]) -> list[set[str]]:
+        """The nodes of each layer of atoms [a, b) (`layer_starts`): the runtime's segments."""
+        starts = sorted({atoms[0], *(a for a in (self.layer_starts or range(*atoms)) if atoms[0] < a < atoms[1])})
+        return [{n for k in range(a, b) for n in self.atoms[k].nodes} for a, b in zip(starts, starts[1:] + [atoms[1]])]
+
+    def _again(self, c: dict[str, Any], regions: list[set[str]]) -> bool:
+        """Whether forward collective `c` runs again before the backward. A recomputed region keeps
+        only its inputs, so its backward recomputes every value it saves and what they are made of
+        (`runtime.recompute`; the partitioner recomputes a collective like any op). A collective
+        delivering a value to node n runs again where n saves that value, or n or an op after it in
+        the region makes a value the region saves; one moving n's output, where an op after n does
+        (not a value only later layers save: the next layer's input is kept)."""
+        n = c["node"]
+        region = next((r for r in regions if n in r), None)
+        if region is None:
+            return False
+        succ = self.graph.graph.successors
+        if c.get("output"):
+            after = [u for u in succ(n) if u in region]
+            by = self.graph.node(n).saved_by
+            return self._leads_to_saved(after, region) or (bool(after) if by is None else bool(by & region - {n}))
+        sources = [c["tensor"]] if c.get("tensor") in self.graph.graph else list(self.graph.graph.predecessors(n))
+        return self._leads_to_saved([n], region) or any(
+            n in (self.graph.node(self._base(p)).saved_by or ()) for p in sources)
+
+    def _base(self, n: str) -> str:
+        """The op that made the storage n's output views (`saved` counts a saved view as its base)."""
+        while self.graph.node(n).is_view and any(True for _ in self.graph.graph.predecessors(n)):
+            n = next(iter(self.graph.graph.predecessors(n)))
+        return n
+
+    def _leads_to_saved(self, nodes: list[str], region: set[str]) -> bool:
+        """Whether one of `nodes`, or an op of `region` after them, makes a value the region's backward reads."""
+        seen, todo = set(nodes), list(nodes)
+        while todo:
+            x = todo.pop()
+            if self._saved_in(x, region):
+                return True
+            for u in self.graph.graph.successors(x):
+                if u in region and u not in seen:
+                    seen.add(u)
+                    todo.append(u)
+        return False
+
+    def _saved_in(self, n: str, region: set[str]) -> bool:
+        """Whether node n makes a value the backward of `region` reads."""
+        op = self.graph.node(n)
+        if op.saved_hidden:
+            return True
+        if op.saved_by is None:  # unknown: whatever the region reads of it
+            return op.saved_outputs is None or bool(op.saved_outputs) and any(
+                u in region for u in self.graph.graph.successors(n))
+        return bool(op.saved_by & region)
 
     def _program(self, atoms: tuple[int, int], submesh: tuple[int, int], logical: tuple[int, int],
                  lean: bool) -> list[dict[str, Any]]:
@@ -295,7 +375,7 @@ class StageCosts:
                     for kind, f in redistribution(grad, R if have == P else have, logical[1]):
                         out.append(_crossing(cross, kind.value, "backward", f))
             placed.update({name[n]: p for n, p in result.outs.items() if n in own})
-        return distinct(out)
+        return out
 
     def _names(self, k: int) -> dict[str, str]:
         """The names of atom k's nodes and of the values it reads, from those of the identical atom

@@ -556,10 +556,11 @@ class Segmented(Program):
         return sum(p.seconds() for p in self.parts)
 
 
-def lower(graph: Any, axes: dict[str, Any], compile: bool = False) -> Program:
+def lower(graph: Any, axes: dict[str, Any], compile: bool = False,
+          planned: list[dict[str, Any]] | None = None) -> Program:
     """Give `graph` (a `ShardedGraph`) its lowered program, traced at its first call: one for the
-    whole stage, or under ZeRO (FSDP2's units) one per layer (`Segmented`)."""
-    planned = graph.stage.collectives
+    whole stage, or under ZeRO (FSDP2's units) one per layer (`Segmented`). `planned`: the
+    collectives the plan priced for the stage (`Plan.priced_collectives`; None: nothing to check)."""
     graph.program = Segmented(graph, axes, compile, planned) if len(graph.units) else Program(axes, compile, planned)
     return graph.program
 
@@ -568,13 +569,10 @@ def lower_now(graph: Any, inputs: tuple) -> None:
     """Trace `graph`'s training program at build time, on `inputs` as a step will hand them (one
     forward run and dropped; random state and buffers kept), and check its collectives against
     the plan's: a program that issues a collective the plan did not price, or does not issue one
-    it priced, is warned of once, naming their ops (`programs()` reports them too): the step may
-    take another time than predicted. (Not an error yet: the families sweep finds none of 572 cells
-    differing, but recomputation's second forward and the zero-bubble split backward are
-    still priced otherwise than their programs issue, each training as planned.) A stage lowered
-    layer by layer (ZeRO) is traced at its first step, once FSDP2 gathers its layers' parameters:
-    there only `programs()` reports it. An op that fails under the plan (the trace falls back to
-    the interpreter, where it fails again) raises `OpFailed`."""
+    it priced, raises `NotAsPlanned` naming their ops (`programs()` reports them too). A stage
+    lowered layer by layer (ZeRO) is traced at its first step, once FSDP2 gathers its layers'
+    parameters: there `programs()` reports a mismatch. An op that fails under the plan (the trace
+    falls back to the interpreter, where it fails again) raises `OpFailed`."""
     program = getattr(graph, "program", None)
     if program is None or program.fallback is not None or isinstance(program, Segmented):
         return
@@ -588,9 +586,12 @@ def lower_now(graph: Any, inputs: tuple) -> None:
                 tensor.copy_(value)
     found = program.unplanned()
     if found and (found[0] or found[1]):
-        first, end = graph.stage.layers
-        log.warning("the lowered program of the stage of layers %d–%d issues other collectives than its plan priced "
-                    "(%s): its steps may take another time than predicted", first, end - 1, mismatch(*found))
+        raise NotAsPlanned(f"its lowered program does not issue the collectives the plan priced ({mismatch(*found)})")
+
+
+class NotAsPlanned(RuntimeError):
+    """A stage's lowered program is not its plan: the planner priced other collectives than the
+    program issues (the planner's error, not the user's)."""
 
 
 def mismatch(extra: list[dict], missing: list[dict]) -> str:

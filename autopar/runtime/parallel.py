@@ -33,7 +33,7 @@ from autopar.runtime.export import export_as_planned
 from autopar.runtime.failures import guarded
 from autopar.runtime.grad_sync import EmulatedLink, GradSync
 from autopar.runtime.loop import clip, evaluating, gather_batch_dim, squared_grad_norm
-from autopar.runtime.lower import Segmented, StageBytes, lower, lower_now, programs
+from autopar.runtime.lower import NotAsPlanned, Segmented, StageBytes, lower, lower_now, programs
 from autopar.runtime.precision import fsdp_policy, mixed_precision
 from autopar.runtime.sharded_graph import (
     OpFailed,
@@ -62,12 +62,18 @@ def refuse_failing(module: ShardedGraph, inputs: tuple) -> None:
 def build_checked(module: ShardedGraph, inputs: tuple) -> None:
     """Trace the stage's training program now (`lower_now`: its forward run once and checked against
     the plan) and refuse, on every rank, a model whose op fails under the plan (the trace falls
-    back to the interpreter, where the op fails again). A collective, as `refuse_failing`."""
+    back to the interpreter, where the op fails again), or whose program is not the plan that was
+    priced. A collective, as `refuse_failing`."""
     failed = None
     try:
         lower_now(module, inputs)
     except OpFailed as exc:
         failed = f"the runtime cannot run this model under the plan: {exc}"
+    except NotAsPlanned as exc:
+        first, end = module.stage.layers
+        failed = (f"the stage of layers {first}–{end - 1}: {exc}. The program that would run is not the one the planner "
+                  "priced, autopar's error, not the model's: please report it with the model; another layout "
+                  "(plan=...) may avoid it")
     said: list = [None] * dist.get_world_size()
     dist.all_gather_object(said, failed)
     failed = next((f for f in said if f is not None), None)
@@ -259,7 +265,7 @@ class ParallelModel:
             ep = export_as_planned(self.model, tuple(micro), tuple(example_inputs))  # before sharding: plain tensors
             self.graph = ShardedGraph(self.model, plan.stages[0], mesh["tp"] if self.tp > 1 else None, ep,
                                       layers=[layer["nodes"] for layer in plan.layers], units=sharded)
-            lower(self.graph, {"tp": self.tp_group}, compile=compile)
+            lower(self.graph, {"tp": self.tp_group}, compile, plan.priced_collectives(plan.stages[0]))
             with self.precision.autocast():  # as the steps will run it
                 refuse_failing(self.graph, tuple(micro))
         # what trains: the model, or the graph holding its parameters (DTensors with a tensor axis)

@@ -216,7 +216,7 @@ class PipelineModel:
                                   layers=[plan.layers[k]["nodes"] for k in range(*plan.stages[s].layers)], units=sharded,
                                   keep_unused=s == 0)
             lower(module, {"dp": g.dp_group, **({"tp": g.tp_mesh.get_group()} if g.tp_mesh is not None else {})},
-                  compile=compile)
+                  compile, plan.priced_collectives(plan.stages[s]))
             module.forward = self.precision.autocasting(module.forward)
             module.copy_views = schedules.splits_backward(plan.schedule) and s < self.pp - 1
             modules.append(module)
