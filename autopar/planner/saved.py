@@ -21,15 +21,16 @@ from torch.utils._pytree import tree_leaves, tree_map
 def saved_outputs(graph: fx.Graph, trainable: set[str]
                   ) -> dict[str, tuple[frozenset[int], int, frozenset[str]]] | None:
     """node name -> (indices of its outputs backward saves, bytes it saves beyond them, the ops
-    whose backward saves its outputs); None when the replay fails (the caller counts every output
-    then). `trainable`: the placeholders that require gradients. A saved view counts as its base,
-    once, for the op that made the base. Who saves a value says what a recomputed layer must
-    compute again for its own backward (`StageCosts.recomputed`)."""
+    whose backward saves its outputs, or the storage they view); None when the replay fails (the
+    caller counts every output then). `trainable`: the placeholders that require gradients. A
+    saved view counts as its base, once, for the op that made the base. Who saves a value says what
+    a recomputed layer must compute again for its own backward (`StageCosts.recomputed`)."""
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     made: dict[int, tuple[str, int]] = {}  # id of a tensor an op made -> (node, output index)
     keep: list[Any] = []  # every value stays alive: ids must not be reused during the replay
     out: dict[str, tuple[set[int], int]] = {}
     savers: dict[str, set[str]] = {}
+    maker: dict[str, str] = {}  # an op whose output views another op's -> that op
     current: list[str | None] = [None]
     placeholders: set[int] = set()
 
@@ -74,7 +75,11 @@ def saved_outputs(graph: fx.Graph, trainable: set[str]
                     for i, t in enumerate(x for x in tree_leaves(values[node.name]) if isinstance(x, torch.Tensor)):
                         base = t._base if t._base is not None else t
                         made.setdefault(id(base), (node.name, i))
+                        if made[id(base)][0] != node.name:
+                            maker.setdefault(node.name, made[id(base)][0])
                 keep.append(values.get(node.name))
     except Exception:  # noqa: BLE001 — an op fake tensors cannot run: every output counts, as before
         return None
-    return {name: (frozenset(indices), hidden, frozenset(savers.get(name, ()))) for name, (indices, hidden) in out.items()}
+    return {name: (frozenset(out.get(name, ((), 0))[0]), out.get(name, ((), 0))[1],
+                   frozenset(savers.get(name, set()) | savers.get(maker.get(name, ""), set())))
+            for name in out.keys() | maker.keys()}

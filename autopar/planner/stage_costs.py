@@ -317,13 +317,7 @@ class StageCosts:
             return self._leads_to_saved(after, region) or (bool(after) if by is None else bool(by & region - {n}))
         sources = [c["tensor"]] if c.get("tensor") in self.graph.graph else list(self.graph.graph.predecessors(n))
         return self._leads_to_saved([n], region) or any(
-            n in (self.graph.node(self._base(p)).saved_by or ()) for p in sources)
-
-    def _base(self, n: str) -> str:
-        """The op that made the storage n's output views (`saved` counts a saved view as its base)."""
-        while self.graph.node(n).is_view and any(True for _ in self.graph.graph.predecessors(n)):
-            n = next(iter(self.graph.graph.predecessors(n)))
-        return n
+            n in (self.graph.node(p).saved_by or ()) for p in sources)
 
     def _leads_to_saved(self, nodes: list[str], region: set[str]) -> bool:
         """Whether one of `nodes`, or an op of `region` after them, makes a value the region's backward reads."""

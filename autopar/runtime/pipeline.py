@@ -211,10 +211,12 @@ class PipelineModel:
                                   "interleaved-1f1b or 1f1b, or without ZeRO")
         self.precision = mixed_precision(plan.precision, device)
         modules = []
+        # a parameter the first stage keeps but another of this rank's stages uses is placed as that one's plan says
+        local_params = {f: p for t in self.local for f, p in plan.stages[t].params.items()}
         for s in self.local:  # one model: a weight two local stages use is one parameter
             module = ShardedGraph(model, plan.stages[s], g.tp_mesh, ep, parts[s],
                                   layers=[plan.layers[k]["nodes"] for k in range(*plan.stages[s].layers)], units=sharded,
-                                  keep_unused=s == 0)
+                                  keep_unused=s == 0, kept_params=local_params)
             lower(module, {"dp": g.dp_group, **({"tp": g.tp_mesh.get_group()} if g.tp_mesh is not None else {})},
                   compile, plan.priced_collectives(plan.stages[s]))
             module.forward = self.precision.autocasting(module.forward)

@@ -320,10 +320,12 @@ class ShardedGraph(nn.Module):
     the units it recomputes when the plan says so (`runtime.recompute`); with `units` each layer's
     own parameters live in a submodule of `units`, the unit of FSDP2 under ZeRO-3 (`_homes`).
     Parameters no op uses (a mask token for inputs this model is not given) are kept by the whole
-    graph or `keep_unused` (the first stage): checkpoints and state dicts hold every parameter."""
+    graph or `keep_unused` (the first stage): checkpoints and state dicts hold every parameter;
+    one that another stage of the rank uses is placed as `kept_params` (those stages' plans) says."""
 
     def __init__(self, model: nn.Module, stage: StagePlan, mesh: DeviceMesh | None, ep: Any, part: Part | None = None,
-                 layers: list[list[str]] | None = None, units: bool = False, keep_unused: bool = False) -> None:
+                 layers: list[list[str]] | None = None, units: bool = False, keep_unused: bool = False,
+                 kept_params: dict[str, list[planned.Placement]] | None = None) -> None:
         super().__init__()
         self.mesh, self.stage = mesh, stage
         self.graph = ep.graph_module.graph
@@ -348,7 +350,7 @@ class ShardedGraph(nn.Module):
             if fqn is not None:
                 fqns[node.name] = fqn.removeprefix(WRAPPER_PREFIX)
         if mesh is not None:
-            shard_parameters(model, stage.params, mesh, set(fqns.values()))
+            shard_parameters(model, {**(kept_params or {}), **stage.params}, mesh, set(fqns.values()))
         named = dict(model.named_parameters(remove_duplicate=False))
         buffers = dict(model.named_buffers(remove_duplicate=False))
         canonical = {id(p): n for n, p in model.named_parameters()}
