@@ -58,7 +58,16 @@ def output_costs(stage: StageGraph, evals: dict[str, list[Evaluation]]) -> dict[
 
 
 def edge_collectives(stage: StageGraph, chosen: dict[str, Evaluation]) -> list[dict[str, Any]]:
-    """The redistributions the chosen placements imply on edges, forward and backward."""
+    """The redistributions the chosen placements imply on edges, forward and backward. The partial
+    gradients of a value's consumers add up before one collective completes them: listed at the
+    first consumer whose chosen strategy leaves it partial."""
+    def partial_at(src: str, name: str, i: int) -> bool:
+        return i in chosen[stage.group(name)].partial.get(stage.canon(name), ())
+
+    first: dict[str, str] = {}
+    for src, name, i in sorted(stage.cross_edges(), key=lambda e: stage.index.get(e[1], 0)):
+        if partial_at(src, name, i):
+            first.setdefault(src, name)
     out = []
     for src, name, i in stage.cross_edges():
         have = chosen[stage.group(src)].out[stage.canon(src)][stage.out_index(name, src)]
@@ -68,8 +77,8 @@ def edge_collectives(stage: StageGraph, chosen: dict[str, Evaluation]) -> list[d
         for kind, f in redistribution(have, need, stage.mesh.tp):
             out.append(stage.collective(name, kind.value, "forward", nbytes * f, "tp", src, move=move))
         if stage.grad(src):
-            partial = i in chosen[stage.group(name)].partial.get(stage.canon(name), ())
-            if partial and not stage.first_sharer(src, name):
+            partial = partial_at(src, name, i)
+            if partial and first[src] != name:
                 continue  # one collective completes the partial gradients of all its consumers
             for kind, f in redistribution(P if partial else need, R if have == P else have, stage.mesh.tp):
                 out.append(stage.collective(name, kind.value, "backward", nbytes * f, "tp", src,
