@@ -64,10 +64,10 @@ def edge_collectives(stage: StageGraph, chosen: dict[str, Evaluation]) -> list[d
     def partial_at(src: str, name: str, i: int) -> bool:
         return i in chosen[stage.group(name)].partial.get(stage.canon(name), ())
 
-    first: dict[str, str] = {}
+    sharers: dict[str, list[str]] = {}  # (the first lists it; a recomputing stage may run one per segment)
     for src, name, i in sorted(stage.cross_edges(), key=lambda e: stage.index.get(e[1], 0)):
-        if partial_at(src, name, i):
-            first.setdefault(src, name)
+        if partial_at(src, name, i) and name not in sharers.get(src, ()):
+            sharers.setdefault(src, []).append(name)
     out = []
     for src, name, i in stage.cross_edges():
         have = chosen[stage.group(src)].out[stage.canon(src)][stage.out_index(name, src)]
@@ -78,9 +78,10 @@ def edge_collectives(stage: StageGraph, chosen: dict[str, Evaluation]) -> list[d
             out.append(stage.collective(name, kind.value, "forward", nbytes * f, "tp", src, move=move))
         if stage.grad(src):
             partial = partial_at(src, name, i)
-            if partial and first[src] != name:
+            if partial and sharers[src][0] != name:
                 continue  # one collective completes the partial gradients of all its consumers
             for kind, f in redistribution(P if partial else need, R if have == P else have, stage.mesh.tp):
                 out.append(stage.collective(name, kind.value, "backward", nbytes * f, "tp", src,
-                                            **({"move": move} if have != need else {})))
+                                            **({"move": move} if have != need else {}),
+                                            **({"sharers": sharers[src]} if partial else {})))
     return out

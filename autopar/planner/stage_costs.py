@@ -270,9 +270,12 @@ class StageCosts:
             self._collectives[key] = self._program(atoms, submesh, logical, lean)
         if not recompute:
             return program_collectives(distinct(self._collectives[key]), logical[1], m)
-        # a recomputing stage moves a value once per layer that reads it (`ShardedGraph.interpret`)
+        # a recomputing stage moves a value once per layer that reads it (`ShardedGraph.interpret`),
+        # under SELECTIVE once in each attention core too (a segment of its own)
         regions = self.recomputed(atoms, recompute, depth)
-        layer = {n: i for i, region in enumerate(self._layers(atoms)) for n in region}
+        core = recompute == SELECTIVE
+        layer = {n: (i, core and self.graph.node(n).attention) for i, region in enumerate(self._layers(atoms))
+                 for n in region}
 
         def moved(c: dict) -> tuple:  # what one collective of the runtime serves
             return (c["tensor"], c["move"], c["kind"], layer.get(c["node"])) if c.get("move") else (id(c),)
@@ -280,6 +283,8 @@ class StageCosts:
         raw = self._collectives[key]
         again = {moved(c) for c in raw if c["phase"] == "forward" and self._again(c, regions)}
         found = distinct(raw, lambda c: layer.get(c["node"]))
+        # the partial gradients a value's consumers leave add up per segment: one collective each
+        found = found + [{**c, "node": n} for c in found for n in self._other_segments(c.get("sharers", ()), layer)]
         found = found + [{**c, "phase": "backward", "recomputed": True} for c in found
                          if c["phase"] == "forward" and moved(c) in again]
         return program_collectives(found, logical[1], m)
@@ -293,6 +298,16 @@ class StageCosts:
         if recompute == SELECTIVE:
             regions = [{n for n in region if self.graph.node(n).attention} for region in regions]
         return regions
+
+    @staticmethod
+    def _other_segments(sharers: list[str], segment: dict[str, Any]) -> list[str]:
+        """Of the consumers sharing one collective, the first in each segment after the first's."""
+        seen, out = {segment.get(sharers[0])} if sharers else set(), []
+        for n in sharers[1:]:
+            if segment.get(n) not in seen:
+                seen.add(segment.get(n))
+                out.append(n)
+        return out
 
     def _layers(self, atoms: tuple[int, int]) -> list[set[str]]:
         """The nodes of each layer of atoms [a, b) (`layer_starts`): the runtime's segments."""
@@ -357,7 +372,8 @@ class StageCosts:
                 read = c["tensor"] is not None and c["tensor"] not in own  # a value from before the atom
                 if read or c.get("output") and name[c["tensor"]] not in leaving:
                     continue  # a boundary: priced below, as the program crosses it
-                out.append({**c, "node": name.get(c["node"], c["node"]), "tensor": name.get(c["tensor"])})
+                out.append({**c, "node": name.get(c["node"], c["node"]), "tensor": name.get(c["tensor"]),
+                            **({"sharers": [name.get(n, n) for n in c["sharers"]]} if "sharers" in c else {})})
             for read in result.reads:
                 cross = {**read, "node": name[read["node"]], "tensor": name.get(read["tensor"], read["tensor"])}
                 have = placed.get(cross["tensor"], [R] * (read["out"] + 1))[read["out"]]
