@@ -348,13 +348,17 @@ class StageGraph:
 
     def cross_edges(self):
         """(producer, consumer, input position) of every tensor whose placement an edge decides:
-        all inputs of anchors, and the inputs of followers other than the one they follow."""
+        all inputs of anchors, and the inputs of followers other than the one they follow; a scalar
+        (0-d) one only where it takes a gradient, which a split consumer leaves partial (CLIP's
+        learnable logit scale times split similarities)."""
         for name in self.names:
             if self.root.get(name) is None:
                 continue
             primary = self.primary(name)
             for i, src in self.tensor_inputs(name):
-                if src is not None and self.root.get(src) is not None and src != primary and self.sig[name].inputs[i]:
+                letters = self.sig[name].inputs[i]
+                if src is not None and self.root.get(src) is not None and src != primary and (
+                        letters or letters == "" and self.grad(src)):
                     yield src, name, i
 
     def primary(self, name: str) -> str | None:
