@@ -37,12 +37,9 @@ RESULTS = ROOT / "benchmarks" / "results" / "program_check.jsonl"
 LAYOUTS = ["1,2,1+recompute", "1,2,1+selective", "1,2,1+sp", "2,2,1+recompute"]
 
 
-def _cut(x, parts: int):
-    if isinstance(x, dict):
-        return {k: _cut(v, parts) for k, v in x.items()}
-    if isinstance(x, (tuple, list)):
-        return type(x)(_cut(v, parts) for v in x)
-    return x.tensor_split(parts)[0] if hasattr(x, "tensor_split") and x.dim() else x
+def _cut(args: tuple, parts: int) -> tuple:
+    """Rank 0's part of the batch (its first slice, as `parallelize` hands out samples)."""
+    return tuple(x.tensor_split(parts)[0] if hasattr(x, "tensor_split") and x.dim() else x for x in args)
 
 
 def check(name: str, layout: str) -> dict:
@@ -51,12 +48,13 @@ def check(name: str, layout: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from autopar.contract.errors import AutoparError
+    from autopar.contract.inputs import as_args
     from autopar.cost_models import get_cluster
     from autopar.planner.manual import Layout, manual_plan, manual_search
     from autopar.planner.search import Search
     from autopar.runtime.export import export_as_planned
     from autopar.runtime.lower import NotAsPlanned, lower, lower_now
-    from autopar.runtime.sharded_graph import ShardedGraph
+    from autopar.runtime.sharded_graph import ShardedGraph, defer_partial_grads
     from tests.families import setup
 
     parsed = Layout.parse(layout)
@@ -69,11 +67,13 @@ def check(name: str, layout: str) -> dict:
         return {"result": "refused", "why": str(exc).splitlines()[0][:300]}
     stage = plan.stages[0]
     dp, tp = stage.logical_mesh
-    micro = _cut(_cut(tuple(w.example_inputs), dp), plan.num_microbatches)
-    ep = export_as_planned(w.model, micro, tuple(w.example_inputs))
+    args = as_args(w.model.forward, w.example_inputs)
+    micro = _cut(_cut(args, dp), plan.num_microbatches)
+    ep = export_as_planned(w.model, micro, args)
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))["tp"]
     graph = ShardedGraph(w.model, stage, mesh, ep, layers=[layer["nodes"] for layer in plan.layers])
     program = lower(graph, {"tp": mesh.get_group()}, planned=plan.priced_collectives(stage))
+    defer_partial_grads(list(graph.parameters()))  # as `parallelize` runs it (no ZeRO, no compressor here)
     torch.manual_seed(0)
     try:
         lower_now(graph, micro)

@@ -8,7 +8,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar.planner.placement import P, R, edge_time, redistribution, redistribution_time, shard
+from autopar.planner.placement import P, R, edge_time, redistribution, redistribution_time
 from autopar.planner.stage_graph import StageGraph
 from autopar.planner.strategy_costs import Evaluation
 
@@ -43,15 +43,15 @@ def edge_costs(stage: StageGraph, evals: dict[str, list[Evaluation]]) -> list[tu
 
 
 def output_costs(stage: StageGraph, evals: dict[str, list[Evaluation]]) -> dict[str, np.ndarray]:
-    """The loss needs whole samples: an output leaves replicated or split by batch, not partial
-    or split along another dimension."""
+    """The loss needs whole samples: an output leaves replicated or split by batch
+    (`StageGraph.free_output`), not partial or split along another dimension."""
     out = {}
     for name in stage.graph.outputs:
         if stage.root.get(name):
             nbytes = stage.graph.node(name).output_bytes / stage.dp_share(name)
-            batch = stage.batch_of(name, 0)
+            free = stage.free_output(name)
             out[name] = np.array([
-                0.0 if e.out[stage.canon(name)][0] == shard(batch if batch is not None else -1)
+                0.0 if e.out[stage.canon(name)][0] == free
                 else redistribution_time(e.out[stage.canon(name)][0], R, nbytes, stage.mesh.tp, stage.mesh.tp_link)
                 for e in evals[stage.group(name)]])
     return out

@@ -165,8 +165,8 @@ def _result(stage: StageGraph, logical, chosen: dict[str, Evaluation], zero: dic
     collectives = distinct(collectives + edge_collectives(stage, chosen))
     for name in stage.graph.outputs:
         if stage.root.get(name):
-            have, batch = chosen[stage.group(name)].out[stage.canon(name)][0], stage.batch_of(name, 0)
-            if have != shard(batch if batch is not None else -1):
+            have = chosen[stage.group(name)].out[stage.canon(name)][0]
+            if have != stage.free_output(name):
                 nbytes = stage.graph.node(name).output_bytes / stage.dp_share(name)
                 collectives += [stage.collective(name, k.value, "forward", nbytes * f, "tp", name, output=True)
                                 for k, f in redistribution(have, R, stage.mesh.tp)]

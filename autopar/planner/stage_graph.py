@@ -291,6 +291,13 @@ class StageGraph:
     def grad(self, name: str | None) -> bool:
         return bool(name) and self.graph.node(name).requires_grad
 
+    def free_output(self, name: str) -> str | None:
+        """The placement a model's output leaves in without a collective: split along dimension 0
+        where that is a batch dimension (the runtime then computes the loss per shard:
+        `ShardedGraph.output_shard`); None where it is not (every other placement is gathered)."""
+        sets = self.batch_sets.get(name) or []
+        return shard(0) if sets and 0 in sets[0] else None
+
     def batch_rank(self, name: str, k: int = 0) -> int:
         """How many dimensions of output k are the batch's (each shrinks with the data axis and the microbatch)."""
         sets = self.batch_sets.get(name) or []
