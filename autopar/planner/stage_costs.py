@@ -285,7 +285,7 @@ class StageCosts:
         found = distinct(raw, lambda c: layer.get(c["node"]))
         # the partial gradients a value's consumers leave add up per segment: one collective each
         found = found + [{**c, "node": n} for c in found for n in self._other_segments(c.get("sharers", ()), layer)]
-        found = found + [{**c, "phase": "backward", "recomputed": True} for c in found
+        found = found + [{**c, "phase": "backward"} for c in found
                          if c["phase"] == "forward" and moved(c) in again]
         return program_collectives(found, logical[1], m)
 
