@@ -98,7 +98,8 @@ def parallelize(
     - `compile`: inductor compiles each stage's lowered forward and backward graphs (at the first
       step of each input shape: seconds to minutes); without it they run as traced, on the same
       kernels as eager torch. Either way a stage runs as the program lowered from the plan
-      (`runtime.lower`): local tensors and the collectives the plan priced.
+      (`runtime.lower`): local tensors and the collectives the plan priced. Under plain data
+      parallelism (no graph to lower) it compiles the module itself (`torch.compile`).
 
     Returns a `ParallelModel` (one stage) or a `PipelineModel` (several), with the same methods.
 

@@ -8,6 +8,8 @@ each), same global batch:
   and with `--compile` the lowered program compiled by inductor — against `parallelize_module` with
   torchtitan's layout (column-parallel Q/K/V and fc1, row-parallel proj and fc2,
   vocabulary-parallel embedding and output layer, local head count in attention).
+With `--compile`, also the data-parallel plan with `compile=True` (no graph to lower: the module
+itself under `torch.compile`).
 Each runs `--warmup` steps (the first lowers, or compiles), then `--steps` timed ones, in `--runs`
 separate starts of the ranks; a row gives the median of the runs' medians and their spread (the
 noise floor), and the ratio against the hand-written baseline. Run it alone: other work on the
@@ -89,9 +91,9 @@ def _rank(rank, world, port, out, args):
         gen = torch.Generator().manual_seed(1)
         batches = [w.make_batch(w.batch, gen) for _ in range(args.warmup + args.steps)]
         if kind.startswith("autopar"):
-            plan = f"{world},1,1" if kind == "autopar-dp" else f"1,{world},1"
+            plan = f"{world},1,1" if kind.startswith("autopar-dp") else f"1,{world},1"
             pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
-                                     plan=plan, compile=kind == "autopar-tp-compiled")
+                                     plan=plan, compile=kind.endswith("-compiled"))
             if kind == "autopar-tp-interpreted":
                 pm.graph.program = None  # op by op through DTensor
             step = pm.step
@@ -126,10 +128,10 @@ def _rank(rank, world, port, out, args):
     dist.destroy_process_group()
 
 
-KINDS = {"data parallel": ("ddp", "DistributedDataParallel", ["autopar-dp"]),
+KINDS = {"data parallel": ("ddp", "DistributedDataParallel", ["autopar-dp", "autopar-dp-compiled"]),
          "tensor parallel": ("hand-tp", "parallelize_module",
                              ["autopar-tp-interpreted", "autopar-tp", "autopar-tp-compiled"])}
-NAMES = {"autopar-dp": "autopar", "autopar-tp-interpreted": "autopar, interpreted (DTensor per op)",
+NAMES = {"autopar-dp": "autopar", "autopar-dp-compiled": "autopar, compiled", "autopar-tp-interpreted": "autopar, interpreted (DTensor per op)",
          "autopar-tp": "autopar, lowered", "autopar-tp-compiled": "autopar, lowered + compiled"}
 
 
@@ -145,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     args.kinds = ["ddp", "autopar-dp", "hand-tp", "autopar-tp-interpreted", "autopar-tp"] + (
-        ["autopar-tp-compiled"] if args.compile else [])
+        ["autopar-dp-compiled", "autopar-tp-compiled"] if args.compile else [])
     started = stamp()
     rows, body_rows = [], []
     for model in args.models.split(","):

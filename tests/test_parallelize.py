@@ -181,7 +181,7 @@ def _pipelined(rank, world, name, layout, compile=False):
 
 # pipelines (moe-tiny: below, its one MoE block has no even split) and the tensor axis, by world size
 PIPELINED = {2: [(n, "1,1,2,4") for n in ("mlp-tiny", "gpt-tiny", "hf-gpt2")] + [(n, "1,2,1") for n in MODELS]
-             + [("hf-gpt2", "1,2,1", True)],
+             + [("hf-gpt2", "1,2,1", True), ("mlp-tiny", "2,1,1", True)],
              4: [(n, lay) for n in ("mlp-tiny", "gpt-tiny", "hf-gpt2") for lay in ("2,1,2,2", "1,2,2,2")]
              + [(n, "2,2,1,2") for n in MODELS]}
 
@@ -387,12 +387,14 @@ def test_tensor_parallel_training_equals_single_process(tmp_path, name, layout):
         assert stats["tp"]["bytes_raw"] > 0
 
 
-def test_a_compiled_program_trains_like_one_process(tmp_path):
+@pytest.mark.parametrize("name, layout", [("hf-gpt2", "1,2,1"), ("mlp-tiny", "2,1,1")], ids=["tp", "dp"])
+def test_a_compiled_program_trains_like_one_process(tmp_path, name, layout):
     """`compile=True`: inductor compiles the lowered graphs, whose inputs (tokens and targets cut
-    from one block, as batches often are) come with other strides than they were traced with;
-    losses and parameters equal one process's within inductor's reordering of float sums."""
-    losses, params = _single("hf-gpt2")
-    for got_losses, got_params, _ in shared_ranks(_pipelined, 2, PIPELINED[2], ("hf-gpt2", "1,2,1", True), tmp_path):
+    from one block, as batches often are) come with other strides than they were traced with, or
+    under plain data parallelism the module itself; losses and parameters equal one process's
+    within inductor's reordering of float sums."""
+    losses, params = _single(name)
+    for got_losses, got_params, _ in shared_ranks(_pipelined, 2, PIPELINED[2], (name, layout, True), tmp_path):
         assert got_losses == pytest.approx(losses, rel=1e-4)
         for key, value in params.items():
             torch.testing.assert_close(got_params[key], value, rtol=1e-4, atol=1e-5)

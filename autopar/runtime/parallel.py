@@ -270,6 +270,8 @@ class ParallelModel:
                 refuse_failing(self.graph, tuple(micro))
         # what trains: the model, or the graph holding its parameters (DTensors with a tensor axis)
         self.trained: nn.Module = self.graph if self.graph is not None else self.model
+        # without a graph to lower (plain data parallelism), `compile` compiles the user's module itself
+        self.forward = torch.compile(self.model) if compile and self.graph is None else self.model
         self.sync: GradSync | None = None
         self.whole: list[nn.Parameter] = []  # kept whole under FSDP2: their gradients averaged by the step
         if sharded:
@@ -348,8 +350,10 @@ class ParallelModel:
             self.buffer_sync.after_step()
         if self._carried:
             total, self.sync.carried = self.sync.carried, None
-        else:
+        elif self.graph is not None and self.graph.output_shard:  # the tensor axis's ranks hold different samples
             dist.all_reduce(total)
+        elif self.dp > 1:  # the tensor axis's ranks hold the same loss: no collective over it
+            dist.all_reduce(total, group=self.group)
         return float(total) / self.dp
 
     def _microbatches(self, micro_in: list, micro_target: list, total: torch.Tensor) -> None:
@@ -366,14 +370,13 @@ class ParallelModel:
             args = micro_in[i] if isinstance(micro_in[i], (tuple, list)) else (micro_in[i],)
             with phase("forward"), self.precision.autocast():  # forward and loss (the model's dtype: nothing)
                 if self.graph is None:
-                    loss = self.loss_fn(first_tensor(self.model(*args)), micro_target[i]) / m
+                    loss = self.loss_fn(first_tensor(self.forward(*args)), micro_target[i]) / m
                     reported = loss
                 elif self.graph.output_shard:  # each tensor-parallel rank holds some samples
                     target = micro_target[i].tensor_split(self.tp)[self.tp_rank]
                     loss = reported = self.loss_fn(self.graph(*args), target) / (m * self.tp)
-                else:
-                    loss = self.loss_fn(self.graph(*args), micro_target[i]) / m
-                    reported = loss / self.tp
+                else:  # every rank of the tensor axis holds the same loss
+                    loss = reported = self.loss_fn(self.graph(*args), micro_target[i]) / m
             total += reported.detach().double()
             # the step's loss summed with the last gradient bucket, not in a collective of its own
             self._carried = last and self.tp == 1 and self.sync is not None and self.sync.carry(total)
