@@ -78,3 +78,14 @@ def test_a_plan_runs_within_its_memory_limit(tmp_path, world, case):
         assert set(recompute) == {want}, f"{case} should recompute {want}, the plan recomputes {recompute}"
         assert measured["total"] <= limit, f"{measured['total'] / 2**20:.1f} MiB > {limit / 2**20:.1f} MiB"
         assert all(loss == loss for loss in losses)
+
+
+def test_a_step_holding_a_higher_order_op_is_measured():
+    """A lowered program that recomputes a random op runs it under `run_and_save_rng_state` (torch's
+    partitioner): the memory a step is measured under (`bench`, `train --json`) counts its output."""
+    from autopar.runtime.memory import TensorBytes
+
+    x = torch.ones(64, 64)
+    with TensorBytes([x]) as tracker:
+        state, y = torch.ops.higher_order.run_and_save_rng_state(torch.ops.aten.rand_like.default, x)
+    assert y.shape == x.shape and tracker.peak >= 2 * x.nbytes

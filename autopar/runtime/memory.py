@@ -45,6 +45,10 @@ def _storage(t: torch.Tensor) -> tuple[int, torch.UntypedStorage] | None:
 class TensorBytes(TorchDispatchMode):
     """Within the block: the peak of live tensor bytes and the storages live at that peak."""
 
+    # a lowered program holds higher-order ops (a recomputed random op runs under
+    # `run_and_save_rng_state`): they run as they are, their outputs counted like any op's
+    supports_higher_order_operators = True
+
     def __init__(self, held: list[torch.Tensor]) -> None:
         super().__init__()
         # storage -> itself, read at each op: FSDP2 frees a gathered parameter by resizing its
