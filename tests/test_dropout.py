@@ -1,7 +1,7 @@
 """Dropout under a tensor axis (GPT-2, every rate 0.1, 4 gloo ranks): a value the plan replicates over
 the tensor axis draws one mask on every rank of the group, a split value its own per rank
-(`runtime.rng`). Otherwise replicated activations, then the weights they train, drift apart between
-the ranks of a group, silently."""
+(`runtime.rng`), inside the lowered program. Otherwise replicated activations, then the weights
+they train, drift apart between the ranks of a group, silently."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from tests.families import optimizer, setup, single
 
 WORLD, STEPS, RATE = 4, 4, 0.1
 LAYOUTS = {"tp": "1,4,1", "dp-tp": "2,2,1", "tp-pp": "1,2,2,2"}
+RECOMPUTED = {"dp-tp-recompute": "2,2,1+recompute", "dp-tp-selective": "2,2,1+selective"}
+LAYOUTS |= RECOMPUTED
 CASES = [(k,) for k in LAYOUTS]
 
 
@@ -37,7 +39,8 @@ def _train(rank, world, layout):
         with torch.no_grad():
             m = pm.plan.num_microbatches
             output = pm.graph(*(x.tensor_split(pm.dp)[pm.rank].tensor_split(m)[0] for x in batches[0][0])).clone()
-    return {"losses": losses, "group": group, "replicated": _replicated(pm), "output": output}
+    return {"losses": losses, "group": group, "replicated": _replicated(pm), "output": output,
+            "runs": [(p["runs"], p["why"]) for p in pm.programs()]}
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -48,6 +51,8 @@ def test_dropout_masks_agree_across_a_tensor_group_and_training_stays_close_to_o
     groups: dict[tuple, list[dict]] = {}
     for r in ranks:
         groups.setdefault(r["group"], []).append(r)
+    for r in ranks:  # split attention weights draw their masks inside the lowered program
+        assert all(runs == "lowered" for runs, _ in r["runs"]), r["runs"]
     for members in groups.values():
         assert len(members) > 1 and members[0]["replicated"]
         first = members[0]
@@ -59,3 +64,15 @@ def test_dropout_masks_agree_across_a_tensor_group_and_training_stays_close_to_o
     # other masks than one process draws: the same training, statistically (dropout 0.1 moves these
     # losses by ~1e-3; a rank that dropped nothing or everything would move them by more than 1e-2)
     assert ranks[0]["losses"] == pytest.approx(reference, rel=1e-2)
+
+
+@pytest.mark.parametrize("layout", RECOMPUTED)
+def test_recomputation_draws_the_same_masks_again(tmp_path, layout):
+    """A recomputed layer's forward runs again in backward with the masks of the first run (the
+    seed kept): from the same random state, training equals the plan without recomputation."""
+    plain = shared_ranks(_train, WORLD, CASES, ("dp-tp",), tmp_path)
+    again = shared_ranks(_train, WORLD, CASES, (layout,), tmp_path)
+    for a, b in zip(again, plain):
+        assert a["losses"] == pytest.approx(b["losses"], rel=1e-6)
+        for name, value in b["replicated"].items():
+            torch.testing.assert_close(a["replicated"][name], value, rtol=1e-5, atol=1e-6)

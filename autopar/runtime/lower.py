@@ -18,9 +18,9 @@ norm's reduction to the end of the step (`sharded_graph.defer_partial_grads`), a
 tracing. The collectives of each traced program are listed (`Collective`) so that the caller can
 check them against what the planner priced.
 
-A construct that cannot be traced yet (a random op on a split value, whose per-rank masks need
-a seed drawn at run time; an op reading tensor values into Python, as sorted experts do) makes the
-stage run interpreted, with one warning saying why (`Program.fallback`).
+A construct that cannot be traced yet (a random op on a split value other than dropout and
+attention's dropout, `rng.on_shards`; an op reading tensor values into Python, as sorted experts
+do) makes the stage run interpreted, with one warning saying why (`Program.fallback`).
 """
 
 from __future__ import annotations
@@ -387,7 +387,7 @@ class Program:
             returned[0] = num_fwd_outputs
             _mark_recomputed(joint)
             fw, bw = default_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
-            _drop_dead_collectives(bw)
+            _drop_dead_copies(bw)
             _unaliased_grads(bw)
             # listed now: AOTAutograd compiles the backward graph only at the first backward
             entry.collectives[:] = collectives(fw, "forward", self.axes) + collectives(bw, "backward", self.axes)
@@ -604,15 +604,17 @@ def mismatch(extra: list[dict], missing: list[dict]) -> str:
                                        missing and f"priced, not issued: {said(missing)}") if part)
 
 
-def _drop_dead_collectives(gm: torch.fx.GraphModule) -> None:
-    """Remove the collectives whose results nothing reads, and what only they read. The partitioner
-    copies into the backward graph every forward op whose inputs the backward holds, then removes
-    the unread ones, but keeps collectives (side effects to dead-code elimination): a sequence-
-    parallel reduce-scatter computed again for nothing, once per layer. Every rank drops the same."""
+def _drop_dead_copies(gm: torch.fx.GraphModule) -> None:
+    """Remove the collectives and random ops whose results nothing reads, and what only they read.
+    The partitioner copies into the backward graph every forward op whose inputs the backward
+    holds, then removes the unread ones, but keeps collectives and random ops (side effects to
+    dead-code elimination): a sequence-parallel reduce-scatter computed again for nothing, once per
+    layer, and every dropout drawn again, advancing the random state (the next step's masks then
+    depended on whether the plan recomputes). Every rank drops the same."""
     def impure(node: torch.fx.Node) -> bool:
         if node.op == "call_function" and "_c10d_functional" in str(node.target):
             return False  # functional: its output is its only effect
-        return node.is_impure()
+        return node.is_impure(impure_random=False)
 
     if gm.graph.eliminate_dead_code(is_impure_node=impure):
         gm.recompile()

@@ -21,6 +21,7 @@ from __future__ import annotations
 import logging
 import operator
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -577,8 +578,14 @@ class ShardedGraph(nn.Module):
 
         args = fx.node.map_arg(node.args, arg)
         kwargs = fx.node.map_arg(node.kwargs, arg)
-        if rng.is_random(node.target, args, kwargs) and any(isinstance(a, DTensor) and a.placements[0].is_shard()
-                                              for a in (*args, *kwargs.values())):
+        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, DTensor)]
+        if rng.is_random(node.target, args, kwargs) and any(a.placements[0].is_shard() for a in tensors):
+            # each shard its own mask, from a seed every rank draws alike: on local tensors where the
+            # op's inputs lie as its output (a dropout; attention split by batch or heads)
+            local = rng.on_shards(node.target, self.mesh.get_local_rank())
+            if local is not None and want is not None and want.is_shard() and all(
+                    _same(a.placements[0], want) or a.placements[0].is_replicate() for a in tensors):
+                return self._op(node, args, kwargs, want, local)
             if self.tracing:
                 raise CannotLower(f"{node.target} on a split value draws a mask per rank from a seed drawn "
                                   "at run time")
@@ -627,10 +634,12 @@ class ShardedGraph(nn.Module):
         whole = partial(self._whole, env, wrapped)
         return node.target(*fx.node.map_arg(node.args, whole), **fx.node.map_arg(node.kwargs, whole))
 
-    def _op(self, node: fx.Node, args: Any, kwargs: dict, want: Placement | None) -> Any:
-        """`node` on its inputs as the plan places them; its output placed as the plan says."""
-        if node.target in _LOCAL or _grouped(node.target):
-            out = self._run_local(node, args, kwargs, want)
+    def _op(self, node: fx.Node, args: Any, kwargs: dict, want: Placement | None, local: Callable | None = None
+            ) -> Any:
+        """`node` on its inputs as the plan places them (with `local`: that function on each rank's
+        shards in its stead); its output placed as the plan says."""
+        if local is not None or node.target in _LOCAL or _grouped(node.target):
+            out = self._run_local(node, args, kwargs, want, local)
         elif node.target is _EMBEDDING and _split_rows(args[0]) and not _split_rows(args[1]):
             out = self._vocab_parallel(*args[:3])
         elif node.target in _LAYOUT and _partial(args[0]) and want is not None and want.is_partial():
@@ -681,7 +690,8 @@ class ShardedGraph(nn.Module):
         rows = local_experts(x, w, offs, first, op.name())
         return DTensor.from_local(rows, self.mesh, [Partial()], run_check=False)
 
-    def _run_local(self, node: fx.Node, args: tuple, kwargs: dict, want: Placement | None) -> Any:
+    def _run_local(self, node: fx.Node, args: tuple, kwargs: dict, want: Placement | None,
+                   fn: Callable | None = None) -> Any:
         """An op without a (correct) DTensor rule, on each rank's shards: valid when the plan splits
         it along a dimension it computes independently (batch, heads, a convolution's output
         channels) or along one it sums over (input channels: `P`). A replicated input's gradient
@@ -706,5 +716,5 @@ class ShardedGraph(nn.Module):
         if (want.is_partial() and node.target in _CONV and len(local_args) > 2 and local_args[2] is not None
                 and self.mesh.get_local_rank() != 0):
             local_args[2] = local_args[2] * 0  # the bias once in the sum (its gradient: zero here)
-        out = node.target(*local_args, **kwargs)
+        out = (fn or node.target)(*local_args, **kwargs)
         return DTensor.from_local(out, self.mesh, [want], run_check=False)
