@@ -160,6 +160,37 @@ def _plain_views(gm: torch.fx.GraphModule) -> None:
         gm.recompile()
 
 
+def _overlap(gm: torch.fx.GraphModule) -> None:
+    """Each collective issued as soon as its input exists, and waited for where its result is first
+    read: the ops in between (a linear's weight gradient, while its input's gradient is summed) run
+    while the backend moves the bytes, as inductor's reordering passes arrange a compiled program.
+    Collectives keep their order (every rank issues them alike)."""
+    wait = torch.ops._c10d_functional.wait_tensor.default
+    nodes = list(gm.graph.nodes)
+    changed, previous = False, None
+    for node in nodes:
+        if node.op != "call_function" or getattr(node.target, "namespace", None) != "_c10d_functional":
+            continue
+        if node.target is wait:
+            first = min(node.users, key=nodes.index, default=None)
+            if first is not None and first.op != "output" and nodes.index(first) > nodes.index(node) + 1:
+                first.prepend(node)
+                changed = True
+        else:
+            after = max([*node.all_input_nodes, *([previous] if previous is not None else [])], key=nodes.index,
+                        default=None)
+            if after is not None and after.op == "placeholder":
+                after = max(gm.graph.find_nodes(op="placeholder"), key=nodes.index)
+            if after is not None and nodes.index(after) < nodes.index(node) - 1:
+                after.append(node)
+                changed = True
+            previous = node
+        if changed:
+            nodes = list(gm.graph.nodes)
+    if changed:
+        gm.recompile()
+
+
 class _Locals(torch.autograd.Function):
     """DTensor parameters -> their local shards, one autograd node for all of them. Their local
     gradients are accumulated here (`_accumulate`), or come back as DTensors with `specs[i]` (the
@@ -407,6 +438,7 @@ class Program:
 
                     run = compile_fx_inner(gm, example)
                 else:
+                    _overlap(gm)
                     run = make_boxed_func(_below_autograd(gm.forward))
                 # forward: tracing, partitioning and this compile; backward: its compile, done at the
                 # first backward (which may come long after a build-time trace)
