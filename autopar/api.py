@@ -99,7 +99,8 @@ def parallelize(
       step of each input shape: seconds to minutes); without it they run as traced, on the same
       kernels as eager torch. Either way a stage runs as the program lowered from the plan
       (`runtime.lower`): local tensors and the collectives the plan priced. Under plain data
-      parallelism (no graph to lower) it compiles the module itself (`torch.compile`).
+      parallelism (no graph to lower) it compiles the module's repeated blocks in place, one
+      `torch.compile` each, as torchtitan does, so gradient buckets overlap the backward.
 
     Returns a `ParallelModel` (one stage) or a `PipelineModel` (several), with the same methods.
 

@@ -122,6 +122,21 @@ def shard_data_axis(module: nn.Module, mesh: Any, precision: str | None, zero: i
     return scalars
 
 
+def compile_blocks(model: nn.Module) -> int:
+    """`torch.compile` each repeated block (the elements of the model's outermost `ModuleList`s,
+    as torchtitan compiles each transformer block), in place; the whole model where it has none.
+    One compiled backward per block lets the data axis's gradient buckets launch as each block's
+    backward ends: compiling the whole model makes one backward node, and every bucket waits for
+    it (measured 1.03x DDP's step on gpt-small). Identical blocks share one compiled graph.
+    Returns how many modules were compiled."""
+    lists = [name for name, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    outer = [name for name in lists if not any(name.startswith(o + ".") for o in lists if o)]
+    blocks = [block for name in outer for block in model.get_submodule(name)] or [model]
+    for block in blocks:
+        block.compile()
+    return len(blocks)
+
+
 def average_grads(params: list[nn.Parameter], group: dist.ProcessGroup) -> None:
     """Each gradient averaged over `group` (the data axis), in place: a rank without one adds zeros,
     and a parameter no rank has a gradient for keeps none, as on one process (the optimizer skips it)."""
@@ -270,8 +285,8 @@ class ParallelModel:
                 refuse_failing(self.graph, tuple(micro))
         # what trains: the model, or the graph holding its parameters (DTensors with a tensor axis)
         self.trained: nn.Module = self.graph if self.graph is not None else self.model
-        # without a graph to lower (plain data parallelism), `compile` compiles the user's module itself
-        self.forward = torch.compile(self.model) if compile and self.graph is None else self.model
+        if compile and self.graph is None:  # plain data parallelism: no graph to lower, the module compiles
+            compile_blocks(self.model)
         self.sync: GradSync | None = None
         self.whole: list[nn.Parameter] = []  # kept whole under FSDP2: their gradients averaged by the step
         if sharded:
@@ -370,7 +385,7 @@ class ParallelModel:
             args = micro_in[i] if isinstance(micro_in[i], (tuple, list)) else (micro_in[i],)
             with phase("forward"), self.precision.autocast():  # forward and loss (the model's dtype: nothing)
                 if self.graph is None:
-                    loss = self.loss_fn(first_tensor(self.forward(*args)), micro_target[i]) / m
+                    loss = self.loss_fn(first_tensor(self.model(*args)), micro_target[i]) / m
                     reported = loss
                 elif self.graph.output_shard:  # each tensor-parallel rank holds some samples
                     target = micro_target[i].tensor_split(self.tp)[self.tp_rank]
