@@ -9,7 +9,7 @@ each), same global batch:
   torchtitan's layout (column-parallel Q/K/V and fc1, row-parallel proj and fc2,
   vocabulary-parallel embedding and output layer, local head count in attention).
 With `--compile`, also the data-parallel plan with `compile=True` (no graph to lower: the module
-itself under `torch.compile`).
+blocks each under `torch.compile`, `parallel.compile_blocks`).
 Each runs `--warmup` steps (the first lowers, or compiles), then `--steps` timed ones, in `--runs`
 separate starts of the ranks; a row gives the median of the runs' medians and their spread (the
 noise floor), and the ratio against the hand-written baseline. Run it alone: other work on the
