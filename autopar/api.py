@@ -10,6 +10,7 @@ import os
 import uuid
 import weakref
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +49,8 @@ def parallelize(
     mesh: DeviceMesh | tuple[int, int] | None = None,
     example_inputs: Any = (),
     *,
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
-    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
     plan: Plan | str | Path | None = None,
     cluster: str | None = None,
     compression: str | None = None,
@@ -61,8 +62,10 @@ def parallelize(
     tune: int = 0,
     example_target: torch.Tensor | None = None,
     compile: bool = False,
+    batch: str = "local",
 ):
-    """The model under a plan, ready to `step(inputs, target)` on the global batch.
+    """The model under a plan: a module the user's loop calls (one-stage plans), and `step(inputs,
+    target)`, a whole training step on the global batch with `loss_fn` and `optimizer`.
 
     Every rank calls this with the same arguments (under torchrun, or alone for one process); rank
     0 plans and the others receive its plan, then each rank builds its part of the model.
@@ -74,9 +77,13 @@ def parallelize(
     - `example_inputs`: one global batch of the model's inputs: a tuple of positional inputs, a
       dict of keyword inputs or one tensor, every tensor with the batch first (the shapes the
       plan is made for; each `step` takes the same shapes).
-    - `loss_fn(output, target)`: the mean loss of the samples given; `output` is the model's
-      output reduced to one tensor (itself, its `.logits`, or the first tensor inside).
-    - `optimizer(params)`: builds the torch optimizer over this rank's parameters.
+    - `loss_fn(output, target)` (for `step`): the mean loss of the samples given; `output` is the
+      model's output reduced to one tensor (itself, its `.logits`, or the first tensor inside).
+      Without it the plan has one stage (pipelines run a loss inside their schedule).
+    - `optimizer(params)` (for `step`): builds the torch optimizer over this rank's parameters.
+      Without it, pass `pm.parameters()` to your own.
+    - `batch`: what `pm(*inputs)` takes: "local", this rank's data-parallel slice (as DDP; the
+      ranks of one tensor-parallel group pass the same slice), or "global", the whole batch.
     - `plan`: None (search), a Plan, a path to plan JSON, or a layout "DP,TP,PP[,MB]".
     - `cluster`: a preset name or cluster file to plan for (default `cpu-local`, this machine).
     - `compression` ("dgc:0.999", "powersgd:2", ... see `runtime.compression`; "auto": the planner
@@ -102,7 +109,7 @@ def parallelize(
       parallelism (no graph to lower) it compiles the module's repeated blocks in place, one
       `torch.compile` each, as torchtitan does, so gradient buckets overlap the backward.
 
-    Returns a `ParallelModel` (one stage) or a `PipelineModel` (several), with the same methods.
+    Returns a `ParallelModel` (one stage: an `nn.Module`) or a `PipelineModel` (several: `step` only).
 
     Raises `AutoparError` (on every rank, with one message) for input it cannot take: a malformed
     argument, a layout the model or the ranks cannot run, a plan for another model, world size or
@@ -121,6 +128,13 @@ def parallelize(
         raise AutoparError(f"memory_limit must be a positive number of bytes, got {memory_limit}")
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise AutoparError(f"max_grad_norm must be a positive number (math.inf: measure the norm only), got {max_grad_norm}")
+    if batch not in ("local", "global"):
+        raise AutoparError(f'batch must be "local" (this rank\'s data-parallel slice) or "global", got {batch!r}')
+    if tune and (loss_fn is None or optimizer is None):
+        raise AutoparError("tune=K times steps of its candidates: pass loss_fn and optimizer")
+    if loss_fn is None and _is_layout(plan) and Layout.parse(plan).pp > 1:
+        raise AutoparError(f"plan {plan!r} is a pipeline, whose schedule runs the loss between its stages: pass "
+                           "loss_fn (and optimizer) and train with pm.step(inputs, target), or choose a layout with PP 1")
     _init_process_group(default_backend())  # torch's timeout while rank 0 plans; `timeout` once built
     world, rank = dist.get_world_size(), dist.get_rank()
     device = local_device(int(os.environ.get("LOCAL_RANK", rank)))
@@ -131,7 +145,7 @@ def parallelize(
         raise AutoparError(f"mesh {hosts}x{per_host} has {hosts * per_host} devices, the job has {world} ranks: "
                            f"launch with torchrun --nproc-per-node {hosts * per_host}, or pass mesh=(1, {world})")
     args = as_args(model.forward, example_inputs, "example_inputs")
-    batch = next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
+    size = next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
     graph, uncaptured = agreed("capturing the model", lambda: _capture_or_why(model, args, plan, tune))
     # the plan, the scope of this model's failures, the graph rank 0 captured
     chosen: list[Any] = [None, uuid.uuid4().hex[:12], graph.fingerprint() if graph is not None else None]
@@ -142,18 +156,18 @@ def parallelize(
     if rank == 0:
         try:
             if uncaptured is not None:
-                chosen[0] = uncaptured_plan(type(model).__name__, [n for n, _ in model.named_parameters()], batch,
+                chosen[0] = uncaptured_plan(type(model).__name__, [n for n, _ in model.named_parameters()], size,
                                             world, (hosts, per_host), cluster or "cpu-local",
                                             Layout.parse(plan) if _is_layout(plan) else None, str(uncaptured),
                                             precision)
                 log.warning("%s trains data-parallel without its graph (every rank runs the whole model on its "
                             "samples, as DDP does), because %s", type(model).__name__, uncaptured)
             elif tune:
-                chosen[0] = _candidates(model, args, batch, graph, cluster, (hosts, per_host), precision,
+                chosen[0] = _candidates(model, args, size, graph, cluster, (hosts, per_host), precision,
                                         memory_limit, tune)
             else:
-                chosen[0] = _resolve(plan, model, args, batch, graph, cluster, (hosts, per_host), compression, delay,
-                                     precision, memory_limit)
+                chosen[0] = _resolve(plan, model, args, size, graph, cluster, (hosts, per_host), compression, delay,
+                                     precision, memory_limit, one_stage=loss_fn is None)
             if isinstance(chosen[0], Plan) and graph is not None:
                 warn_replicated(graph, chosen[0])
         except Exception as exc:  # every rank reports it, none waits for a plan that never comes
@@ -172,7 +186,7 @@ def parallelize(
                 warn_replicated(graph, resolved)
         resolved = agreed("checking the plan", lambda: _checked(resolved, model, graph, world, precision,
                                                                 mixed_precision, memory_limit, compression, delay))
-        pm = _build(resolved, model, args, loss_fn, optimizer, max_grad_norm, device, compile)
+        pm = _build(resolved, model, args, loss_fn, optimizer, max_grad_norm, device, compile, batch)
         pm.failure_scope = scope
         if timeout is not None:
             set_timeouts(timeout)  # every group, the model's too; not before: rank 0 may plan for minutes
@@ -223,8 +237,8 @@ def _checked(resolved: Plan, model: nn.Module, graph: Any, world: int, precision
     return resolved
 
 
-def _build(resolved: Plan, model: nn.Module, args: tuple, loss_fn: Callable, optimizer: Callable,
-           max_grad_norm: float | None, device: torch.device, compile: bool = False) -> Any:
+def _build(resolved: Plan, model: nn.Module, args: tuple, loss_fn: Callable | None, optimizer: Callable | None,
+           max_grad_norm: float | None, device: torch.device, compile: bool = False, batch: str = "local") -> Any:
     """The model built under the plan on this rank (every rank together)."""
     _start_equal(model.to(device))
     try:
@@ -233,7 +247,7 @@ def _build(resolved: Plan, model: nn.Module, args: tuple, loss_fn: Callable, opt
                                compile=compile)
         else:
             pm = ParallelModel(model, resolved, loss_fn, optimizer, args, device=device, max_grad_norm=max_grad_norm,
-                               compile=compile)
+                               compile=compile, batch=batch)
     except UnsupportedPlan as exc:
         raise AutoparError(str(exc)) from None
     return pm
@@ -268,17 +282,22 @@ def _mesh_shape(mesh: DeviceMesh | tuple[int, int] | None, world: int) -> tuple[
     return mesh
 
 
-def _resolve(plan, model, args, batch, graph, cluster, mesh, compression, delay, precision, memory_limit) -> Plan:
-    if isinstance(plan, Plan):
-        return plan
-    if isinstance(plan, Path) or isinstance(plan, str) and not _is_layout(plan):
-        return Plan.load(plan)
+def _resolve(plan, model, args, batch, graph, cluster, mesh, compression, delay, precision, memory_limit,
+             one_stage: bool = False) -> Plan:
+    """The plan given, loaded or searched (`one_stage`: without a loss to run between stages)."""
+    if isinstance(plan, Plan) or isinstance(plan, Path) or isinstance(plan, str) and not _is_layout(plan):
+        given = plan if isinstance(plan, Plan) else Plan.load(plan)
+        if one_stage and len(given.stages) > 1:
+            raise AutoparError(f"the plan {given.name} is a pipeline of {len(given.stages)} stages, whose schedule runs "
+                               "the loss between them: pass loss_fn (and optimizer) and train with pm.step(inputs, "
+                               "target), or use a one-stage plan")
+        return given
     search = _search(model, args, batch, graph, cluster, mesh, delay, precision, memory_limit)
 
     if plan is not None:
         layout = Layout.parse(str(plan))
         return plan_compressed(search, compression, lambda s: manual_plan(manual_search(s), layout))
-    return plan_compressed(search, compression, plan_auto)
+    return plan_compressed(search, compression, partial(plan_auto, stages=1) if one_stage else plan_auto)
 
 
 def _search(model, args, batch, graph, cluster, mesh, delay, precision, memory_limit):

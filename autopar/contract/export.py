@@ -16,11 +16,12 @@ import os
 import sys
 import sysconfig
 import traceback
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import TreeSpec, tree_flatten, tree_leaves, tree_unflatten
 
 from autopar.contract.errors import CaptureError
 
@@ -43,10 +44,40 @@ class _TensorOutput(nn.Module):
         extra = {"use_cache": False} if "use_cache" in sig.parameters else {}
 
         def forward(*args: Any, **kwargs: Any) -> torch.Tensor:
-            return first_tensor(inner(*args, **kwargs, **extra))
+            out = inner(*args, **kwargs, **extra)
+            self.form = OutputForm.of(out)
+            return first_tensor(out)
 
         forward.__signature__ = sig.replace(parameters=[p for n, p in sig.parameters.items() if n not in extra])
         self.forward = forward
+
+
+@dataclass
+class OutputForm:
+    """What the model returns, around the one tensor its graph returns: a module running the graph
+    hands back the model's own output type (a `ModelOutput` with its `logits`) where that tensor
+    is all it holds."""
+
+    spec: TreeSpec
+    leaves: list[Any]  # the output's leaves, tensors as None
+    index: int  # the leaf the graph returns
+    tensors: int  # how many of the leaves are tensors
+
+    @staticmethod
+    def of(out: Any) -> OutputForm:
+        leaves, spec = tree_flatten(out)
+        chosen = first_tensor(out)
+        return OutputForm(spec, [None if isinstance(x, torch.Tensor) else x for x in leaves],
+                          next(i for i, x in enumerate(leaves) if x is chosen),
+                          sum(isinstance(x, torch.Tensor) for x in leaves))
+
+    def rebuild(self, tensor: torch.Tensor) -> Any:
+        """The model's output holding `tensor`; `tensor` itself where the output held others too."""
+        if self.tensors != 1:
+            return tensor
+        leaves = list(self.leaves)
+        leaves[self.index] = tensor
+        return tree_unflatten(leaves, self.spec)
 
 
 def first_tensor(out: Any) -> torch.Tensor:
@@ -69,9 +100,10 @@ def export_program(model: nn.Module, args: tuple) -> torch.export.ExportedProgra
     level = shapes.level
     shapes.setLevel(logging.ERROR)
     said = io.StringIO()
+    wrapper = _TensorOutput(model)
     try:
         with contextlib.redirect_stderr(said), _unchanging_to():
-            exported = torch.export.export(_TensorOutput(model), args, strict=False)
+            exported = torch.export.export(wrapper, args, strict=False)
     except CaptureError:
         raise
     except Exception as exc:
@@ -79,6 +111,7 @@ def export_program(model: nn.Module, args: tuple) -> torch.export.ExportedProgra
     finally:
         shapes.setLevel(level)
     sys.stderr.write(said.getvalue())
+    exported.output_form = wrapper.form  # (`OutputForm`: the runtime's module returns the model's type)
     return exported
 
 

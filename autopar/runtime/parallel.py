@@ -10,12 +10,15 @@ exported graph with the plan's placements (`runtime.sharded_graph`).
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Callable
+from functools import partial
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from autopar.contract.compression import carries_momentum, parse
 from autopar.contract.errors import AutoparError
@@ -42,6 +45,8 @@ from autopar.runtime.sharded_graph import (
     first_failure,
     reduce_partial_grads,
 )
+
+log = logging.getLogger(__name__)
 
 
 class UnsupportedPlan(ValueError):
@@ -249,19 +254,66 @@ def _split(batch: Any, parts: int, index: int) -> Any:
     return batch
 
 
-class ParallelModel:
-    """The model under a one-stage plan: `step(inputs, target)` takes the global batch on every rank.
+def _batch_size(args: tuple) -> int | None:
+    return next((x.shape[0] for x in args if isinstance(x, torch.Tensor) and x.dim() > 0), None)
 
-    Attributes a training loop uses: `optimizer` (the torch optimizer over this rank's
-    parameters: schedulers work on it), `plan`, `data_parallel_rank` and `data_parallel_size` (for a
-    `DistributedSampler`), `last_grad_norm` (with `max_grad_norm`)."""
 
-    def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable, optimizer: Callable,
-                 example_inputs: tuple = (), device: torch.device | None = None,
-                 max_grad_norm: float | None = None, compile: bool = False) -> None:
+class _AtBackwardEnd(torch.autograd.Function):
+    """The identity, whose backward hands `then` to autograd to run once the whole backward has
+    ended (DDP's final callback): every gradient of the step is accumulated by then."""
+
+    @staticmethod
+    def forward(ctx: Any, then: Callable[[], None], x: torch.Tensor) -> torch.Tensor:
+        ctx.then = then
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        ctx.then()
+        return None, grad
+
+
+class _GatheredRows(torch.autograd.Function):
+    """Each tensor-parallel rank's rows of a batch, joined in rank order on every rank; backward
+    keeps this rank's rows of the gradient: every rank of the group computes the same loss on the
+    joined batch, so each gradient row is already whole (no sum over the ranks)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup, rows: list[int]) -> torch.Tensor:
+        rank, widest = dist.get_rank(group), max(rows)
+        ctx.start, ctx.rows = sum(rows[:rank]), rows[rank]
+        padded = torch.zeros((widest, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        padded[: x.shape[0]] = x
+        parts = [torch.empty_like(padded) for _ in rows]
+        dist.all_gather(parts, padded, group=group)
+        return torch.cat([part[:n] for part, n in zip(parts, rows)])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple:
+        return grad[ctx.start: ctx.start + ctx.rows], None, None
+
+
+class ParallelModel(nn.Module):
+    """The model under a one-stage plan, as a module a training loop calls (as it would DDP):
+    `out = pm(*inputs)` on this rank's data-parallel slice (or with `batch="global"` the global
+    batch), `loss.backward()` synchronising the gradients as the plan says once the backward ends,
+    `pm.parameters()` (the model's own names in `named_parameters`) for any optimizer, `no_sync()`
+    for gradient accumulation. `step(inputs, target)` runs a whole step on the global batch (with
+    the `loss_fn` and `optimizer` given to `parallelize`).
+
+    Attributes a training loop uses: `optimizer` (with `optimizer=`: the torch optimizer over this
+    rank's parameters, schedulers work on it), `plan`, `data_parallel_rank` and
+    `data_parallel_size` (for a `DistributedSampler`), `last_grad_norm` (with `max_grad_norm`)."""
+
+    def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable | None = None,
+                 optimizer: Callable | None = None, example_inputs: tuple = (), device: torch.device | None = None,
+                 max_grad_norm: float | None = None, compile: bool = False, batch: str = "local") -> None:
         from torch.distributed.device_mesh import init_device_mesh
 
-        self.plan, self.loss_fn, self.max_grad_norm = plan, loss_fn, max_grad_norm
+        super().__init__()
+        if batch not in ("local", "global"):
+            raise UnsupportedPlan(f'batch must be "local" (this rank\'s data-parallel slice) or "global", got {batch!r}')
+        self.plan, self.loss_fn, self.max_grad_norm, self.batch = plan, loss_fn, max_grad_norm, batch
         self.last_grad_norm: float | None = None
         self.dp, self.tp = plan.stages[0].logical_mesh
         if dist.get_world_size() != self.dp * self.tp:
@@ -278,6 +330,7 @@ class ParallelModel:
         if self.tp > 1 or plan.stages[0].recompute or sharded:  # the graph: placements, layers (to recompute, to shard)
             micro = _split(_split(example_inputs, self.dp, 0), plan.num_microbatches, 0)
             ep = export_as_planned(self.model, tuple(micro), tuple(example_inputs))  # before sharding: plain tensors
+            self._form = ep.output_form
             self.graph = ShardedGraph(self.model, plan.stages[0], mesh["tp"] if self.tp > 1 else None, ep,
                                       layers=[layer["nodes"] for layer in plan.layers], units=sharded)
             lower(self.graph, {"tp": self.tp_group}, compile, plan.priced_collectives(plan.stages[0]))
@@ -301,19 +354,154 @@ class ParallelModel:
                 build_checked(self.graph, tuple(micro))
         self.state_buffers = self.graph.state_buffers if self.graph is not None else persistent(self.model)
         self.buffer_sync = AveragedBuffers(self.state_buffers, self.group) if self.dp > 1 else None
-        self.optimizer = optimizer(list(self.trained.parameters()))
-        check_optimizer(self.optimizer, plan)
+        self.optimizer = optimizer(list(self.trained.parameters())) if optimizer is not None else None
+        if self.optimizer is not None:
+            check_optimizer(self.optimizer, plan)
+        self._micro = plan.batch // (self.dp * plan.num_microbatches)  # the samples a graph call takes
+        self._sync_next = True  # the next forward's backward synchronises (`no_sync` clears it)
+        self._accumulating = False  # a forward ran since the last synchronised backward (buffers' start)
+        self._queued = False  # this backward's end is queued (`_AtBackwardEnd`)
+        self._said_form = False  # warned that the program returns one of the model's tensors
         self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [0, 0]}
         self._issued: list[dict[str, Any]] = []
         self._carried = False  # the step's loss rode with the gradients (`GradSync.carry`)
         if self.tp > 1:  # replicated values draw one dropout mask on every rank of the tensor axis
             rng.share(mesh["tp"], device)
 
+    def _synchronise(self) -> int:
+        """What the gradients are owed once the step's last backward ended: the data axis's
+        averages (buckets launched during backward waited for; the kept-whole scalars under FSDP2),
+        then the tensor axis's partial sums left to the end (sums commute). Returns the bytes those
+        partial sums handed to the tensor axis."""
+        if self.sync is not None:
+            with phase("dp_sync"):
+                self.sync.finish()
+            stats = self.sync.reset_stats()
+            self._bytes["dp"] = [stats.bytes_raw, stats.bytes_sent]
+            self._issued = [{"axis": "dp", "kind": kind, "bytes": nbytes} for kind, nbytes in stats.collectives]
+        average_grads(self.whole, self.group)
+        if self.tp == 1:
+            return 0
+        with CollectiveBytes() as after:  # issued by DTensor
+            reduce_partial_grads(list(self.trained.parameters()))
+        return after.nbytes
+
+    # ---- the module a training loop calls ---------------------------------------------------------
+
+    @guarded
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        """The plan's forward on this rank's data-parallel slice (all of a tensor-parallel group
+        pass the same one), or with `batch="global"` on the global batch; returns the model's
+        output. The backward that follows synchronises the gradients as the plan says, unless the
+        forward ran under `no_sync()`. Ranks call it together (it may issue collectives)."""
+        if self.plan.dp_gradient.get("delay"):
+            raise AutoparError("delayed averaging re-synchronises the replicas after the optimizer's step, which "
+                               "only pm.step() runs: train with pm.step(inputs, target), or without delay")
+        args = on_device(self._args(inputs, kwargs), self.device)
+        if self.batch == "global":
+            size = _batch_size(args)
+            if size is not None and size % self.dp:
+                raise AutoparError(f"a global batch of {size} samples does not split over the plan's {self.dp} "
+                                   f"data-parallel ranks: pass a multiple of {self.dp}")
+            args = _split(args, self.dp, self.rank)
+        grad = torch.is_grad_enabled()
+        if grad:
+            if self.sync is not None:
+                self.sync.sync = self._sync_next
+            elif self.dp > 1 and self.graph is not None and data_sharded(self.plan.stages[0], self.dp):
+                keep_gathered(self.trained, self.plan.stages[0].zero, self._sync_next)
+                self.trained.set_requires_gradient_sync(self._sync_next)
+            if self.buffer_sync is not None and not self._accumulating:
+                self.buffer_sync.before_step()
+            self._accumulating = True
+        with self.precision.autocast():
+            out = self._run(args)
+        if not grad:
+            return out
+        then = partial(self._at_backward_end, self._sync_next)
+        return tree_map_only(torch.Tensor, lambda t: _AtBackwardEnd.apply(then, t) if t.requires_grad else t, out)
+
+    def _args(self, inputs: tuple, kwargs: dict) -> tuple:
+        """The call's inputs as positional arguments of the model's forward (`contract.inputs`)."""
+        if not kwargs:
+            return as_args(self.model.forward, inputs[0] if len(inputs) == 1 and isinstance(inputs[0], dict)
+                           else tuple(inputs))
+        import inspect
+
+        try:
+            named = inspect.signature(self.model.forward).bind_partial(*inputs, **kwargs).arguments
+        except TypeError as exc:
+            raise AutoparError(f"inputs: {exc}") from None
+        return as_args(self.model.forward, dict(named))
+
+    def _run(self, args: tuple) -> Any:
+        """The model's forward on this rank's slice: the module itself, or the stage's program in
+        the plan's microbatches, the rows split over the tensor axis joined again."""
+        if self.graph is None:
+            return self.model(*args)
+        m = self.plan.num_microbatches
+        size = _batch_size(args)
+        if size not in (self._micro, self._micro * m):
+            raise AutoparError(
+                f"got a batch of {size} samples; this rank's program is built for {self._micro} at a time "
+                f"(the plan's batch {self.plan.batch} over {self.dp} data-parallel rank(s)"
+                + (f" and {m} microbatches" if m > 1 else "") + "): pass this rank's slice of the plan's batch, "
+                "or re-plan for this batch")
+        chunks = [args] if size == self._micro else [_split(args, m, i) for i in range(m)]
+        outs = []
+        for chunk in chunks:
+            out = self.graph(*chunk)
+            if self.graph.output_shard:  # each tensor-parallel rank computed some samples
+                rows = [len(r) for r in torch.arange(self._micro).tensor_split(self.tp)]
+                out = _GatheredRows.apply(out, self.tp_group, rows)
+            outs.append(out)
+        if self._form.tensors > 1 and not self._said_form:
+            self._said_form = True
+            log.warning("the model returns %d tensors; the plan's program computes one of them (the loss's input, "
+                        "`first_tensor`), which pm(...) returns", self._form.tensors)
+        return self._form.rebuild(outs[0] if len(outs) == 1 else torch.cat(outs))
+
+    def _at_backward_end(self, sync: bool) -> None:
+        if not self._queued:
+            self._queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(partial(self._after_backward, sync))
+
+    def _after_backward(self, sync: bool) -> None:
+        self._queued = False
+        if not sync:
+            return
+        self._synchronise()
+        if self.buffer_sync is not None:
+            self.buffer_sync.after_step()
+        self._accumulating = False
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Any:
+        """Backwards of forwards run inside accumulate gradients on this rank only; the first one
+        outside synchronises the sum (DDP's `no_sync`, FSDP2's `set_requires_gradient_sync`)."""
+        before, self._sync_next = self._sync_next, False
+        try:
+            yield
+        finally:
+            self._sync_next = before
+
+    def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:
+        """This rank's parameters (DTensors where the plan splits them) by the model's own names."""
+        names = self.graph.model_names() if self.graph is not None else None
+        for name, p in self.trained.named_parameters(remove_duplicate=remove_duplicate):
+            yield prefix + (names[name] if names is not None else name), p
+
+    # ---- a whole step ------------------------------------------------------------------------------
+
     @guarded
     def step(self, inputs: Any, target: torch.Tensor, local: bool = False) -> float:
         """One training step on the global batch, or with `local` on this rank's data-parallel slice
         of it (slice `data_parallel_rank` of `data_parallel_size` equal ones); returns the global
         mean loss (same on every rank)."""
+        if self.loss_fn is None or self.optimizer is None:
+            raise AutoparError("step() runs the loss and the optimizer given to parallelize (loss_fn=, optimizer=); "
+                               "without them call the model: loss_fn(pm(inputs), target).backward(), then your "
+                               "optimizer's step()")
         inputs, target = on_device(as_args(self.model.forward, inputs), self.device), target.to(self.device)
         check_batch(inputs, self.plan, self.dp if local else None)
         m = self.plan.num_microbatches
@@ -328,17 +516,9 @@ class ParallelModel:
         counter = StageBytes([self.graph]) if self.tp > 1 else contextlib.nullcontext()
         with counter:  # the tensor axis's collectives
             self._microbatches(micro_in, micro_target, total)
-        if self.sync is not None:
-            with phase("dp_sync"):
-                self.sync.finish()
-            stats = self.sync.reset_stats()
-            self._bytes["dp"] = [stats.bytes_raw, stats.bytes_sent]
-            self._issued = [{"axis": "dp", "kind": kind, "bytes": nbytes} for kind, nbytes in stats.collectives]
-        average_grads(self.whole, self.group)
-        if self.tp > 1:  # the partial gradients left to the end of the step (after the data axis: sums commute)
-            with CollectiveBytes() as after:  # issued by DTensor
-                reduce_partial_grads(list(self.trained.parameters()))
-            self._bytes["tp"] = [counter.nbytes + after.nbytes] * 2
+        after = self._synchronise()
+        if self.tp > 1:
+            self._bytes["tp"] = [counter.nbytes + after] * 2
         if self.sync is None and data_sharded(self.plan.stages[0], self.dp):  # FSDP2's collectives
             def whole(params: Any) -> int:
                 return sum(p.to_local().numel() * p.to_local().element_size() * self.dp for p in params

@@ -357,6 +357,11 @@ class PipelineModel:
                     out.append((self.module.get_parameter(by_model[name]), group, share))
         return out
 
+    def __call__(self, *inputs: Any, **kwargs: Any) -> Any:
+        raise AutoparError(f"this plan is a pipeline of {len(self.plan.stages)} stages: torch's pipeline schedules run "
+                           "forward, loss and backward together, so it trains with pm.step(inputs, target) and "
+                           "predicts with pm.predict(inputs); a one-stage plan is a module you call")
+
     @guarded
     def step(self, inputs: Any, target: torch.Tensor, local: bool = False) -> float:
         inputs, target = on_device(as_args(self.forward, inputs), self.device), target.to(self.device)
