@@ -72,8 +72,11 @@ def parallelize(
 
     - `model`: the `nn.Module` to train, built on every rank (rank 0's parameters and buffers are
       broadcast before anything trains, as DDP does).
-    - `mesh`: a 2-D DeviceMesh (hosts × devices), a `(hosts, devices)` tuple, or None: the job's
-      hosts × local ranks (torchrun's LOCAL_WORLD_SIZE).
+    - `mesh`: the devices to run on, in the order the plan takes them (its process groups are
+      made of the mesh's ranks in that order): a DeviceMesh over the job, unnamed (2-D: hosts ×
+      devices; 1-D: split into hosts by torchrun's LOCAL_WORLD_SIZE) or with axes named from
+      ("pp", "dp", "tp"), which pins those sizes (absent axes are 1) as the layout "dp,tp,pp"
+      would; a `(hosts, devices)` tuple; or None: the job's hosts × local ranks.
     - `example_inputs`: one global batch of the model's inputs: a tuple of positional inputs, a
       dict of keyword inputs or one tensor, every tensor with the batch first (the shapes the
       plan is made for; each `step` takes the same shapes).
@@ -116,58 +119,177 @@ def parallelize(
     precision, a model `torch.export` cannot capture under a layout other than data parallelism;
     `PeerFailed` when another rank failed while planning or building (naming it and its message).
     """
-    precision = parse_precision(mixed_precision)
+    request = _Request(model, example_inputs, plan, cluster, compression, delay, timeout, max_grad_norm,
+                       parse_precision(mixed_precision), mixed_precision, memory_limit, tune, example_target,
+                       compile, batch, loss_fn, optimizer)
+    request.check()
+    world, device = _join_job()
+    job = _job_mesh(mesh, world)
+    request.plan = job.pinned(request.plan)
+    args = as_args(model.forward, example_inputs, "example_inputs")
+    graph, uncaptured = agreed("capturing the model", lambda: _capture_or_why(model, args, request.plan, tune))
+    resolved, scope, captured = _plan_on_rank0(request, args, graph, uncaptured, job, world)
+    with collective_failures("building the model", scope):  # one rank's error is every rank's
+        agreed("checking the graph", lambda: _same_graph(model, graph, captured))
+        if tune:
+            resolved = _tuned(resolved, request, args, job.ranks)
+            if dist.get_rank() == 0 and graph is not None:
+                warn_replicated(graph, resolved)
+        resolved = agreed("checking the plan", lambda: _checked(resolved, request, graph, world))
+        pm = _build(resolved, request, args, device, job.ranks)
+        pm.failure_scope = scope
+        if timeout is not None:
+            set_timeouts(timeout)  # every group, the model's too; not before: rank 0 may plan for minutes
+        if memory_limit is not None:
+            hold_to(pm, memory_limit)
+    _BUILT.add(pm)
+    return pm
 
-    if compression not in (None, "auto"):
-        parse(compression)  # a misspelt method fails here, on every rank, before any process group
-    if delay < 0:
-        raise AutoparError(f"delay must be a number of steps ≥ 0, got {delay}")
-    if timeout is not None and not timeout > 0:
-        raise AutoparError(f"timeout must be a positive number of seconds, got {timeout}")
-    if memory_limit is not None and not memory_limit > 0:
-        raise AutoparError(f"memory_limit must be a positive number of bytes, got {memory_limit}")
-    if max_grad_norm is not None and not max_grad_norm > 0:
-        raise AutoparError(f"max_grad_norm must be a positive number (math.inf: measure the norm only), got {max_grad_norm}")
-    if batch not in ("local", "global"):
-        raise AutoparError(f'batch must be "local" (this rank\'s data-parallel slice) or "global", got {batch!r}')
-    if tune and (loss_fn is None or optimizer is None):
-        raise AutoparError("tune=K times steps of its candidates: pass loss_fn and optimizer")
-    if loss_fn is None and _is_layout(plan) and Layout.parse(plan).pp > 1:
-        raise AutoparError(f"plan {plan!r} is a pipeline, whose schedule runs the loss between its stages: pass "
-                           "loss_fn (and optimizer) and train with pm.step(inputs, target), or choose a layout with PP 1")
+
+@dataclasses.dataclass
+class _Request:
+    """What the caller of `parallelize` asked for, besides the mesh."""
+
+    model: nn.Module
+    example_inputs: Any
+    plan: Plan | str | Path | None
+    cluster: str | None
+    compression: str | None
+    delay: int
+    timeout: float | None
+    max_grad_norm: float | None
+    precision: str  # parsed: the planner's
+    mixed_precision: str | None  # as given: None leaves the plan's
+    memory_limit: float | None
+    tune: int
+    example_target: torch.Tensor | None
+    compile: bool
+    batch: str
+    loss_fn: Callable | None
+    optimizer: Callable | None
+
+    def check(self) -> None:
+        """Arguments refused before any process group exists (every rank refuses alike)."""
+        if self.compression not in (None, "auto"):
+            parse(self.compression)  # a misspelt method fails here
+        if self.delay < 0:
+            raise AutoparError(f"delay must be a number of steps ≥ 0, got {self.delay}")
+        if self.timeout is not None and not self.timeout > 0:
+            raise AutoparError(f"timeout must be a positive number of seconds, got {self.timeout}")
+        if self.memory_limit is not None and not self.memory_limit > 0:
+            raise AutoparError(f"memory_limit must be a positive number of bytes, got {self.memory_limit}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise AutoparError("max_grad_norm must be a positive number (math.inf: measure the norm only), got "
+                               f"{self.max_grad_norm}")
+        if self.batch not in ("local", "global"):
+            raise AutoparError(f'batch must be "local" (this rank\'s data-parallel slice) or "global", got {self.batch!r}')
+        if self.tune and (self.loss_fn is None or self.optimizer is None):
+            raise AutoparError("tune=K times steps of its candidates: pass loss_fn and optimizer")
+        if self.tune and (self.plan is not None or self.compression or self.delay or self.example_target is None):
+            raise AutoparError("tune=K measures the free search's best layouts on a real batch: pass example_target, "
+                               "and no plan, compression or delay")
+        if self.loss_fn is None and _is_layout(self.plan) and Layout.parse(self.plan).pp > 1:
+            raise AutoparError(f"plan {self.plan!r} is a pipeline, whose schedule runs the loss between its stages: "
+                               "pass loss_fn (and optimizer) and train with pm.step(inputs, target), or choose a "
+                               "layout with PP 1")
+
+
+def _join_job() -> tuple[int, torch.device]:
+    """The job's world size and this rank's device (the process group joined or made)."""
     _init_process_group(default_backend())  # torch's timeout while rank 0 plans; `timeout` once built
-    world, rank = dist.get_world_size(), dist.get_rank()
-    device = local_device(int(os.environ.get("LOCAL_RANK", rank)))
+    device = local_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL's object collectives and new groups use the current device
-    hosts, per_host = _mesh_shape(mesh, world)
-    if hosts * per_host != world:
-        raise AutoparError(f"mesh {hosts}x{per_host} has {hosts * per_host} devices, the job has {world} ranks: "
-                           f"launch with torchrun --nproc-per-node {hosts * per_host}, or pass mesh=(1, {world})")
-    args = as_args(model.forward, example_inputs, "example_inputs")
+    return dist.get_world_size(), device
+
+
+_AXES = ("pp", "dp", "tp")
+
+
+@dataclasses.dataclass(frozen=True)
+class _JobMesh:
+    """The mesh the caller gave: the (hosts, devices per host) the planner prices, the ranks in
+    the order the plan's devices take them (None: 0, 1, ...), and the sizes a named mesh pins."""
+
+    shape: tuple[int, int]
+    ranks: list[int] | None = None
+    sizes: dict[str, int] | None = None
+
+    def pinned(self, plan: Any) -> Any:
+        """The plan a named mesh asks for: its layout (searched plans keep within its sizes), or
+        the caller's plan checked against it."""
+        if self.sizes is None:
+            return plan
+        dp, tp, pp = (self.sizes.get(a, 1) for a in ("dp", "tp", "pp"))
+        if plan is None:
+            return f"{dp},{tp},{pp}"
+        layout = Layout.parse(plan) if _is_layout(plan) else None
+        if layout is not None and (layout.dp, layout.tp, layout.pp) != (dp, tp, pp):
+            raise AutoparError(f"plan {plan!r} is {layout.dp},{layout.tp},{layout.pp} (dp,tp,pp); the mesh's named "
+                               f"axes pin {dp},{tp},{pp}: pass a plan of those sizes, or an unnamed mesh")
+        return plan
+
+
+def _job_mesh(mesh: DeviceMesh | tuple[int, int] | None, world: int) -> _JobMesh:
+    """The caller's mesh read (see `parallelize`'s `mesh`), checked against the job."""
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun's ranks per host
+
+    def by_hosts() -> tuple[int, int]:
+        return (world // per_node, per_node) if per_node and world % per_node == 0 else (1, world)
+
+    if mesh is None:
+        return _JobMesh(by_hosts())
+    if isinstance(mesh, DeviceMesh):
+        if mesh.size() != world:
+            raise AutoparError(f"the mesh has {mesh.size()} devices, the job has {world} ranks: give a DeviceMesh over "
+                               f"every rank, e.g. init_device_mesh(device, ({world},))")
+        names = mesh.mesh_dim_names
+        if names is None:
+            if mesh.ndim > 2:
+                raise AutoparError(f"an unnamed {mesh.ndim}-D mesh: name its axes from {_AXES} "
+                                   "(init_device_mesh(..., mesh_dim_names=...)), or give hosts × devices")
+            shape = tuple(mesh.shape) if mesh.ndim == 2 else by_hosts()
+            return _JobMesh(shape, mesh.mesh.flatten().tolist())
+        unknown = [n for n in names if n not in _AXES]
+        if unknown or len(set(names)) < len(names):
+            raise AutoparError(f"mesh axes {list(names)}: name each of them once, from {_AXES} (absent axes are 1), "
+                               "or give an unnamed mesh (hosts × devices) for the search to lay out")
+        order = [names.index(a) for a in _AXES if a in names]  # the plan takes devices pp-major, then dp, tp
+        return _JobMesh(by_hosts(), mesh.mesh.permute(order).flatten().tolist(), dict(zip(names, mesh.shape)))
+    if (not isinstance(mesh, (tuple, list)) or len(mesh) != 2
+            or not all(isinstance(x, int) and x > 0 for x in mesh)):
+        raise AutoparError(f"mesh must be a DeviceMesh, a (hosts, devices per host) pair of positive ints or None, "
+                           f"got {mesh!r}")
+    if mesh[0] * mesh[1] != world:
+        raise AutoparError(f"mesh {mesh[0]}x{mesh[1]} has {mesh[0] * mesh[1]} devices, the job has {world} ranks: "
+                           f"launch with torchrun --nproc-per-node {mesh[0] * mesh[1]}, or pass mesh=(1, {world})")
+    return _JobMesh(tuple(mesh))
+
+
+def _plan_on_rank0(request: _Request, args: tuple, graph: Any, uncaptured: CaptureError | None, job: _JobMesh,
+                   world: int) -> tuple[Any, str, str | None]:
+    """Rank 0 plans (or loads, or makes the candidates to tune); every rank gets its plan, the
+    scope of this model's failures and the fingerprint of the graph rank 0 captured."""
+    model, plan, precision = request.model, request.plan, request.precision
     size = next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
-    graph, uncaptured = agreed("capturing the model", lambda: _capture_or_why(model, args, plan, tune))
-    # the plan, the scope of this model's failures, the graph rank 0 captured
     chosen: list[Any] = [None, uuid.uuid4().hex[:12], graph.fingerprint() if graph is not None else None]
-    if tune and (plan is not None or compression or delay or example_target is None):
-        raise AutoparError("tune=K measures the free search's best layouts on a real batch: pass example_target, "
-                           "and no plan, compression or delay")
     failed: BaseException | None = None
-    if rank == 0:
+    if dist.get_rank() == 0:
         try:
             if uncaptured is not None:
                 chosen[0] = uncaptured_plan(type(model).__name__, [n for n, _ in model.named_parameters()], size,
-                                            world, (hosts, per_host), cluster or "cpu-local",
+                                            world, job.shape, request.cluster or "cpu-local",
                                             Layout.parse(plan) if _is_layout(plan) else None, str(uncaptured),
                                             precision)
                 log.warning("%s trains data-parallel without its graph (every rank runs the whole model on its "
                             "samples, as DDP does), because %s", type(model).__name__, uncaptured)
-            elif tune:
-                chosen[0] = _candidates(model, args, size, graph, cluster, (hosts, per_host), precision,
-                                        memory_limit, tune)
+            elif request.tune:
+                chosen[0] = _candidates(model, args, size, graph, request.cluster, job.shape, precision,
+                                        request.memory_limit, request.tune)
             else:
-                chosen[0] = _resolve(plan, model, args, size, graph, cluster, (hosts, per_host), compression, delay,
-                                     precision, memory_limit, one_stage=loss_fn is None)
+                chosen[0] = _resolve(plan, model, args, size, graph, request.cluster, job.shape, request.compression,
+                                     request.delay, precision, request.memory_limit,
+                                     one_stage=request.loss_fn is None)
             if isinstance(chosen[0], Plan) and graph is not None:
                 warn_replicated(graph, chosen[0])
         except Exception as exc:  # every rank reports it, none waits for a plan that never comes
@@ -177,23 +299,7 @@ def parallelize(
         raise failed
     if isinstance(chosen[0], PeerFailed):
         raise AutoparError(chosen[0].message) if chosen[0].user else chosen[0]  # a user's error: the same words
-    resolved, scope, captured = chosen
-    with collective_failures("building the model", scope):  # one rank's error is every rank's
-        agreed("checking the graph", lambda: _same_graph(model, graph, captured))
-        if tune:
-            resolved = _tuned(resolved, model, args, example_target, loss_fn, optimizer, max_grad_norm)
-            if dist.get_rank() == 0 and graph is not None:
-                warn_replicated(graph, resolved)
-        resolved = agreed("checking the plan", lambda: _checked(resolved, model, graph, world, precision,
-                                                                mixed_precision, memory_limit, compression, delay))
-        pm = _build(resolved, model, args, loss_fn, optimizer, max_grad_norm, device, compile, batch)
-        pm.failure_scope = scope
-        if timeout is not None:
-            set_timeouts(timeout)  # every group, the model's too; not before: rank 0 may plan for minutes
-        if memory_limit is not None:
-            hold_to(pm, memory_limit)
-    _BUILT.add(pm)
-    return pm
+    return tuple(chosen)
 
 
 def _same_graph(model: nn.Module, graph: Any, captured: str | None) -> None:
@@ -207,25 +313,29 @@ def _same_graph(model: nn.Module, graph: Any, captured: str | None) -> None:
             "every rank with the same PYTHONHASHSEED, e.g. PYTHONHASHSEED=0 torchrun ...")
 
 
-def _checked(resolved: Plan, model: nn.Module, graph: Any, world: int, precision: str,
-             mixed_precision: str | None, memory_limit: float | None, compression: str | None, delay: int) -> Plan:
+def _checked(resolved: Plan, request: _Request, graph: Any, world: int) -> Plan:
     """The plan checked against this rank's model and the job, with the caller's gradient choices
     (a model that could not be captured has no graph to check it against)."""
+    model, compression, delay, memory_limit = request.model, request.compression, request.delay, request.memory_limit
     if graph is not None:
         resolved.check_graph(graph.fingerprint())
         resolved.check_placements(graph, {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)})
-    if mixed_precision is not None:
-        resolved.check_precision(precision)
+    if request.mixed_precision is not None:
+        resolved.check_precision(request.precision)
     if memory_limit is not None and resolved.estimate is not None and resolved.estimate.peak_memory_bytes > memory_limit:
         raise AutoparError(f"the plan {resolved.name} predicts {human_bytes(resolved.estimate.peak_memory_bytes)} per "
                            f"device, over the memory limit of {human_bytes(memory_limit)}: plan with the limit "
                            "(autopar plan --memory-limit), or pass no plan and let the search keep to it")
     if resolved.num_devices != world:
         raise AutoparError(f"the plan runs on {resolved.num_devices} devices, the job has {world} ranks")
+    if request.loss_fn is None and len(resolved.stages) > 1:
+        raise AutoparError(f"the plan {resolved.name} is a pipeline of {len(resolved.stages)} stages, whose schedule "
+                           "runs the loss between them: pass loss_fn (and optimizer) and train with pm.step(inputs, "
+                           "target), or use a one-stage plan")
     if compression not in (None, "auto") or delay:  # the caller's choice overrides the plan's
-        resolved = dataclasses.replace(resolved, dp_gradient={
-            **resolved.dp_gradient, "compression": resolved.dp_gradient.get("compression") if compression == "auto"
-            else parse(compression).canonical() if compression else None, "delay": delay})
+        resolved = resolved.with_gradient(
+            compression=resolved.dp_gradient.get("compression") if compression == "auto"
+            else parse(compression).canonical() if compression else None, delay=delay)
     if (resolved.dp_gradient.get("compression") or resolved.dp_gradient.get("delay")) and resolved.precision == "fp16":
         raise AutoparError("fp16 scales the loss, and compressors and delayed averaging keep gradients across steps "
                            "(error feedback, averages in flight), where a scaled or overflowed one would stay: use bf16 "
@@ -237,17 +347,21 @@ def _checked(resolved: Plan, model: nn.Module, graph: Any, world: int, precision
     return resolved
 
 
-def _build(resolved: Plan, model: nn.Module, args: tuple, loss_fn: Callable | None, optimizer: Callable | None,
-           max_grad_norm: float | None, device: torch.device, compile: bool = False, batch: str = "local") -> Any:
+def _build(resolved: Plan, request: _Request, args: tuple, device: torch.device, ranks: list[int] | None) -> Any:
     """The model built under the plan on this rank (every rank together)."""
+    model = request.model
     _start_equal(model.to(device))
     try:
         if len(resolved.stages) > 1:
-            pm = PipelineModel(model, resolved, loss_fn, optimizer, args, device=device, max_grad_norm=max_grad_norm,
-                               compile=compile)
+            if ranks is not None and ranks != list(range(len(ranks))):
+                raise UnsupportedPlan("a pipeline runs its stages on the job's ranks in order; this mesh orders them "
+                                      "otherwise: pass a mesh in rank order, or None")
+            pm = PipelineModel(model, resolved, request.loss_fn, request.optimizer, args, device=device,
+                               max_grad_norm=request.max_grad_norm, compile=request.compile)
         else:
-            pm = ParallelModel(model, resolved, loss_fn, optimizer, args, device=device, max_grad_norm=max_grad_norm,
-                               compile=compile, batch=batch)
+            pm = ParallelModel(model, resolved, request.loss_fn, request.optimizer, args, device=device,
+                               max_grad_norm=request.max_grad_norm, compile=request.compile, batch=request.batch,
+                               ranks=ranks)
     except UnsupportedPlan as exc:
         raise AutoparError(str(exc)) from None
     return pm
@@ -269,29 +383,13 @@ def _capture_or_why(model: nn.Module, args: tuple, plan: Any, tune: int) -> tupl
         return None, exc
 
 
-def _mesh_shape(mesh: DeviceMesh | tuple[int, int] | None, world: int) -> tuple[int, int]:
-    """(hosts, devices per host) of the mesh the caller gave, checked against the job."""
-    if isinstance(mesh, DeviceMesh):
-        if mesh.ndim != 2 or mesh.size() != world:
-            raise AutoparError(f"mesh must be a 2-D DeviceMesh (hosts × devices) over all {world} ranks, got "
-                               f"shape {tuple(mesh.shape)}: init_device_mesh(device, (hosts, devices per host))")
-        return tuple(mesh.shape)
-    if mesh is None:
-        per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world))  # torchrun's ranks per host
-        return max(1, world // per_node), min(per_node, world)
-    return mesh
-
-
 def _resolve(plan, model, args, batch, graph, cluster, mesh, compression, delay, precision, memory_limit,
              one_stage: bool = False) -> Plan:
     """The plan given, loaded or searched (`one_stage`: without a loss to run between stages)."""
-    if isinstance(plan, Plan) or isinstance(plan, Path) or isinstance(plan, str) and not _is_layout(plan):
-        given = plan if isinstance(plan, Plan) else Plan.load(plan)
-        if one_stage and len(given.stages) > 1:
-            raise AutoparError(f"the plan {given.name} is a pipeline of {len(given.stages)} stages, whose schedule runs "
-                               "the loss between them: pass loss_fn (and optimizer) and train with pm.step(inputs, "
-                               "target), or use a one-stage plan")
-        return given
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, Path) or isinstance(plan, str) and not _is_layout(plan):
+        return Plan.load(plan)
     search = _search(model, args, batch, graph, cluster, mesh, delay, precision, memory_limit)
 
     if plan is not None:
@@ -315,21 +413,20 @@ def _candidates(model, args, batch, graph, cluster, mesh, precision, memory_limi
     return candidates(search, k)
 
 
-def _tuned(plans: list[Plan], model: nn.Module, args: tuple, target: torch.Tensor, loss_fn: Callable,
-           optimizer: Callable, max_grad_norm: float | None) -> Plan:
+def _tuned(plans: list[Plan], request: _Request, args: tuple, ranks: list[int] | None) -> Plan:
     """Each candidate built on a copy of the model and timed for a few steps on every rank (the
     slowest rank's median); the measured fastest, with every measurement recorded."""
     import copy
 
-
     device = local_device(int(os.environ.get("LOCAL_RANK", dist.get_rank())))
     measured = []
     for candidate in plans:
-        trial = copy.deepcopy(model).to(device)
+        trial = copy.deepcopy(request.model).to(device)
         _start_equal(trial)
-        kind = PipelineModel if len(candidate.stages) > 1 else ParallelModel
-        pm = kind(trial, candidate, loss_fn, optimizer, args, device=device, max_grad_norm=max_grad_norm)
-        measured.append(time_steps(pm, lambda: (args, target), warmup=1, steps=3))
+        kind, extra = (PipelineModel, {}) if len(candidate.stages) > 1 else (ParallelModel, {"ranks": ranks})
+        pm = kind(trial, candidate, request.loss_fn, request.optimizer, args, device=device,
+                  max_grad_norm=request.max_grad_norm, **extra)
+        measured.append(time_steps(pm, lambda: (args, request.example_target), warmup=1, steps=3))
         del pm, trial
         gc.collect()
     return choose(plans, measured)

@@ -133,8 +133,15 @@ def test_the_users_loop_trains_as_on_one_process(tmp_path, layout):
 
 
 def _refusals(rank, world):
+    from torch.distributed.device_mesh import init_device_mesh
+
     w, steps, _ = _model_and_batches()
     said = []
+    for mesh in (init_device_mesh("cpu", (2,), mesh_dim_names=("data",)), (2, 2), "2x1"):
+        try:
+            autopar.parallelize(w.model, mesh, w.example_inputs, plan="2,1,1")
+        except AutoparError as exc:
+            said.append(str(exc))
     for plan in ("1,1,2,2",):
         try:
             autopar.parallelize(w.model, (1, world), w.example_inputs, plan=plan)
@@ -150,10 +157,71 @@ def _refusals(rank, world):
 
 
 def test_what_the_module_cannot_take_is_refused_in_one_message(tmp_path):
-    """A pipeline without a loss, a batch the program was not built for, `step` without
-    `loss_fn` and `optimizer`: one message each, on every rank."""
+    """An axis name the runtime does not know, a mesh of another size or kind, a pipeline
+    without a loss, a batch the program was not built for, `step` without `loss_fn` and
+    `optimizer`: one message each, on every rank."""
     for said in run_ranks(_refusals, 2, tmp_path):
-        assert len(said) == 3
-        assert "pipeline" in said[0] and "loss_fn" in said[0]
-        assert "3 samples" in said[1] and "built for 8" in said[1]
-        assert "loss_fn" in said[2] and "optimizer" in said[2]
+        assert len(said) == 6
+        assert "'data'" in said[0] and "('pp', 'dp', 'tp')" in said[0]
+        assert "2x2 has 4 devices, the job has 2 ranks" in said[1]
+        assert "mesh must be a DeviceMesh" in said[2]
+        assert "pipeline" in said[3] and "loss_fn" in said[3]
+        assert "3 samples" in said[4] and "built for 8" in said[4]
+        assert "loss_fn" in said[5] and "optimizer" in said[5]
+
+
+MESHES = [("1-d", "2,2,1"), ("named", None), ("reordered", None)]
+
+
+def _on_mesh(rank, world, kind, plan):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if kind == "1-d":  # what single-host scripts pass
+        mesh = init_device_mesh("cpu", (world,))
+    elif kind == "named":  # the sizes pinned: 2,2,1
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    else:  # tensor axis first, ranks in reverse: tp groups {3, 1} and {2, 0}, dp groups {3, 2} and {1, 0}
+        mesh = DeviceMesh("cpu", [[3, 2], [1, 0]], mesh_dim_names=("tp", "dp"))
+    w, steps, evaluation = _model_and_batches()
+    pm = autopar.parallelize(w.model, mesh, w.example_inputs, plan=plan)
+    dp, index = pm.data_parallel_size, pm.data_parallel_rank
+
+    def mine(x):
+        return tuple(mine(v) for v in x) if isinstance(x, tuple) else x.tensor_split(dp)[index]
+
+    def sync(loss):
+        loss = loss.detach().clone().double()
+        dist.all_reduce(loss)
+        return float(loss) / world
+
+    losses, _, _ = _loop(pm, steps, evaluation, pm, mine, sync, list(pm.parameters()))
+    groups = (sorted(dist.get_process_group_ranks(pm.group)), sorted(dist.get_process_group_ranks(pm.tp_group)))
+    return losses, pm.full_state_dict(), pm.plan.stages[0].logical_mesh, groups
+
+
+@pytest.mark.parametrize("kind, plan", MESHES, ids=[m[0] for m in MESHES])
+def test_the_mesh_given_is_the_mesh_that_runs(tmp_path, kind, plan):
+    """A 1-D DeviceMesh, one with named axes (pinning 2,2,1 without a plan), and one whose ranks
+    are not in the default order (its process groups are the mesh's): each trains as one process."""
+    losses, _, _, params = _one_process()
+    by_rank = shared_ranks(_on_mesh, 4, MESHES, (kind, plan), tmp_path)
+    for rank, (got_losses, got_params, logical, groups) in enumerate(by_rank):
+        assert got_losses == pytest.approx(losses, rel=1e-5)
+        for key, value in params.items():
+            torch.testing.assert_close(got_params[key], value, rtol=1e-5, atol=LR / 10)
+        assert tuple(logical) == (2, 2)
+        if kind == "reordered":
+            assert groups == ({3: [2, 3], 2: [2, 3], 1: [0, 1], 0: [0, 1]}[rank],
+                              {3: [1, 3], 1: [1, 3], 2: [0, 2], 0: [0, 2]}[rank])
+        else:
+            assert groups == ([rank % 2, rank % 2 + 2], [rank - rank % 2, rank - rank % 2 + 1])
+
+
+def test_a_mesh_whose_groups_cross_is_refused():
+    """torch orders a process group's ranks ascending; a grid whose tensor and data groups cannot
+    both be laid out so would have DTensor join shards out of order."""
+    from autopar.runtime.parallel import UnsupportedPlan, device_mesh
+
+    with pytest.raises(UnsupportedPlan, match=r"tensor axis and \[\[0, 2\], \[1, 3\]\] on the data axis"):
+        device_mesh("cpu", [0, 3, 2, 1], 2, 2)

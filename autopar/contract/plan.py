@@ -164,6 +164,14 @@ class Plan:
             raise PlanError(str(exc)) from None
         return _parse(data, source)
 
+    def with_gradient(self, **choices: Any) -> Plan:
+        """The plan with the caller's data-axis choices (`compression`, `delay`) in `dp_gradient`,
+        validated as a plan file is."""
+        data = self.to_dict()
+        data["dp_gradient"] = {**data["dp_gradient"], **choices}
+        said = ", ".join(f"{k}={v!r}" for k, v in choices.items())
+        return _parse(data, f"plan {self.name} with {said}")
+
     # ---- checks against what it will run on ------------------------------------------------
 
     def check_precision(self, precision: str | None) -> None:

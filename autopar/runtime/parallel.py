@@ -254,6 +254,31 @@ def _split(batch: Any, parts: int, index: int) -> Any:
     return batch
 
 
+def device_mesh(device_type: str, ranks: list[int] | None, dp: int, tp: int) -> Any:
+    """The ("dp", "tp") mesh of a one-stage plan: the plan's devices are `ranks` in order (the
+    caller's mesh; None: the job's ranks in order), so its data and tensor groups are the ranks
+    that mesh groups together. torch's process groups hold their ranks in ascending order, and
+    DTensor places shards by mesh coordinate: within each group the ranks are laid out ascending,
+    which every grid of ranks allows unless its rows and columns cross (refused: DTensor would
+    join shards out of order)."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if ranks is None or ranks == list(range(dp * tp)):
+        return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    grid = torch.tensor(ranks).reshape(dp, tp)
+    rows = sorted((set(r) for r in grid.tolist()), key=min)  # the tensor groups
+    columns = sorted((set(c) for c in grid.t().tolist()), key=min)  # the data-parallel groups
+    laid = [[(row & column).pop() for column in columns] for row in rows]
+    if any(r != sorted(r) for r in laid) or any(list(c) != sorted(c) for c in zip(*laid)):
+        raise UnsupportedPlan(f"the mesh groups ranks {[sorted(r) for r in rows]} on the tensor axis and "
+                              f"{[sorted(c) for c in columns]} on the data axis; torch orders each process group's "
+                              "ranks ascending, and no grid keeps these groups in that order on both axes: regroup "
+                              "the mesh's ranks")
+    if laid == torch.arange(dp * tp).reshape(dp, tp).tolist():  # the same groups as the job's order
+        return init_device_mesh(device_type, (dp, tp), mesh_dim_names=("dp", "tp"))
+    return DeviceMesh(device_type, laid, mesh_dim_names=("dp", "tp"))
+
+
 def _batch_size(args: tuple) -> int | None:
     return next((x.shape[0] for x in args if isinstance(x, torch.Tensor) and x.dim() > 0), None)
 
@@ -307,9 +332,8 @@ class ParallelModel(nn.Module):
 
     def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable | None = None,
                  optimizer: Callable | None = None, example_inputs: tuple = (), device: torch.device | None = None,
-                 max_grad_norm: float | None = None, compile: bool = False, batch: str = "local") -> None:
-        from torch.distributed.device_mesh import init_device_mesh
-
+                 max_grad_norm: float | None = None, compile: bool = False, batch: str = "local",
+                 ranks: list[int] | None = None) -> None:
         super().__init__()
         if batch not in ("local", "global"):
             raise UnsupportedPlan(f'batch must be "local" (this rank\'s data-parallel slice) or "global", got {batch!r}')
@@ -319,7 +343,7 @@ class ParallelModel(nn.Module):
         if dist.get_world_size() != self.dp * self.tp:
             raise UnsupportedPlan(f"the plan needs {self.dp * self.tp} ranks, the job has {dist.get_world_size()}")
         device = self.device = device or torch.device("cpu")
-        mesh = init_device_mesh(device.type, (self.dp, self.tp), mesh_dim_names=("dp", "tp"))
+        mesh = device_mesh(device.type, ranks, self.dp, self.tp)
         self.group, self.tp_group = mesh.get_group("dp"), mesh.get_group("tp")
         self.rank, self.tp_rank = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
         self.data_parallel_rank, self.data_parallel_size = self.rank, self.dp  # for a DistributedSampler
