@@ -225,3 +225,101 @@ def test_a_mesh_whose_groups_cross_is_refused():
 
     with pytest.raises(UnsupportedPlan, match=r"tensor axis and \[\[0, 2\], \[1, 3\]\] on the data axis"):
         device_mesh("cpu", [0, 3, 2, 1], 2, 2)
+
+
+STATE = [("1,2,1",), ("2,1,1+z3",)]
+
+
+def _hf_step(pm, opt, loss_fn, batch, dp, index):
+    inputs, target = batch
+    opt.zero_grad()
+    loss_fn(pm(*(x.tensor_split(dp)[index] for x in inputs)), target.tensor_split(dp)[index]).backward()
+    opt.step()
+
+
+def _state_round_trip(rank, world, layout, tmp):
+    """Train a step, save model and optimizer through DCP and the model through `save_pretrained`;
+    a fresh model (other weights) loads the DCP checkpoint and both take one more step;
+    `from_pretrained` reads back the full weights."""
+    import os
+
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    import transformers
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    from tests.test_parallelize import _hf_gpt2
+
+    def build(seed):
+        torch.manual_seed(seed)
+        w = _hf_gpt2()
+        plan = layout
+        if layout.endswith("+z3"):
+            plan = _zero3_of(w, world, layout.removesuffix("+z3"))
+        pm = autopar.parallelize(w.model, (1, world), w.example_inputs, plan=plan)
+        return w, pm, torch.optim.AdamW(pm.parameters(), lr=1e-3)
+
+    g = torch.Generator().manual_seed(5)
+    w, pm, opt = build(0)
+    batches = [w.make_batch(BATCH, g) for _ in range(2)]
+    dp, index = pm.data_parallel_size, pm.data_parallel_rank
+    _hf_step(pm, opt, w.loss_fn, batches[0], dp, index)
+    sharded = get_model_state_dict(pm)
+    assert all(isinstance(v, torch.distributed.tensor.DTensor) for k, v in sharded.items() if "weight" in k)
+    dcp.save({"model": sharded, "optim": get_optimizer_state_dict(pm, opt)}, checkpoint_id=os.path.join(tmp, "dcp"))
+    # (a replicated DTensor's full tensor is its local tensor: copied before training goes on)
+    full = {k: v.clone() for k, v in get_model_state_dict(pm, options=StateDictOptions(full_state_dict=True)).items()}
+    if rank == 0:
+        w.model.save_pretrained(os.path.join(tmp, "hf"), state_dict=dict(full))  # (it empties the dict it gets)
+    dist.barrier()
+    reread = transformers.GPT2LMHeadModel.from_pretrained(os.path.join(tmp, "hf"))
+    read_back = {k: v for k, v in reread.state_dict().items() if k in full}
+
+    w2, pm2, opt2 = build(1)
+    state = {"model": get_model_state_dict(pm2), "optim": get_optimizer_state_dict(pm2, opt2)}
+    dcp.load(state, checkpoint_id=os.path.join(tmp, "dcp"))
+    set_model_state_dict(pm2, state["model"])
+    set_optimizer_state_dict(pm2, opt2, state["optim"])
+    loaded = pm2.full_state_dict()
+    _hf_step(pm, opt, w.loss_fn, batches[1], dp, index)
+    _hf_step(pm2, opt2, w2.loss_fn, batches[1], dp, index)
+    return full, read_back, loaded, pm.full_state_dict(), pm2.full_state_dict()
+
+
+def _zero3_of(w, world, layout):
+    import dataclasses
+
+    from autopar.cost_models import get_cluster
+    from autopar.planner.manual import Layout, manual_plan, manual_search
+    from autopar.planner.search import Search
+
+    cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)
+    plan = manual_plan(manual_search(Search.start(w, cluster, (1, world))), Layout.parse(layout))
+    for stage in plan.stages:
+        stage.params = {f: [Shard(0), p[1]] for f, p in stage.params.items()}
+    return plan
+
+
+@pytest.mark.parametrize("layout", [case[0] for case in STATE], ids=["tp", "zero3"])
+def test_state_dicts_round_trip_through_dcp_and_save_pretrained(tmp_path, layout):
+    """A transformers model under TP and ZeRO-3: `get_model_state_dict` / `get_optimizer_state_dict`
+    through DCP into a fresh model train on exactly as the original; the full state dict is the
+    model's names and values, and `save_pretrained` / `from_pretrained` read it back."""
+    shared = tmp_path.parent / "state"  # one directory for the case's ranks (tmp_path differs per test)
+    shared.mkdir(exist_ok=True)
+    out = shared_ranks(_state_round_trip, 2, [c + (str(shared / c[0]),) for c in STATE],
+                       (layout, str(shared / layout)), tmp_path)
+    for full, read_back, loaded, after, after_loaded in out:
+        assert set(read_back) == set(full)
+        for key, value in full.items():
+            torch.testing.assert_close(read_back[key], value)
+        for key, value in loaded.items():
+            torch.testing.assert_close(value, full[key])
+        for key, value in after.items():  # one more step each: the optimizer's state came along
+            torch.testing.assert_close(after_loaded[key], value)

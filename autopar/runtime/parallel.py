@@ -127,6 +127,25 @@ def shard_data_axis(module: nn.Module, mesh: Any, precision: str | None, zero: i
     return scalars
 
 
+@contextlib.contextmanager
+def model_holds_shards(model: nn.Module, trained: nn.Module) -> Any:
+    """Around `fully_shard(trained ...)`: the model's parameters afterwards are the shards FSDP2
+    registered in their place (what its state dict, `parameters()` and an optimizer see), as
+    they are where the model itself is the module FSDP2 shards."""
+    where: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module._parameters.items():
+            if p is not None:
+                where.setdefault(id(p), []).append((module, name))
+    homes = [(module, name, p) for module in trained.modules() for name, p in module._parameters.items()
+             if p is not None]
+    yield
+    for module, name, before in homes:
+        after = module._parameters[name]
+        for owner, attr in where.get(id(before), []):
+            owner._parameters[attr] = after
+
+
 def compile_blocks(model: nn.Module) -> int:
     """`torch.compile` each repeated block (the elements of the model's outermost `ModuleList`s,
     as torchtitan compiles each transformer block), in place; the whole model where it has none.
@@ -349,26 +368,29 @@ class ParallelModel(nn.Module):
         self.data_parallel_rank, self.data_parallel_size = self.rank, self.dp  # for a DistributedSampler
         self.model = model.to(device)
         self.precision = mixed_precision(plan.precision, device)
-        self.graph: ShardedGraph | None = None
+        # the graph and what trains are not submodules: the module's state is the model's (`state_dict`)
+        graph: ShardedGraph | None = None
         sharded = data_sharded(plan.stages[0], self.dp)
         if self.tp > 1 or plan.stages[0].recompute or sharded:  # the graph: placements, layers (to recompute, to shard)
             micro = _split(_split(example_inputs, self.dp, 0), plan.num_microbatches, 0)
             ep = export_as_planned(self.model, tuple(micro), tuple(example_inputs))  # before sharding: plain tensors
             self._form = ep.output_form
-            self.graph = ShardedGraph(self.model, plan.stages[0], mesh["tp"] if self.tp > 1 else None, ep,
-                                      layers=[layer["nodes"] for layer in plan.layers], units=sharded)
-            lower(self.graph, {"tp": self.tp_group}, compile, plan.priced_collectives(plan.stages[0]))
+            graph = ShardedGraph(self.model, plan.stages[0], mesh["tp"] if self.tp > 1 else None, ep,
+                                 layers=[layer["nodes"] for layer in plan.layers], units=sharded)
+            lower(graph, {"tp": self.tp_group}, compile, plan.priced_collectives(plan.stages[0]))
             with self.precision.autocast():  # as the steps will run it
-                refuse_failing(self.graph, tuple(micro))
+                refuse_failing(graph, tuple(micro))
+        object.__setattr__(self, "graph", graph)
         # what trains: the model, or the graph holding its parameters (DTensors with a tensor axis)
-        self.trained: nn.Module = self.graph if self.graph is not None else self.model
+        object.__setattr__(self, "trained", graph if graph is not None else self.model)
         if compile and self.graph is None:  # plain data parallelism: no graph to lower, the module compiles
             compile_blocks(self.model)
         self.sync: GradSync | None = None
         self.whole: list[nn.Parameter] = []  # kept whole under FSDP2: their gradients averaged by the step
         if sharded:
-            self.whole = shard_data_axis(self.trained, mesh["dp"], plan.precision, plan.stages[0].zero,
-                                         plan.stages[0].offload)
+            with model_holds_shards(self.model, self.trained):
+                self.whole = shard_data_axis(self.trained, mesh["dp"], plan.precision, plan.stages[0].zero,
+                                             plan.stages[0].offload)
         elif self.dp > 1:
             self.sync = data_sync(list(self.trained.parameters()), self.group, plan)
         if self.tp > 1 and not sharded and not plan.dp_gradient.get("compression"):
@@ -509,11 +531,40 @@ class ParallelModel(nn.Module):
         finally:
             self._sync_next = before
 
+    # the module's state is the model's, by its own names: the trained parameters (DTensors where
+    # the plan splits them) are the model's (`shard_parameters`, `model_holds_shards`), and
+    # torch.distributed.checkpoint's state-dict functions see through this wrapper (`_fqn_modifiers`)
+
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True) -> Any:
         """This rank's parameters (DTensors where the plan splits them) by the model's own names."""
-        names = self.graph.model_names() if self.graph is not None else None
-        for name, p in self.trained.named_parameters(remove_duplicate=remove_duplicate):
-            yield prefix + (names[name] if names is not None else name), p
+        return self.model.named_parameters(prefix=prefix, recurse=recurse, remove_duplicate=remove_duplicate)
+
+    def state_dict(self, *args: Any, destination: Any = None, prefix: str = "", keep_vars: bool = False) -> Any:
+        """The model's state dict: its names, this rank's shards as DTensors (full tensors through
+        `get_model_state_dict(pm, options=StateDictOptions(full_state_dict=True))`)."""
+        return self.model.state_dict(*args, destination=destination, prefix=prefix, keep_vars=keep_vars)
+
+    def load_state_dict(self, state_dict: Any, strict: bool = True, assign: bool = False) -> Any:
+        """The model's state dict loaded: sharded (DTensors as `state_dict` gives them) or full
+        (every rank keeps its own shard of each tensor)."""
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        mine = self.model.state_dict(keep_vars=True)
+        state_dict = {k: distribute_tensor(v.to(mine[k].device), mine[k].device_mesh, mine[k].placements,
+                                           src_data_rank=None)
+                      if isinstance(mine.get(k), DTensor) and not isinstance(v, DTensor) else v
+                      for k, v in state_dict.items()}
+        return self.model.load_state_dict(state_dict, strict=strict, assign=assign)
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """For torch.distributed.checkpoint.state_dict: the model's names have no "model." prefix."""
+        return {name.split(".")[0]: "model" for name in self.model.state_dict(keep_vars=True)}
+
+    def train(self, mode: bool = True) -> ParallelModel:
+        super().train(mode)
+        if self.graph is not None:
+            self.graph.train(mode)
+        return self
 
     # ---- a whole step ------------------------------------------------------------------------------
 
