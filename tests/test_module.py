@@ -14,17 +14,19 @@ from autopar.contract.placements import Shard
 from tests.distributed import run_ranks, shared_ranks
 
 STEPS, BATCH, ACCUMULATE = 3, 8, 2  # BATCH: the global batch of one forward; a step accumulates ACCUMULATE
+LAST, EVALUATED = 4, 12  # the last step's batches (an epoch's partial batch), the evaluation batch
 LR = 1e-3
 
 
-def _model_and_batches():
-    """gpt-tiny with its position embedding frozen, and each step's ACCUMULATE global batches."""
+def _model_and_batches(last=LAST):
+    """gpt-tiny with its position embedding frozen, each step's ACCUMULATE global batches (the
+    last step's of `last` samples) and an evaluation batch of EVALUATED."""
     torch.manual_seed(0)
     w = autopar.load_workload("gpt-tiny", batch=BATCH, device="cpu")
     w.model.wpe.weight.requires_grad_(False)
     g = torch.Generator().manual_seed(5)
-    steps = [[w.make_batch(BATCH, g) for _ in range(ACCUMULATE)] for _ in range(STEPS)]
-    evaluation = w.make_batch(BATCH, g)
+    steps = [[w.make_batch(BATCH if i < STEPS - 1 else last, g) for _ in range(ACCUMULATE)] for i in range(STEPS)]
+    evaluation = w.make_batch(EVALUATED, g)
     return w, steps, evaluation
 
 
@@ -63,8 +65,8 @@ def _loop(model, steps, evaluation, call, slice_of, sync, params):
     return losses, evaluated, norms
 
 
-def _one_process():
-    w, steps, evaluation = _model_and_batches()
+def _one_process(last=LAST):
+    w, steps, evaluation = _model_and_batches(last)
     losses, evaluated, norms = _loop(w.model, steps, evaluation, w.model, lambda x: x, float,
                                      list(w.model.parameters()))
     return losses, evaluated, norms, {n: p.detach().clone() for n, p in w.model.named_parameters()}
@@ -89,8 +91,9 @@ def _zero3(world, layout):
 def _parallel(rank, world, layout):
     import torch.distributed as dist
 
-    w, steps, evaluation = _model_and_batches()
-    plan = _zero3(world, layout.removesuffix("+z3")) if layout and layout.endswith("+z3") else layout
+    zero = layout is not None and layout.endswith("+z3")
+    w, steps, evaluation = _model_and_batches(BATCH if zero else LAST)  # ZeRO trains the plan's shape only
+    plan = _zero3(world, layout.removesuffix("+z3")) if zero else layout
     pm = autopar.parallelize(w.model, (1, world), w.example_inputs, plan=plan)
     assert isinstance(pm, torch.nn.Module)
     dp, index = pm.data_parallel_size, pm.data_parallel_rank
@@ -115,9 +118,11 @@ LAYOUTS = [("4,1,1",), ("1,4,1",), ("4,1,1+z3",), ("2,2,1",), (None,)]
 @pytest.mark.parametrize("layout", [case[0] for case in LAYOUTS], ids=["dp", "tp", "zero3", "dp-tp", "searched"])
 def test_the_users_loop_trains_as_on_one_process(tmp_path, layout):
     """Two losses, gradient accumulation with `no_sync`, AdamW and a cosine schedule, clipping with
-    `clip_grad_norm_` over `pm.parameters()`, an evaluation pass and a frozen embedding: the losses,
-    the norms and the trained parameters equal the same loop on one process."""
-    losses, evaluated, norms, params = _one_process()
+    `clip_grad_norm_` over `pm.parameters()`, an evaluation pass at another batch size under
+    `eval()` and `no_grad`, a frozen embedding and a smaller last batch (not under ZeRO, which
+    trains the plan's shape only): the losses, the norms and the trained parameters equal the same
+    loop on one process."""
+    losses, evaluated, norms, params = _one_process(BATCH if layout == "4,1,1+z3" else LAST)
     for got_losses, got_eval, got_norms, got_params, names, _ in shared_ranks(_parallel, 4, LAYOUTS, (layout,),
                                                                              tmp_path):
         assert got_losses == pytest.approx(losses, rel=1e-5)
@@ -147,7 +152,7 @@ def _refusals(rank, world):
             autopar.parallelize(w.model, (1, world), w.example_inputs, plan=plan)
         except AutoparError as exc:
             said.append(str(exc))
-    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, plan="1,2,1")
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, plan=_zero3(world, "2,1,1"))
     for bad in (lambda: pm(steps[0][0][0][0][:3]), lambda: pm.step(*steps[0][0])):
         try:
             bad()
@@ -158,7 +163,7 @@ def _refusals(rank, world):
 
 def test_what_the_module_cannot_take_is_refused_in_one_message(tmp_path):
     """An axis name the runtime does not know, a mesh of another size or kind, a pipeline
-    without a loss, a batch the program was not built for, `step` without `loss_fn` and
+    without a loss, training ZeRO at another shape than the plan's, `step` without `loss_fn` and
     `optimizer`: one message each, on every rank."""
     for said in run_ranks(_refusals, 2, tmp_path):
         assert len(said) == 6
@@ -166,7 +171,7 @@ def test_what_the_module_cannot_take_is_refused_in_one_message(tmp_path):
         assert "2x2 has 4 devices, the job has 2 ranks" in said[1]
         assert "mesh must be a DeviceMesh" in said[2]
         assert "pipeline" in said[3] and "loss_fn" in said[3]
-        assert "3 samples" in said[4] and "built for 8" in said[4]
+        assert "under ZeRO the program trains at the plan's shape only" in said[4] and "(3, 32)" in said[4]
         assert "loss_fn" in said[5] and "optimizer" in said[5]
 
 

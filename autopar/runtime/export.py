@@ -27,6 +27,32 @@ def export_as_planned(model: nn.Module, micro: tuple, whole: tuple) -> Any:
     return ep
 
 
+def export_standing_in(model: nn.Module, args: tuple, like: fx.Graph) -> Any:
+    """`model` exported at `args`' shapes after its parameters were placed (DTensors, FSDP2's
+    shards): every parameter and buffer stands in as a fake tensor of its whole shape (no memory,
+    no collective), and the nodes take `like`'s names (the plan's: `align_names`). The model's
+    mode (train or eval) is the export's. Tensor constants its code creates come back fake: the
+    caller takes them from an export on real values."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.nn.utils.stateless import _reparametrize_module
+    from torch.utils._pytree import tree_map_only
+
+    mode = FakeTensorMode()
+    stand_ins: dict[int, torch.Tensor] = {}
+    state = {}
+    for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)]:
+        if id(t) not in stand_ins:
+            with mode:
+                fake = torch.empty(t.shape, dtype=t.dtype, device=t.device)
+            stand_ins[id(t)] = nn.Parameter(fake, t.requires_grad) if isinstance(t, nn.Parameter) else fake
+        state[name] = stand_ins[id(t)]
+    fake_args = tree_map_only(torch.Tensor, mode.from_tensor, args)
+    with _reparametrize_module(model, state, tie_weights=True):
+        ep = export_program(model, fake_args)
+    align_names(ep.graph, like)
+    return ep
+
+
 def _batch(inputs: tuple) -> int | None:
     return next((x.shape[0] for x in inputs if isinstance(x, torch.Tensor) and x.dim() > 0), None)
 

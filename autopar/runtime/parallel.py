@@ -374,7 +374,8 @@ class ParallelModel(nn.Module):
         if self.tp > 1 or plan.stages[0].recompute or sharded:  # the graph: placements, layers (to recompute, to shard)
             micro = _split(_split(example_inputs, self.dp, 0), plan.num_microbatches, 0)
             ep = export_as_planned(self.model, tuple(micro), tuple(example_inputs))  # before sharding: plain tensors
-            self._form = ep.output_form
+            self._form, self._constants = ep.output_form, ep.constants
+            self._shapes = tuple(tuple(x.shape) for x in micro if isinstance(x, torch.Tensor))
             graph = ShardedGraph(self.model, plan.stages[0], mesh["tp"] if self.tp > 1 else None, ep,
                                  layers=[layer["nodes"] for layer in plan.layers], units=sharded)
             lower(graph, {"tp": self.tp_group}, compile, plan.priced_collectives(plan.stages[0]))
@@ -404,6 +405,9 @@ class ParallelModel(nn.Module):
         if self.optimizer is not None:
             check_optimizer(self.optimizer, plan)
         self._micro = plan.batch // (self.dp * plan.num_microbatches)  # the samples a graph call takes
+        self._compile = compile
+        # the programs of other shapes and of eval mode, built at their first call (`_graph_for`)
+        self._others: dict[tuple, ShardedGraph] = {}
         self._sync_next = True  # the next forward's backward synchronises (`no_sync` clears it)
         self._accumulating = False  # a forward ran since the last synchronised backward (buffers' start)
         self._queued = False  # this backward's end is queued (`_AtBackwardEnd`)
@@ -485,20 +489,14 @@ class ParallelModel(nn.Module):
         the plan's microbatches, the rows split over the tensor axis joined again."""
         if self.graph is None:
             return self.model(*args)
-        m = self.plan.num_microbatches
-        size = _batch_size(args)
-        if size not in (self._micro, self._micro * m):
-            raise AutoparError(
-                f"got a batch of {size} samples; this rank's program is built for {self._micro} at a time "
-                f"(the plan's batch {self.plan.batch} over {self.dp} data-parallel rank(s)"
-                + (f" and {m} microbatches" if m > 1 else "") + "): pass this rank's slice of the plan's batch, "
-                "or re-plan for this batch")
-        chunks = [args] if size == self._micro else [_split(args, m, i) for i in range(m)]
+        m, size = self.plan.num_microbatches, _batch_size(args)
+        whole = self.training and size == self._micro * m and m > 1  # the plan's batch: in its microbatches
         outs = []
-        for chunk in chunks:
-            out = self.graph(*chunk)
-            if self.graph.output_shard:  # each tensor-parallel rank computed some samples
-                rows = [len(r) for r in torch.arange(self._micro).tensor_split(self.tp)]
+        for chunk in [_split(args, m, i) for i in range(m)] if whole else [args]:
+            graph = self._graph_for(chunk)
+            out = self._run_graph(graph, chunk)
+            if graph.output_shard:  # each tensor-parallel rank computed some samples
+                rows = [len(r) for r in torch.arange(_batch_size(chunk)).tensor_split(self.tp)]
                 out = _GatheredRows.apply(out, self.tp_group, rows)
             outs.append(out)
         if self._form.tensors > 1 and not self._said_form:
@@ -506,6 +504,55 @@ class ParallelModel(nn.Module):
             log.warning("the model returns %d tensors; the plan's program computes one of them (the loss's input, "
                         "`first_tensor`), which pm(...) returns", self._form.tensors)
         return self._form.rebuild(outs[0] if len(outs) == 1 else torch.cat(outs))
+
+    def _graph_for(self, args: tuple) -> ShardedGraph:
+        """The program for these inputs' shapes and the module's mode: the plan's (built with the
+        model, at its microbatch, training), or one exported again at first use, where the model
+        stands in as fake tensors of its whole parameters (`export_standing_in`), with the stage's
+        placements by op name. Several are kept, one per shape and mode (a last partial batch, an
+        evaluation batch, another sequence length)."""
+        shapes = tuple(tuple(x.shape) for x in args if isinstance(x, torch.Tensor))
+        if self.training and shapes == self._shapes:
+            return self.graph
+        key = (shapes, self.training)
+        if self.graph.units and torch.is_grad_enabled():
+            raise AutoparError(
+                f"under ZeRO the program trains at the plan's shape only ({self._shapes}); got {shapes}: pass "
+                "batches of the plan's shape, evaluate under torch.no_grad(), or re-plan for this batch")
+        if key not in self._others:
+            self._others[key] = self._another_graph(args)
+        return self._others[key]
+
+    def _run_graph(self, graph: ShardedGraph, args: tuple) -> Any:
+        if graph is self.graph or not self.graph.units:
+            return graph(*args)
+        fsdp = [self.trained, *self.trained.units]  # ZeRO, without gradients: every layer gathered for the call
+        for module in fsdp:
+            module.unshard()
+        try:
+            return graph(*args)
+        finally:
+            for module in fsdp:
+                module.reshard()
+
+    def _another_graph(self, args: tuple) -> ShardedGraph:
+        from autopar.runtime.export import export_standing_in
+
+        ep = export_standing_in(self.model, args, self.graph.graph)
+        for name, value in list(ep.constants.items()):  # what the model's code creates: the real export's
+            if name not in self._constants or self._constants[name].shape != value.shape:
+                raise AutoparError(f"{type(self.model).__name__} creates a tensor constant ({name}, shape "
+                                   f"{tuple(value.shape)}) that depends on its inputs' shape: pass batches of the "
+                                   f"plan's shape, or re-plan for this one")
+            ep.constants[name] = self._constants[name]
+        stage = self.plan.stages[0]
+        graph = ShardedGraph(self.model, stage, self.graph.mesh, ep, layers=[layer["nodes"] for layer in self.plan.layers])
+        graph.train(self.training)
+        if self.graph.units:  # ZeRO: it reads the parameters FSDP2 gathers into the stage's units (`_run_graph`)
+            where = {name: home for home, name in self.graph.param_of.values()}
+            graph.param_of = {node: (where[name], name) for node, (_, name) in graph.param_of.items()}
+        lower(graph, {"tp": self.tp_group}, self._compile)
+        return graph
 
     def _at_backward_end(self, sync: bool) -> None:
         if not self._queued:
