@@ -37,6 +37,7 @@ from autopar.runtime.failures import guarded
 from autopar.runtime.grad_sync import EmulatedLink, GradSync
 from autopar.runtime.loop import clip, evaluating, gather_batch_dim, squared_grad_norm
 from autopar.runtime.lower import NotAsPlanned, Segmented, StageBytes, lower, lower_now, programs
+from autopar.contract.precision import PRECISIONS
 from autopar.runtime.precision import fsdp_policy, mixed_precision
 from autopar.runtime.sharded_graph import (
     OpFailed,
@@ -412,6 +413,7 @@ class ParallelModel(nn.Module):
         self._accumulating = False  # a forward ran since the last synchronised backward (buffers' start)
         self._queued = False  # this backward's end is queued (`_AtBackwardEnd`)
         self._said_form = False  # warned that the program returns one of the model's tensors
+        self._said_precision = False  # warned that the caller's autocast is not the plan's precision
         self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [0, 0]}
         self._issued: list[dict[str, Any]] = []
         self._carried = False  # the step's loss rode with the gradients (`GradSync.carry`)
@@ -464,12 +466,26 @@ class ParallelModel(nn.Module):
             if self.buffer_sync is not None and not self._accumulating:
                 self.buffer_sync.before_step()
             self._accumulating = True
-        with self.precision.autocast():
+        with self._autocast():
             out = self._run(args)
         if not grad:
             return out
         then = partial(self._at_backward_end, self._sync_next)
         return tree_map_only(torch.Tensor, lambda t: _AtBackwardEnd.apply(then, t) if t.requires_grad else t, out)
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        """The caller's `torch.autocast` where one is on (warned once where the plan was priced for
+        another precision), else the plan's."""
+        kind = self.device.type
+        if not torch.is_autocast_enabled(kind):
+            return self.precision.autocast()
+        theirs, priced = torch.get_autocast_dtype(kind), PRECISIONS.get(self.plan.precision)
+        if theirs != priced and not self._said_precision:
+            self._said_precision = True
+            log.warning("the plan was priced for %s, and pm(...) runs under autocast(%s): its memory and time "
+                        "predictions assume the other; plan with mixed_precision=%r", self.plan.precision or "fp32",
+                        str(theirs).removeprefix("torch."), {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(theirs))
+        return contextlib.nullcontext()
 
     def _args(self, inputs: tuple, kwargs: dict) -> tuple:
         """The call's inputs as positional arguments of the model's forward (`contract.inputs`)."""
