@@ -144,9 +144,10 @@ def test_manual_layout_with_sequence_parallelism(capsys):
             < megatron["stages"][0]["cost"]["activation_bytes_per_microbatch"])
 
 
-def test_manual_layout_with_zero_1_and_2(capsys):
+def test_manual_layout_with_zero_1_2_and_3(capsys):
     """--zero 1/2 (or DP,TP,PP+z1): the stage's optimizer states (and gradients) sharded over dp,
-    priced as FSDP2 runs them; bad combinations are refused with what to do instead."""
+    priced as FSDP2 runs them; +z3 shards the weights too; bad combinations are refused with what
+    to do instead."""
     args = ["plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x4", "--manual"]
     plain, z1, z2 = (run_json(capsys, *args, text) for text in ("4,1,1,2", "4,1,1,2+z1", "4,1,1,2+z2"))
     assert run_json(capsys, *args, "4,1,1,2", "--zero", "1")["name"] == z1["name"] == "megatron-4,1,1,2+z1"
@@ -156,7 +157,12 @@ def test_manual_layout_with_zero_1_and_2(capsys):
     assert states[0] > states[1] > states[2]
     grads = [p["stages"][0]["cost"]["grad_bytes"] for p in (plain, z1, z2)]
     assert grads[0] == grads[1] == pytest.approx(4 * grads[2])
-    for bad, why in (("1,4,1+z1", "dp ≥ 2"), ("2,1,2+z2", "one-stage"), ("4,1,1+z3", "malformed")):
+    z3 = run_json(capsys, *args, "4,1,1,2+z3")
+    assert z3["name"] == "megatron-4,1,1,2+z3" and z3["dp_gradient"]["zero_stage"] == 3
+    assert all(p[0] == "S(0)" for p in z3["stages"][0]["params"].values())
+    assert z3["stages"][0]["cost"]["state_bytes"] < states[2] and z3["stages"][0]["cost"]["grad_bytes"] < grads[0]
+    for bad, why in (("1,4,1+z1", "dp ≥ 2"), ("2,1,2+z2", "one-stage"), ("4,1,1+z1+z3", "malformed"),
+                     ("4,1,1+z3+offload", "add +z1 or +z2")):
         assert main([*args, bad]) == 2
         assert why in capsys.readouterr().err
 

@@ -80,29 +80,14 @@ def _one_process(last=LAST, bf16=False):
     return losses, evaluated, norms, {n: p.detach().clone() for n, p in w.model.named_parameters()}
 
 
-def _zero3(world, layout):
-    """The layout with every parameter also sharded over the data axis (ZeRO-3)."""
-    import dataclasses
-
-    from autopar.cost_models import get_cluster
-    from autopar.planner.manual import Layout, manual_plan, manual_search
-    from autopar.planner.search import Search
-
-    w, _, _ = _model_and_batches()
-    cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)
-    plan = manual_plan(manual_search(Search.start(w, cluster, (1, world))), Layout.parse(layout))
-    for stage in plan.stages:
-        stage.params = {f: [Shard(0), p[1]] for f, p in stage.params.items()}
-    return plan
-
-
 def _parallel(rank, world, layout, bf16=False):
     import torch.distributed as dist
 
     zero = layout is not None and layout.endswith("+z3")
     w, steps, evaluation = _model_and_batches(BATCH if zero else LAST)  # ZeRO trains the plan's shape only
-    plan = _zero3(world, layout.removesuffix("+z3")) if zero else layout
-    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, plan=plan)
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, plan=layout)
+    if zero:  # "+z3": every parameter sharded over the data axis
+        assert all(p[0] == Shard(0) for p in pm.plan.stages[0].params.values()) and pm.graph.units
     assert isinstance(pm, torch.nn.Module)
     dp, index = pm.data_parallel_size, pm.data_parallel_rank
 
@@ -173,7 +158,7 @@ def _refusals(rank, world):
             autopar.parallelize(w.model, (1, world), w.example_inputs, plan=plan)
         except AutoparError as exc:
             said.append(str(exc))
-    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, plan=_zero3(world, "2,1,1"))
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, plan="2,1,1+z3")
     for bad in (lambda: pm(steps[0][0][0][0][:3]), lambda: pm.step(*steps[0][0])):
         try:
             bad()
@@ -285,10 +270,7 @@ def _state_round_trip(rank, world, layout, tmp):
     def build(seed):
         torch.manual_seed(seed)
         w = _hf_gpt2()
-        plan = layout
-        if layout.endswith("+z3"):
-            plan = _zero3_of(w, world, layout.removesuffix("+z3"))
-        pm = autopar.parallelize(w.model, (1, world), w.example_inputs, plan=plan)
+        pm = autopar.parallelize(w.model, (1, world), w.example_inputs, plan=layout)
         return w, pm, torch.optim.AdamW(pm.parameters(), lr=1e-3)
 
     g = torch.Generator().manual_seed(5)
@@ -316,20 +298,6 @@ def _state_round_trip(rank, world, layout, tmp):
     _hf_step(pm, opt, w.loss_fn, batches[1], dp, index)
     _hf_step(pm2, opt2, w2.loss_fn, batches[1], dp, index)
     return full, read_back, loaded, pm.full_state_dict(), pm2.full_state_dict()
-
-
-def _zero3_of(w, world, layout):
-    import dataclasses
-
-    from autopar.cost_models import get_cluster
-    from autopar.planner.manual import Layout, manual_plan, manual_search
-    from autopar.planner.search import Search
-
-    cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)
-    plan = manual_plan(manual_search(Search.start(w, cluster, (1, world))), Layout.parse(layout))
-    for stage in plan.stages:
-        stage.params = {f: [Shard(0), p[1]] for f, p in stage.params.items()}
-    return plan
 
 
 @pytest.mark.parametrize("layout", [case[0] for case in STATE], ids=["tp", "zero3"])

@@ -83,7 +83,8 @@ class Layout:
     recompute: bool | str = False  # True: whole layers; SELECTIVE: attention cores only
     virtual: int = 1  # stages per device group
     sequence_parallel: bool = False  # Megatron-LM's --sequence-parallel (`MEGATRON_SP`)
-    zero: int = 0  # ZeRO-1/2 of every stage (Megatron-LM's --use-distributed-optimizer is ZeRO-1)
+    zero: int = 0  # ZeRO-1/2 of every stage (Megatron-LM's --use-distributed-optimizer is ZeRO-1); 3: every
+    # weight also sharded over the data axis (FSDP's full sharding: `manual_search(zero3=True)`)
     offload: bool = False  # with `zero`: the shards in host memory (FSDP2's CPUOffloadPolicy)
 
     @property
@@ -96,24 +97,28 @@ class Layout:
 
     @property
     def zero_choice(self) -> int:
-        """The ZeRO level as the planner's variants spell it (negative: offloaded)."""
+        """The ZeRO level as the planner's variants spell it (negative: offloaded); ZeRO-3 is the
+        sharding rule's, not a stage variant's."""
+        if self.zero == 3:
+            return 0
         return -self.zero if self.offload else self.zero
 
     @staticmethod
     def parse(text: str, recompute: bool | str = False, virtual: int = 1, sequence_parallel: bool = False,
               zero: int = 0, offload: bool = False) -> Layout:
-        """DP,TP,PP[,MICROBATCHES], then "+sp" for sequence parallelism, "+z1" / "+z2" for ZeRO-1/2,
-        "+offload" for their shards in host memory, "+recompute" / "+selective" for recomputation
-        of whole layers / of attention only."""
+        """DP,TP,PP[,MICROBATCHES], then "+sp" for sequence parallelism, "+z1" / "+z2" / "+z3" for
+        ZeRO-1/2/3, "+offload" for ZeRO-1/2's shards in host memory, "+recompute" / "+selective"
+        for recomputation of whole layers / of attention only."""
         body, *flags = text.split("+")
         try:
             parts = [int(p) for p in body.split(",")]
         except ValueError:
             parts = []
-        if len(parts) not in (3, 4) or any(p < 1 for p in parts) or not set(flags) <= {"sp", "z1", "z2", "offload", "recompute", "selective"} \
-                or len(set(flags)) < len(flags) or {"z1", "z2"} <= set(flags) or {"recompute", "selective"} <= set(flags):
+        zeros = {"z1", "z2", "z3"} & set(flags)
+        if len(parts) not in (3, 4) or any(p < 1 for p in parts) or not set(flags) <= {"sp", "offload", "recompute", "selective"} | zeros \
+                or len(set(flags)) < len(flags) or len(zeros) > 1 or {"recompute", "selective"} <= set(flags):
             raise AutoparError(f"malformed layout {text!r}: write DP,TP,PP or DP,TP,PP,MICROBATCHES, e.g. 2,4,8,64, "
-                               "then +sp for sequence parallelism, +z1 or +z2 for ZeRO-1/2, +offload for their "
+                               "then +sp for sequence parallelism, +z1, +z2 or +z3 for ZeRO-1/2/3, +offload for ZeRO-1/2's "
                                "shards in host memory and +recompute or +selective for recomputation of whole layers "
                                "or of attention only (e.g. 8,1,1+z2+offload)")
         zero = next((int(f[1]) for f in flags if f.startswith("z")), zero)
@@ -205,8 +210,8 @@ def check(search: Search, layout: Layout) -> str | None:
         return "selective recomputation recomputes attention (QKᵀ, softmax, the product with V): the model has none"
     if layout.sequence_parallel and layout.tp == 1:
         return "sequence parallelism splits the sequence over the tensor axis: it needs tp ≥ 2"
-    if layout.offload and not layout.zero:
-        return "offload moves the states ZeRO shards to host memory: add +z1 or +z2 (--zero)"
+    if layout.offload and layout.zero not in (1, 2):
+        return "offload moves the states ZeRO-1/2 shard to host memory: add +z1 or +z2 (--zero)"
     if layout.zero and layout.dp == 1:
         return f"ZeRO-{layout.zero} shards over the data axis: it needs dp ≥ 2"
     if layout.zero == 2 and layout.pp > 1:
@@ -247,8 +252,8 @@ def manual_plan(search: Search, layout: Layout) -> Plan:
     if layout.virtual != search.virtual:
         search = dataclasses.replace(search, virtual=layout.virtual)
     rule = search.costs.rule
-    if rule is not None and layout.sequence_parallel != rule.sequence_parallel:
-        search = manual_search(search, rule.zero_only, layout.sequence_parallel)
+    if rule is not None and (layout.sequence_parallel != rule.sequence_parallel or layout.zero == 3 and not rule.zero_only):
+        search = manual_search(search, rule.zero_only or layout.zero == 3, layout.sequence_parallel)
     stages = layout.pp * layout.virtual
     block = blocks(search, stages)
     per_stage = len(block) // stages
