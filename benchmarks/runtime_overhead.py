@@ -2,10 +2,12 @@
 
 Same model (zoo `gpt-tiny`, host-bound, and `gpt-small` by default), same ranks (gloo, one thread
 each), same global batch:
-- pure DP: `parallelize(plan="N,1,1")` against `torch.nn.parallel.DistributedDataParallel`;
+- pure DP: `parallelize(plan="N,1,1")` against `torch.nn.parallel.DistributedDataParallel`, by
+  `step` and as a module in the user's own loop (`pm(x)`, `loss.backward()`, `opt.step()`);
 - pure TP: `parallelize(plan="1,N,1")` — the lowered program (the runtime's default), the same
   stage interpreted op by op through DTensor (the runtime before the lowering, and its fallback),
-  and with `--compile` the lowered program compiled by inductor — against `parallelize_module` with
+  the module in the user's loop, and with `--compile` the lowered program compiled by inductor —
+  against `parallelize_module` with
   torchtitan's layout (column-parallel Q/K/V and fc1, row-parallel proj and fc2,
   vocabulary-parallel embedding and output layer, local head count in attention).
 With `--compile`, also the data-parallel plan with `compile=True` (no graph to lower: the module
@@ -90,7 +92,19 @@ def _rank(rank, world, port, out, args):
         w = autopar.load_workload(args.model, batch=args.batch, device="cpu")
         gen = torch.Generator().manual_seed(1)
         batches = [w.make_batch(w.batch, gen) for _ in range(args.warmup + args.steps)]
-        if kind.startswith("autopar"):
+        if kind.endswith("-module"):  # the user's own loop around the module parallelize returns
+            plan = f"{world},1,1" if kind.startswith("autopar-dp") else f"1,{world},1"
+            pm = autopar.parallelize(w.model, (1, world), w.example_inputs, plan=plan)
+            opt = _optimizer(list(pm.parameters()))
+            dp, index = pm.data_parallel_size, pm.data_parallel_rank
+
+            def step(inputs, target, pm=pm, opt=opt, loss_fn=w.loss_fn, dp=dp, index=index):
+                opt.zero_grad(set_to_none=True)
+                loss = loss_fn(pm(*(x.tensor_split(dp)[index] for x in inputs)), target.tensor_split(dp)[index])
+                loss.backward()
+                opt.step()
+                return loss.item()
+        elif kind.startswith("autopar"):
             plan = f"{world},1,1" if kind.startswith("autopar-dp") else f"1,{world},1"
             pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
                                      plan=plan, compile=kind.endswith("-compiled"))
@@ -128,11 +142,13 @@ def _rank(rank, world, port, out, args):
     dist.destroy_process_group()
 
 
-KINDS = {"data parallel": ("ddp", "DistributedDataParallel", ["autopar-dp", "autopar-dp-compiled"]),
+KINDS = {"data parallel": ("ddp", "DistributedDataParallel", ["autopar-dp", "autopar-dp-module", "autopar-dp-compiled"]),
          "tensor parallel": ("hand-tp", "parallelize_module",
-                             ["autopar-tp-interpreted", "autopar-tp", "autopar-tp-compiled"])}
-NAMES = {"autopar-dp": "autopar", "autopar-dp-compiled": "autopar, compiled", "autopar-tp-interpreted": "autopar, interpreted (DTensor per op)",
-         "autopar-tp": "autopar, lowered", "autopar-tp-compiled": "autopar, lowered + compiled"}
+                             ["autopar-tp-interpreted", "autopar-tp", "autopar-tp-module", "autopar-tp-compiled"])}
+NAMES = {"autopar-dp": "autopar", "autopar-dp-module": "autopar as a module (your loop)",
+         "autopar-dp-compiled": "autopar, compiled", "autopar-tp-interpreted": "autopar, interpreted (DTensor per op)",
+         "autopar-tp": "autopar, lowered", "autopar-tp-module": "autopar, lowered, as a module (your loop)",
+         "autopar-tp-compiled": "autopar, lowered + compiled"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -146,10 +162,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", action="store_true", help="also the lowered program compiled by inductor")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    args.kinds = ["ddp", "autopar-dp", "hand-tp", "autopar-tp-interpreted", "autopar-tp"] + (
+    args.kinds = ["ddp", "autopar-dp", "autopar-dp-module", "hand-tp", "autopar-tp-interpreted", "autopar-tp",
+                  "autopar-tp-module"] + (
         ["autopar-dp-compiled", "autopar-tp-compiled"] if args.compile else [])
     started = stamp()
-    rows, body_rows = [], []
+    rows, body_rows, module_rows = [], [], []
     for model in args.models.split(","):
         args.model = model
         runs = []
@@ -172,11 +189,22 @@ def main(argv: list[str] | None = None) -> int:
                 body_rows.append([model, layout, base_name, f"{r['baseline_s'] * 1e3:.1f}", r["runtime"],
                                   f"{r['autopar_s'] * 1e3:.1f}", f"{r['ratio']:.2f}",
                                   f"{r['ratio_min']:.2f}–{r['ratio_max']:.2f}"])
+        for axis, (stepped, called) in {"data parallel": ("autopar-dp", "autopar-dp-module"),
+                                        "tensor parallel": ("autopar-tp", "autopar-tp-module")}.items():
+            ratios = [r[called] / r[stepped] for r in runs]  # the module path against `step`, run by run
+            module_rows.append([model, axis, f"{statistics.median(r[stepped] for r in runs) * 1e3:.1f}",
+                                f"{statistics.median(r[called] for r in runs) * 1e3:.1f}",
+                                f"{statistics.median(ratios):.2f}", f"{min(ratios):.2f}–{max(ratios):.2f}"])
+            rows.append({"model": model, "layout": axis, "baseline": "pm.step", "runtime": NAMES[called],
+                         "ratio_to_step": statistics.median(ratios)})
     if args.json:
         print(json.dumps({"models": args.models, "nproc": args.nproc, "runs": args.runs, "rows": rows}))
         return 0
     body = table(["model", f"layout ({args.nproc} ranks)", "baseline", "baseline ms/step", "autopar runtime",
                   "autopar ms/step", "ratio (median of runs)", "ratio over runs"], body_rows, right=(3, 5, 6, 7))
+    body += ("\nThe module path (`pm(x)`, `loss.backward()`, `opt.step()` in your loop) against `pm.step` on the "
+             "same plan:\n\n" + table(["model", f"layout ({args.nproc} ranks)", "pm.step ms/step", "module ms/step",
+                                        "ratio (median of runs)", "ratio over runs"], module_rows, right=(2, 3, 4, 5)))
     print(body)
     write("runtime_overhead", started, body)
     return 0

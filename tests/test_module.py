@@ -2,7 +2,6 @@
 4 gloo ranks, equal to the same loop on one process."""
 
 import contextlib
-import math
 
 import pytest
 import torch

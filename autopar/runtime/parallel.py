@@ -26,6 +26,7 @@ from autopar.contract.export import first_tensor
 from autopar.contract.inputs import as_args
 from autopar.contract.placements import Shard
 from autopar.contract.plan import Plan, StagePlan
+from autopar.contract.precision import PRECISIONS
 from autopar.runtime import rng
 from autopar.runtime.breakdown import phase
 from autopar.runtime.buffers import AveragedBuffers, persistent
@@ -37,7 +38,6 @@ from autopar.runtime.failures import guarded
 from autopar.runtime.grad_sync import EmulatedLink, GradSync
 from autopar.runtime.loop import clip, evaluating, gather_batch_dim, squared_grad_norm
 from autopar.runtime.lower import NotAsPlanned, Segmented, StageBytes, lower, lower_now, programs
-from autopar.contract.precision import PRECISIONS
 from autopar.runtime.precision import fsdp_policy, mixed_precision
 from autopar.runtime.sharded_graph import (
     OpFailed,
