@@ -420,6 +420,17 @@ class ParallelModel(nn.Module):
         if self.tp > 1:  # replicated values draw one dropout mask on every rank of the tensor axis
             rng.share(mesh["tp"], device)
 
+    def _syncs(self, sync: bool) -> None:
+        """Whether the coming backward synchronises the data axis: the bucketed averaging launches,
+        FSDP2 reduce-scatters (ZeRO-1/2 keep the layers gathered until it does, ZeRO-2 reduces
+        every backward's gradients: `keep_gathered`)."""
+        if self.sync is not None:
+            self.sync.sync = sync
+        elif self.dp > 1 and data_sharded(self.plan.stages[0], self.dp):
+            keep_gathered(self.trained, self.plan.stages[0].zero, sync)
+            if not self.plan.stages[0].zero:  # ZeRO-3 (ZeRO-1/2: `keep_gathered` decides)
+                self.trained.set_requires_gradient_sync(sync)
+
     def _synchronise(self) -> int:
         """What the gradients are owed once the step's last backward ended: the data axis's
         averages (buckets launched during backward waited for; the kept-whole scalars under FSDP2),
@@ -458,11 +469,7 @@ class ParallelModel(nn.Module):
             args = _split(args, self.dp, self.rank)
         grad = torch.is_grad_enabled()
         if grad:
-            if self.sync is not None:
-                self.sync.sync = self._sync_next
-            elif self.dp > 1 and self.graph is not None and data_sharded(self.plan.stages[0], self.dp):
-                keep_gathered(self.trained, self.plan.stages[0].zero, self._sync_next)
-                self.trained.set_requires_gradient_sync(self._sync_next)
+            self._syncs(self._sync_next)
             if self.buffer_sync is not None and not self._accumulating:
                 self.buffer_sync.before_step()
             self._accumulating = True
@@ -694,12 +701,9 @@ class ParallelModel(nn.Module):
         m = len(micro_in)
         for i in range(m):
             last = i == m - 1
-            if self.sync is not None:
-                self.sync.sync = last
-            elif self.dp > 1:
-                keep_gathered(self.trained, self.plan.stages[0].zero, last)
             # ZeRO-3 reduce-scatters every microbatch's gradients (FSDP2's default): skipping it would
             # keep every layer's whole gradient between microbatches, the memory ZeRO-3 is there to save
+            self._syncs(last or (self.sync is None and not self.plan.stages[0].zero))
             args = micro_in[i] if isinstance(micro_in[i], (tuple, list)) else (micro_in[i],)
             with phase("forward"), self.precision.autocast():  # forward and loss (the model's dtype: nothing)
                 if self.graph is None:
