@@ -33,7 +33,7 @@ from autopar.runtime.buffers import AveragedBuffers, persistent
 from autopar.runtime.comm_count import CollectiveBytes
 from autopar.runtime.compression import Compressed
 from autopar.runtime.delayed import DelayedSync
-from autopar.runtime.export import export_as_planned
+from autopar.runtime.export import export_as_planned, export_standing_in
 from autopar.runtime.failures import guarded
 from autopar.runtime.grad_sync import EmulatedLink, GradSync
 from autopar.runtime.loop import clip, evaluating, gather_batch_dim, squared_grad_norm
@@ -559,8 +559,6 @@ class ParallelModel(nn.Module):
                 module.reshard()
 
     def _another_graph(self, args: tuple) -> ShardedGraph:
-        from autopar.runtime.export import export_standing_in
-
         ep = export_standing_in(self.model, args, self.graph.graph)
         for name, value in list(ep.constants.items()):  # what the model's code creates: the real export's
             if name not in self._constants or self._constants[name].shape != value.shape:
