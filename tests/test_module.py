@@ -159,8 +159,13 @@ def _refusals(rank, world):
             said.append(str(exc))
     pipeline = autopar.parallelize(w.model, (1, world), w.example_inputs, plan="1,1,2,2", loss_fn=w.loss_fn,
                                    optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1))
+    whole = autopar.parallelize(w.model, (1, world), w.example_inputs, plan="2,1,1", batch="global")
+    (x,), _ = steps[0][0]
+    mine = whole(x)  # the global batch in, this rank's data-parallel rows out
+    assert mine.shape[0] == x.shape[0] // world
+    torch.testing.assert_close(mine, w.model(x.tensor_split(world)[rank]))
     pm = autopar.parallelize(w.model, (1, world), w.example_inputs, plan="2,1,1+z3")
-    for bad in (lambda: pm(steps[0][0][0][0][:3]), lambda: pm.step(*steps[0][0]), lambda: pipeline(steps[0][0][0][0])):
+    for bad in (lambda: whole(x[:3]), lambda: pm(steps[0][0][0][0][:3]), lambda: pm.step(*steps[0][0]), lambda: pipeline(steps[0][0][0][0])):
         try:
             bad()
         except AutoparError as exc:
@@ -170,17 +175,19 @@ def _refusals(rank, world):
 
 def test_what_the_module_cannot_take_is_refused_in_one_message(tmp_path):
     """An axis name the runtime does not know, a mesh of another size or kind, a pipeline
-    without a loss, training ZeRO at another shape than the plan's, `step` without `loss_fn` and
-    `optimizer`, a pipeline called as a module: one message each, on every rank."""
+    without a loss, a global batch (`batch="global"`) the data axis cannot split, training ZeRO
+    at another shape than the plan's, `step` without `loss_fn` and `optimizer`, a pipeline called
+    as a module: one message each, on every rank."""
     for said in run_ranks(_refusals, 2, tmp_path):
-        assert len(said) == 7
+        assert len(said) == 8
         assert "'data'" in said[0] and "('pp', 'dp', 'tp')" in said[0]
         assert "2x2 has 4 devices, the job has 2 ranks" in said[1]
         assert "mesh must be a DeviceMesh" in said[2]
         assert "pipeline" in said[3] and "loss_fn" in said[3]
-        assert "under ZeRO the program trains at the plan's shape only" in said[4] and "(3, 32)" in said[4]
-        assert "loss_fn" in said[5] and "optimizer" in said[5]
-        assert "pipeline of 2 stages" in said[6] and "pm.step(inputs, target)" in said[6]
+        assert "global batch of 3 samples does not split over the plan's 2" in said[4]
+        assert "under ZeRO the program trains at the plan's shape only" in said[5] and "(3, 32)" in said[5]
+        assert "loss_fn" in said[6] and "optimizer" in said[6]
+        assert "pipeline of 2 stages" in said[7] and "pm.step(inputs, target)" in said[7]
 
 
 MESHES = [("1-d", "2,2,1"), ("named", None), ("reordered", None)]
