@@ -79,12 +79,24 @@ def _one_process(last=LAST, bf16=False):
     return losses, evaluated, norms, {n: p.detach().clone() for n, p in w.model.named_parameters()}
 
 
-def _parallel(rank, world, layout, bf16=False):
+def _mesh(kind, world):
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+    if kind == "1-d":  # what single-host scripts pass
+        return init_device_mesh("cpu", (world,))
+    if kind == "named":  # the sizes pinned: 2,2,1
+        return init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    if kind == "reordered":  # tensor axis first, ranks in reverse: tp groups {3, 1}, {2, 0}; dp {3, 2}, {1, 0}
+        return DeviceMesh("cpu", [[3, 2], [1, 0]], mesh_dim_names=("tp", "dp"))
+    return (1, world)
+
+
+def _parallel(rank, world, layout, bf16=False, mesh=None):
     import torch.distributed as dist
 
     zero = layout is not None and layout.endswith("+z3")
     w, steps, evaluation = _model_and_batches(BATCH if zero else LAST)  # ZeRO trains the plan's shape only
-    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, plan=layout)
+    pm = autopar.parallelize(w.model, _mesh(mesh, world), w.example_inputs, plan=layout)
     if zero:  # "+z3": every parameter sharded over the data axis
         assert all(p[0] == Shard(0) for p in pm.plan.stages[0].params.values()) and pm.graph.units
     assert isinstance(pm, torch.nn.Module)
@@ -100,10 +112,14 @@ def _parallel(rank, world, layout, bf16=False):
 
     losses, evaluated, norms = _loop(pm, steps, evaluation, pm, mine, sync, list(pm.parameters()), bf16)
     names = [n for n, _ in pm.named_parameters()]
-    return losses, evaluated, norms, pm.full_state_dict(), names, pm.plan.name
+    groups = (sorted(dist.get_process_group_ranks(pm.group)), sorted(dist.get_process_group_ranks(pm.tp_group)))
+    return losses, evaluated, norms, pm.full_state_dict(), names, (pm.plan.stages[0].logical_mesh, groups)
 
 
-LAYOUTS = [("4,1,1",), ("1,4,1",), ("4,1,1+z3",), ("2,2,1",), (None,), ("2,2,1", True)]
+MESHES = [("1-d", "2,2,1"), ("named", None), ("reordered", None)]
+# one start of 4 ranks for the loop's layouts, its autocast case and the meshes
+LAYOUTS = [("4,1,1",), ("1,4,1",), ("4,1,1+z3",), ("2,2,1",), (None,), ("2,2,1", True)] + [
+    (plan, False, kind) for kind, plan in MESHES]
 
 
 @pytest.mark.parametrize("layout", [case[0] for case in LAYOUTS[:5]], ids=["dp", "tp", "zero3", "dp-tp", "searched"])
@@ -190,43 +206,14 @@ def test_what_the_module_cannot_take_is_refused_in_one_message(tmp_path):
         assert "pipeline of 2 stages" in said[7] and "pm.step(inputs, target)" in said[7]
 
 
-MESHES = [("1-d", "2,2,1"), ("named", None), ("reordered", None)]
-
-
-def _on_mesh(rank, world, kind, plan):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-
-    if kind == "1-d":  # what single-host scripts pass
-        mesh = init_device_mesh("cpu", (world,))
-    elif kind == "named":  # the sizes pinned: 2,2,1
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
-    else:  # tensor axis first, ranks in reverse: tp groups {3, 1} and {2, 0}, dp groups {3, 2} and {1, 0}
-        mesh = DeviceMesh("cpu", [[3, 2], [1, 0]], mesh_dim_names=("tp", "dp"))
-    w, steps, evaluation = _model_and_batches()
-    pm = autopar.parallelize(w.model, mesh, w.example_inputs, plan=plan)
-    dp, index = pm.data_parallel_size, pm.data_parallel_rank
-
-    def mine(x):
-        return tuple(mine(v) for v in x) if isinstance(x, tuple) else x.tensor_split(dp)[index]
-
-    def sync(loss):
-        loss = loss.detach().clone().double()
-        dist.all_reduce(loss)
-        return float(loss) / world
-
-    losses, _, _ = _loop(pm, steps, evaluation, pm, mine, sync, list(pm.parameters()))
-    groups = (sorted(dist.get_process_group_ranks(pm.group)), sorted(dist.get_process_group_ranks(pm.tp_group)))
-    return losses, pm.full_state_dict(), pm.plan.stages[0].logical_mesh, groups
-
 
 @pytest.mark.parametrize("kind, plan", MESHES, ids=[m[0] for m in MESHES])
 def test_the_mesh_given_is_the_mesh_that_runs(tmp_path, kind, plan):
     """A 1-D DeviceMesh, one with named axes (pinning 2,2,1 without a plan), and one whose ranks
     are not in the default order (its process groups are the mesh's): each trains as one process."""
     losses, _, _, params = _one_process()
-    by_rank = shared_ranks(_on_mesh, 4, MESHES, (kind, plan), tmp_path)
-    for rank, (got_losses, got_params, logical, groups) in enumerate(by_rank):
+    by_rank = shared_ranks(_parallel, 4, LAYOUTS, (plan, False, kind), tmp_path)
+    for rank, (got_losses, _, _, got_params, _, (logical, groups)) in enumerate(by_rank):
         assert got_losses == pytest.approx(losses, rel=1e-5)
         for key, value in params.items():
             torch.testing.assert_close(got_params[key], value, rtol=1e-5, atol=LR / 10)
