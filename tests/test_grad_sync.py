@@ -22,13 +22,23 @@ def _dp_grads(rank, world, bucket_bytes, microbatches):
     sync = GradSync(list(model.parameters()), bucket_bytes=bucket_bytes)
     x, y = _batch()
     xs, ys = x.chunk(world)[rank].chunk(microbatches), y.chunk(world)[rank].chunk(microbatches)
-    for i, (xm, ym) in enumerate(zip(xs, ys)):
-        sync.sync = i == microbatches - 1  # accumulate locally, reduce on the last microbatch only
-        (nn.functional.mse_loss(model(xm), ym) / microbatches).backward()
-    sync.finish()
-    stats = sync.reset_stats()
-    return ({n: p.grad for n, p in model.named_parameters()}, stats.collectives,
-            [b.in_backward for b in sync.buckets], stats.bytes_raw)
+    steps = []
+    for kept in (False, True):  # gradients set to None before the step, then kept and zeroed in place
+        for p in model.parameters():
+            if kept:
+                p.grad.zero_()
+            else:
+                p.grad = None
+        for i, (xm, ym) in enumerate(zip(xs, ys)):
+            sync.sync = i == microbatches - 1  # accumulate locally, reduce on the last microbatch only
+            (nn.functional.mse_loss(model(xm), ym) / microbatches).backward()
+        sync.finish()
+        stats = sync.reset_stats()
+        in_buckets = all(b.last is not None and p.grad.untyped_storage().data_ptr()
+                         == b.last().untyped_storage().data_ptr() for b in sync.buckets for p in b.params)
+        steps.append(({n: p.grad.clone() for n, p in model.named_parameters()}, stats.collectives,
+                      [b.in_backward for b in sync.buckets], stats.bytes_raw, in_buckets))
+    return steps
 
 
 def test_averaged_gradients_equal_single_process_and_overlap_backward(tmp_path):
@@ -38,9 +48,11 @@ def test_averaged_gradients_equal_single_process_and_overlap_backward(tmp_path):
     expected = {n: p.grad for n, p in model.named_parameters()}
     bucket = 4096  # bytes: force several buckets
     results = run_ranks(_dp_grads, 2, tmp_path, bucket, 2)
-    for grads, collectives, overlapped, nbytes in results:
-        for name, g in grads.items():
-            torch.testing.assert_close(g, expected[name], rtol=1e-5, atol=1e-7)
-        assert len(collectives) == len(overlapped) >= 2 and {k for k, _ in collectives} == {"all_reduce"}
-        assert all(overlapped)  # every bucket launched from a gradient hook, during backward
-        assert nbytes == sum(p.numel() * 4 for p in model.parameters())  # each gradient once per step
+    for steps in results:
+        for grads, collectives, overlapped, nbytes, in_buckets in steps:
+            for name, g in grads.items():
+                torch.testing.assert_close(g, expected[name], rtol=1e-5, atol=1e-7)
+            assert len(collectives) == len(overlapped) >= 2 and {k for k, _ in collectives} == {"all_reduce"}
+            assert all(overlapped)  # every bucket launched from a gradient hook, during backward
+            assert nbytes == sum(p.numel() * 4 for p in model.parameters())  # each gradient once per step
+            assert in_buckets  # the averages are views of the buckets: no copy of every gradient held beside them

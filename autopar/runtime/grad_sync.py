@@ -4,15 +4,21 @@ DDP itself is not used because the data axis needs a point where compressors and
 averaging can replace the all-reduce (see DESIGN.md): `reduce` is that point. Buckets follow the
 reverse order of the parameters (roughly the order backward produces their gradients); a bucket
 is reduced as soon as its last gradient is accumulated, asynchronously, and `finish()` waits for
-all of them and writes the averages back. Under gradient accumulation (pipeline microbatches),
-only the backward that runs with `sync=True` launches anything. With a compressor
+all of them and averages in place: the gradients are left as views of their bucket's buffer (DDP's
+`gradient_as_bucket_view`), so nothing is copied back, each fresh gradient is freed as its bucket
+launches (the end of backward holds the gradients once, not twice), and gradients kept between
+steps (`zero_grad(set_to_none=False)`) accumulate in the buffer and are not copied at all. Under
+gradient accumulation (pipeline microbatches), only the backward that runs with `sync=True`
+launches anything. With a compressor
 (`runtime.compression`) the buckets are compressed and averaged in `finish()`, after backward:
 their collectives come in rounds whose sizes depend on the data.
 """
 
 from __future__ import annotations
 
+import functools
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -53,10 +59,64 @@ class EmulatedLink:
 class _Bucket:
     params: list[torch.nn.Parameter]
     ready: int = 0
-    flat: torch.Tensor | None = None
+    flat: torch.Tensor | None = None  # what the collective reduces
     work: object = None
     in_backward: bool = False  # launched from a gradient hook, i.e. overlapped with backward
     launched: float = 0.0
+    last: Any = None  # a weak reference to the buffer the gradients were left as views of
+    sizes: list[int] = field(default_factory=list)  # each parameter's elements (its local shard's)
+    nbytes: int = 0  # the gradients' bytes
+    plain: bool = True  # plain tensors of one dtype: gradients can be views of the buffer
+    viewed: bool = False  # this step's gradients are views of `flat`
+
+    def __post_init__(self) -> None:
+        self.sizes = [local(p).numel() for p in self.params]
+        self.nbytes = sum(local(p).numel() * local(p).element_size() for p in self.params)
+        self.plain = len({p.dtype for p in self.params}) == 1 and not any(hasattr(p, "to_local") for p in self.params)
+
+    def gather(self, carry: torch.Tensor | None) -> None:
+        """`flat`: the bucket's gradients (zeros for those that never arrived), with `carry` last.
+        Gradients still views of the last step's buffer (kept, `zero_grad(set_to_none=False)`:
+        they accumulated in it) are reduced where they are; fresh ones are copied into a new buffer
+        and become views of it, so each fresh gradient is freed as its bucket launches (a DTensor's
+        local shard, whose gradient cannot be a view of a plain buffer, is written back by `scatter`)."""
+        n = sum(self.sizes)
+        buffer = self.last() if self.last is not None else None
+        self.viewed = buffer is not None and self._views_of(buffer)
+        if not self.viewed:
+            grads = [(local(p.grad) if p.grad is not None else torch.zeros_like(local(p))).reshape(-1)
+                     for p in self.params]
+            dtype = functools.reduce(torch.promote_types, (g.dtype for g in grads))
+            buffer = torch.empty(n + 1, dtype=dtype, device=grads[0].device)
+            torch.cat([g if g.dtype == dtype else g.to(dtype) for g in grads], out=buffer[:n])
+            self.viewed = self.plain and dtype == self.params[0].dtype
+            if self.viewed:
+                self.last = weakref.ref(buffer)
+                for p, view in zip(self.params, buffer[:n].split(self.sizes)):
+                    p.grad = view.view_as(p)
+        if carry is not None:
+            buffer[n] = carry
+        self.flat = buffer if carry is not None else buffer[:n]
+
+    def _views_of(self, buffer: torch.Tensor) -> bool:
+        """Whether every gradient is still its view of `buffer`."""
+        at, width = buffer.data_ptr(), buffer.element_size()
+        for p, size in zip(self.params, self.sizes):
+            if p.grad is None or p.grad.data_ptr() != at:
+                return False
+            at += size * width
+        return True
+
+    def scatter(self, world: int) -> torch.Tensor | None:
+        """Average in place (gradients that are views of the buffer now hold their average) and
+        write back those that are not; the carried sum, if any."""
+        n = sum(self.sizes)
+        carried = self.flat[-1].clone() if self.flat.numel() > n else None
+        averaged = self.flat[:n].div_(world)
+        if not self.viewed:
+            for p, avg in zip(self.params, averaged.split(self.sizes)):
+                write_grad(p, avg.view_as(local(p)))
+        return carried
 
 
 @dataclass
@@ -98,6 +158,8 @@ class GradSync:
         for bucket in self.buckets:
             for p in bucket.params:
                 p.register_post_accumulate_grad_hook(self._hook(bucket))
+        dtypes = {local(p).dtype for b in self.buckets for p in b.params}
+        self._carries = bool(dtypes) and dtypes <= {torch.float32, torch.float64}  # a loss rides along in full
 
     def _hook(self, bucket: _Bucket) -> Callable[[torch.Tensor], None]:
         def ready(_: torch.Tensor) -> None:
@@ -113,22 +175,18 @@ class GradSync:
         """Sum the scalar `value` over the group with the step's last gradient bucket instead of a
         collective of its own (the step's loss), where the buckets are all-reduced in a dtype
         that holds it (fp32 or wider); `finish` leaves the sum in `carried`. Whether it will."""
-        dtypes = {local(p).dtype for b in self.buckets for p in b.params}
-        if self.compressed is not None or not dtypes or not dtypes <= {torch.float32, torch.float64} or not self.sync:
+        if self.compressed is not None or not self._carries or not self.sync:
             return False
         self._carry = value
         return True
 
     def _launch(self, bucket: _Bucket, in_backward: bool) -> None:
-        grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in bucket.params]
         self._launched += 1
         last = self._launched == len(self.buckets) and self._carry is not None
-        bucket.flat = torch.cat([g.reshape(-1) for g in grads]
-                                + ([self._carry.reshape(1).to(grads[0].dtype)] if last else []))
-        nbytes = sum(g.numel() * g.element_size() for g in grads)  # the gradients' (a carried scalar aside)
-        self.stats.bytes_raw += nbytes
-        self.stats.bytes_sent += nbytes
-        self.stats.collectives.append(("all_reduce", nbytes))
+        bucket.gather(self._carry if last else None)
+        self.stats.bytes_raw += bucket.nbytes  # a carried scalar aside
+        self.stats.bytes_sent += bucket.nbytes
+        self.stats.collectives.append(("all_reduce", bucket.nbytes))
         bucket.work, bucket.in_backward = self.reduce(bucket.flat, self.group), in_backward
         bucket.launched = time.perf_counter()
         self.stats.overlapped += in_backward
@@ -136,7 +194,7 @@ class GradSync:
     @torch.no_grad()
     def finish(self) -> None:
         """Wait for every bucket (launching those whose gradients never all arrived, e.g. unused
-        parameters, so every rank issues the same collectives) and write the averages back."""
+        parameters, so every rank issues the same collectives) and average."""
         if self.compressed is not None:
             self._finish_compressed()
             return
@@ -147,12 +205,9 @@ class GradSync:
             bucket.work.wait()
             if self.link is not None:
                 self.link.wait(bucket.launched, bucket.flat.numel() * bucket.flat.element_size())
-            sizes = [local(p).numel() for p in bucket.params]
-            if bucket.flat.numel() > sum(sizes):  # the carried sum, before averaging
-                self.carried = bucket.flat[-1].clone()
-            averaged = bucket.flat[:sum(sizes)].div_(self.world)
-            for p, avg in zip(bucket.params, averaged.split(sizes)):
-                write_grad(p, avg.view_as(local(p)))
+            carried = bucket.scatter(self.world)
+            if carried is not None:
+                self.carried = carried
             bucket.ready, bucket.flat, bucket.work = 0, None, None
         self._launched, self._carry = 0, None
 

@@ -55,6 +55,7 @@ from autopar.runtime.parallel import (
     build_checked,
     check_batch,
     check_optimizer,
+    compile_loss,
     data_sharded,
     data_sync,
     on_device,
@@ -178,6 +179,7 @@ class PipelineModel:
     def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable, optimizer: Callable,
                  example_inputs: tuple, device: torch.device | None = None,
                  max_grad_norm: float | None = None, compile: bool = False) -> None:
+        loss_fn = compile_loss(loss_fn) if compile else loss_fn
         self.plan, self.loss_fn, self.forward = plan, loss_fn, model.forward
         self.max_grad_norm, self.last_grad_norm = max_grad_norm, None
         self.pp, self.m = len(plan.stages), plan.num_microbatches
