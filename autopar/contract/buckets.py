@@ -30,3 +30,11 @@ def bucket_count(nbytes):
     n = np.asarray(nbytes, dtype=float)
     count = np.where(n > 0, 1 + np.ceil(np.maximum(n - FIRST_BUCKET_BYTES, 0) / BUCKET_BYTES), 0)
     return count if count.ndim else int(count)
+
+
+def flat_held(averaged, largest: float):
+    """What the synchroniser holds beside the gradients while it averages `averaged` bytes of them:
+    one bucket's flat buffer, allocated while that bucket's fresh gradients still exist (each
+    bucket's are freed as it launches: `runtime.grad_sync`), so at most a bucket's cap and one
+    tensor (`largest` bytes) more, never more than all of them. numpy arrays too."""
+    return np.minimum(averaged, BUCKET_BYTES + largest)

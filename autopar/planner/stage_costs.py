@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from autopar.contract.buckets import bucket_count
+from autopar.contract.buckets import bucket_count, flat_held
 from autopar.contract.compression import Spec
 from autopar.contract.plan import SELECTIVE
 from autopar.contract.precision import PRECISIONS
@@ -89,7 +89,7 @@ class StageOption:
     activation_bytes: float  # per microbatch in flight
     transient_bytes: float  # during one backward: recomputed activations, the loss's gradients, ZeRO-3's gathered weights
     grad_bytes: float = 0.0  # the gradients' part of state_bytes (absent until the step's first backward)
-    sync_bytes: float = 0.0  # flat copies of the gradients the data axis averages, at the end of backward
+    sync_bytes: float = 0.0  # the synchroniser's flat buffer of one bucket beside its gradients (`flat_held`)
     optimizer_s: float = 0.0  # once per step, after the gradients are averaged (and the loss's all-reduce)
     weight_s: float = 0.0  # the weight-gradient part of backward_s (what a zero-bubble schedule runs apart)
     unhidden_sync_s: float = 0.0  # grad_sync_s when no backward hides any of it (see `assemble`)
@@ -153,6 +153,7 @@ class StageCosts:
         self._batch = next(n for n in self.graph if n.op == "input").outputs[0].shape[0]
         self.fewest = fewest_samples(self.graph, self._batch)  # samples a rank's microbatch needs
         self.flops = [(a.flops_fwd, a.flops_bwd) for a in self.atoms]
+        self.largest_grad = max((self.graph.params[f].nbytes for f in self.graph.trainable), default=0)
         self._per_byte: dict = {}
         self._excess: dict = {}  # `variant_table`'s tied_excess, by (bounds, submesh, logical, lean)
         self._links: dict = {}  # (submesh, logical) -> the data axis's link
@@ -593,7 +594,8 @@ class StageCosts:
                                                      for k in range(len(self.atoms))])])[bounds]
             time = np.where(broken[None, :] - broken[:, None] > 0, np.inf, time)
         return {"time": time, "backward": bwd, "sync": sync, "states": states, "acts": acts, "transient": transient,
-                "grads": grads, "averaged": averaged, "optimizer": self.optimizer_s(elements, tensors, dtensors) + tp_grad,
+                "grads": grads, "averaged": flat_held(averaged, self.largest_grad),
+                "optimizer": self.optimizer_s(elements, tensors, dtensors) + tp_grad,
                 **(partial if rc is True else {})}
 
     def range_sums(self, atoms, submesh, lm, lean) -> np.ndarray | None:
@@ -710,8 +712,9 @@ class StageCosts:
         # after the last backward, before the optimizer: the tensor axis's partial weight gradients
         # (and an offloaded stage's step on the host)
         optimizer = float(self.optimizer_s(elements, tensors, dtensors)) + tp_grad
-        return StageOption(lm, lean, rc, fwd, bwd, send, sync, states, acts, transient, grads, averaged,
-                           optimizer, weight, unhidden, depth, abs(zero), zero < 0)
+        held = float(flat_held(averaged, self.largest_grad))
+        return StageOption(lm, lean, rc, fwd, bwd, send, sync, states, acts, transient, grads, held, optimizer,
+                           weight, unhidden, depth, abs(zero), zero < 0)
 
     def _largest(self, prefix: np.ndarray, bounds: np.ndarray, column: int) -> np.ndarray:
         """[i, j]: the largest layer's `column` among the layers of [bounds[i], bounds[j]) (the prefix
