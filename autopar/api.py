@@ -110,7 +110,9 @@ def parallelize(
       kernels as eager torch. Either way a stage runs as the program lowered from the plan
       (`runtime.lower`): local tensors and the collectives the plan priced. Under plain data
       parallelism (no graph to lower) it compiles the module's repeated blocks in place, one
-      `torch.compile` each, as torchtitan does, so gradient buckets overlap the backward.
+      `torch.compile` each, as torchtitan does, so gradient buckets overlap the backward. `step`
+      runs `loss_fn` compiled too (torchtitan's loss component: the cross entropy's passes over
+      the logits fused).
 
     Returns a `ParallelModel` (one stage: an `nn.Module`) or a `PipelineModel` (several: `step` only).
 
