@@ -571,8 +571,9 @@ class StageCosts:
             partial["plain_acts"] = partial["plain_acts"] + loss * np.where(bounds > 0, 2.0, 1.0)[:, None]
         fwd, bwd = fwd + self.loss_time(loss) / 2, bwd + self.loss_time(loss) / 2
         valid = True
+        whole = (bounds[:, None] == 0) & (bounds[None, :] == len(self.atoms))
+        transient = transient + np.where(self.graph_backward(whole, lm, rc, z, m), grads, 0.0)
         if z:
-            whole = (bounds[:, None] == 0) & (bounds[None, :] == len(self.atoms))
             unit = self._largest(prefix, bounds, 11)  # the largest layer's gradient bytes in each range
             zq = self.zeroed(z, submesh, lm, m, whole, {"states": states, "grads": grads, "averaged": averaged,
                                                      "trainable": trainable, "elements": elements, "tensors": tensors,
@@ -691,6 +692,8 @@ class StageCosts:
             acts += self.cut[atoms[0] - 1] / (lm[0] * m)
         acts += loss * (2 if atoms[0] > 0 else 1)  # log-probabilities; a pipeline's schedule keeps the logits
         fwd, bwd = fwd + float(self.loss_time(loss)) / 2, bwd + float(self.loss_time(loss)) / 2
+        if self.graph_backward(tuple(atoms) == (0, len(self.atoms)), lm, rc, zero, m):
+            transient += grads
         if zero:
             unit = max(float(self.range_sums((a, b), submesh, lm, lean)[11]) for a, b in zip(ends, ends[1:]))
             zq = self.zeroed(zero, submesh, lm, m, tuple(atoms) == (0, len(self.atoms)),
@@ -736,6 +739,17 @@ class StageCosts:
         activations are freed by then); the sharded gradients the states count only appear then."""
         width = PRECISIONS[self.graph.precision].itemsize if self.graph.precision else 4
         return (2 * width - 4 / dp) / (2 * width + 4)
+
+    @staticmethod
+    def graph_backward(whole, lm: tuple[int, int], rc: bool | str, zero: int, m: int):
+        """Where a microbatch's backward returns all of the stage's gradients at once, beside those
+        accumulated from the earlier microbatches (a transient of the stage's gradient bytes): a
+        stage lowered to one backward graph (`runtime.lower`: a pipeline's, a tensor axis's, a
+        recomputing one's) with more than one microbatch. Autograd on the module (plain data
+        parallelism) adds each gradient in as it comes; ZeRO's layers (`Segmented`) return a
+        layer's at a time, which `zeroed` counts. `whole`: the range is the whole model (arrays too)."""
+        eager = whole & (lm[1] == 1) & (not rc)
+        return ~eager & (m > 1) & (not zero) if isinstance(eager, np.ndarray) else (not eager and m > 1 and not zero)
 
     def one_stage_transient(self, prefix: np.ndarray, bounds: np.ndarray, loss: float, m: int, rc: bool | str
                             ) -> float:
