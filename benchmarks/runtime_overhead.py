@@ -12,8 +12,9 @@ each), same global batch:
   vocabulary-parallel embedding and output layer, local head count in attention).
 With `--compile`, also the data-parallel plan with `compile=True` (no graph to lower: the module
 blocks each under `torch.compile`, `parallel.compile_blocks`).
-Each runs `--warmup` steps (the first lowers, or compiles), then `--steps` timed ones, in `--runs`
-separate starts of the ranks; a row gives the median of the runs' medians and their spread (the
+All are built first; then each step of the batches runs every runtime in turn (the order rotating
+from step to step, so that a drift of the machine's speed reaches them alike), `--warmup` steps
+(the first lowers, or compiles) and `--steps` timed ones, in `--runs` separate starts of the ranks; a row gives the median of the runs' medians and their spread (the
 noise floor), and the ratio against the hand-written baseline. Run it alone: other work on the
 cores skews the times. Prints the table and writes it to docs/benchmarks/results/runtime_overhead.md
 (not with `--json`, whose output is for programs).
@@ -86,12 +87,13 @@ def _rank(rank, world, port, out, args):
     torch.set_num_threads(1)
     import autopar
 
-    results = {}
+    gen = torch.Generator().manual_seed(1)
+    first = autopar.load_workload(args.model, batch=args.batch, device="cpu")
+    batches = [first.make_batch(first.batch, gen) for _ in range(args.warmup + args.steps)]
+    steps = {}
     for kind in args.kinds:
         torch.manual_seed(0)
         w = autopar.load_workload(args.model, batch=args.batch, device="cpu")
-        gen = torch.Generator().manual_seed(1)
-        batches = [w.make_batch(w.batch, gen) for _ in range(args.warmup + args.steps)]
         if kind.endswith("-module"):  # the user's own loop around the module parallelize returns
             plan = f"{world},1,1" if kind.startswith("autopar-dp") else f"1,{world},1"
             pm = autopar.parallelize(w.model, (1, world), w.example_inputs, plan=plan)
@@ -126,16 +128,21 @@ def _rank(rank, world, port, out, args):
                 loss.backward()
                 opt.step()
                 return loss.item()
-        times = []
-        for i, (inputs, target) in enumerate(batches):
+        steps[kind] = step
+    # step by step, every runtime in turn (the order rotating): a drift of the machine's speed
+    # during the run reaches them all alike, as `farm-bench --vs` pairs its runs
+    times = {kind: [] for kind in args.kinds}
+    for i, (inputs, target) in enumerate(batches):
+        for kind in args.kinds[i % len(args.kinds):] + args.kinds[:i % len(args.kinds)]:
             dist.barrier()
             start = time.perf_counter()
-            step(inputs, target)
+            steps[kind](inputs, target)
             if i >= args.warmup:
-                times.append(time.perf_counter() - start)
-        results[kind] = statistics.median(times)
-        if rank == 0:
-            print(f"  {kind}: {results[kind] * 1e3:.1f} ms per step", file=sys.stderr, flush=True)
+                times[kind].append(time.perf_counter() - start)
+    results = {kind: statistics.median(t) for kind, t in times.items()}
+    if rank == 0:
+        for kind, t in results.items():
+            print(f"  {kind}: {t * 1e3:.1f} ms per step", file=sys.stderr, flush=True)
     if rank == 0:
         torch.save(results, out)
     dist.barrier()

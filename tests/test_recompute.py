@@ -80,7 +80,8 @@ def test_a_stage_recomputes_only_the_layers_its_memory_needs():
     search = Search.start(w, cluster, (1, 2), memory_limit=limit)
     plan = plan_auto(search, **shape)
     assert plan.estimate.fits and plan.estimate.peak_memory_bytes <= limit
-    stage = next(s for s in plan.stages if s.recompute)
+    stage = next((s for s in plan.stages if s.recompute and s.recompute_layers), None)
+    assert stage is not None, [(s.layers, s.recompute, s.recompute_layers) for s in plan.stages]
     assert 1 <= stage.recompute_layers < stage.layers[1] - stage.layers[0]
     costs, atoms = search.costs, search.atoms(*stage.layers)
     every = costs.option_for(atoms, stage.submesh, stage.logical_mesh, False, True,

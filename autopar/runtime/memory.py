@@ -49,8 +49,13 @@ class TensorBytes(TorchDispatchMode):
     # `run_and_save_rng_state`): they run as they are, their outputs counted like any op's
     supports_higher_order_operators = True
 
-    def __init__(self, held: list[torch.Tensor]) -> None:
+    def __init__(self, held: list[torch.Tensor], params: list[torch.Tensor] = ()) -> None:
         super().__init__()
+        # gradients as autograd stores them: the data axis's synchroniser later replaces them by
+        # views of its buckets, so what holds them after the step does not name them all
+        self.grads: set[int] = set()
+        self._params = [p for p in params if p.requires_grad]
+        self._grad_hooks: list = []
         # storage -> itself, read at each op: FSDP2 frees a gathered parameter by resizing its
         # storage to nothing (and gathers into it again), which no op reports
         self.live: dict[int, weakref.ref] = {}
@@ -81,13 +86,21 @@ class TensorBytes(TorchDispatchMode):
             self.saved.add(found[0])
         return t
 
+    def _stored(self, p: torch.Tensor) -> None:
+        found = _storage(p.grad) if p.grad is not None else None
+        if found is not None:
+            self.grads.add(found[0])
+
     def __enter__(self) -> TensorBytes:
         self._hooks.__enter__()
+        self._grad_hooks = [p.register_post_accumulate_grad_hook(self._stored) for p in self._params]
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         super().__exit__(*exc)
         self._hooks.__exit__(*exc)
+        for handle in self._grad_hooks:
+            handle.remove()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if any(t is DTensor for t in types):
@@ -105,6 +118,7 @@ class TensorBytes(TorchDispatchMode):
             keys["parameters"].add((_storage(p) or (None,))[0])
             if p.grad is not None:
                 keys["gradients"].add((_storage(p.grad) or (None,))[0])
+        keys["gradients"] |= self.grads
         for state in optimizer.state.values():
             for t in state.values():
                 if isinstance(t, torch.Tensor):
@@ -122,7 +136,7 @@ def measured_step(pm: Any, inputs: Any, target: torch.Tensor, **step: Any) -> tu
     params = list(pm.trained.parameters())
     held = params + [t for s in pm.optimizer.state.values() for t in s.values() if isinstance(t, torch.Tensor)]
     held += list(getattr(pm, "state_buffers", {}).values())
-    with TensorBytes(held) as tracker:
+    with TensorBytes(held, params) as tracker:
         loss = pm.step(inputs, target, **step)
     return loss, tracker.by_category(params, pm.optimizer)
 
