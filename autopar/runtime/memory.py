@@ -53,43 +53,47 @@ class TensorBytes(TorchDispatchMode):
         super().__init__()
         # gradients as autograd stores them: the data axis's synchroniser later replaces them by
         # views of its buckets, so what holds them after the step does not name them all
-        self.grads: set[int] = set()
+        self.grads: set[int | None] = set()
         self._params = [p for p in params if p.requires_grad]
         self._grad_hooks: list = []
-        # storage -> itself, read at each op: FSDP2 frees a gathered parameter by resizing its
-        # storage to nothing (and gathers into it again), which no op reports
-        self.live: dict[int, weakref.ref] = {}
+        # storage address -> (serial, the storage), read at each op: FSDP2 frees a gathered
+        # parameter by resizing its storage to nothing (and gathers into it again), which no op
+        # reports. Storages are named by serial, not address: a freed storage's address is reused,
+        # and a temporary born there must not inherit its predecessor's category
+        self.live: dict[int, tuple[int, weakref.ref]] = {}
+        self._serials = 0
         self.peak, self.at_peak = 0, {}
-        self.saved: set[int] = set()
+        self.saved: set[int | None] = set()
         for t in held:  # what exists before the step: parameters, optimizer state, buffers
             self._track(t)
         self._note()
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
 
-    def _track(self, t: Any) -> None:
+    def _track(self, t: Any) -> int | None:
+        """The serial of `t`'s storage, tracked from now on if it was not."""
         found = _storage(t) if isinstance(t, torch.Tensor) else None
-        if found is None or found[0] in self.live:
-            return
-        key, storage = found
-        self.live[key] = weakref.ref(storage)
-        weakref.finalize(storage, self.live.pop, key, None)
+        if found is None:
+            return None
+        address, storage = found
+        if address in self.live:
+            return self.live[address][0]
+        self._serials += 1
+        self.live[address] = (self._serials, weakref.ref(storage))
+        weakref.finalize(storage, self.live.pop, address, None)
+        return self._serials
 
     def _note(self) -> None:
-        sizes = {key: s.nbytes() for key, ref in list(self.live.items()) if (s := ref()) is not None}
+        sizes = {key: s.nbytes() for key, ref in list(self.live.values()) if (s := ref()) is not None}
         total = sum(sizes.values())
         if total > self.peak:
             self.peak, self.at_peak = total, sizes
 
     def _pack(self, t: torch.Tensor) -> torch.Tensor:
-        found = _storage(t)
-        if found is not None:
-            self.saved.add(found[0])
+        self.saved.add(self._track(t))
         return t
 
     def _stored(self, p: torch.Tensor) -> None:
-        found = _storage(p.grad) if p.grad is not None else None
-        if found is not None:
-            self.grads.add(found[0])
+        self.grads.add(self._track(p.grad))
 
     def __enter__(self) -> TensorBytes:
         self._hooks.__enter__()
@@ -115,14 +119,11 @@ class TensorBytes(TorchDispatchMode):
         """The peak's bytes per category (and `total`), sorted by what holds each storage now."""
         keys = {name: set() for name in CATEGORIES}
         for p in params:
-            keys["parameters"].add((_storage(p) or (None,))[0])
-            if p.grad is not None:
-                keys["gradients"].add((_storage(p.grad) or (None,))[0])
+            keys["parameters"].add(self._track(p))
+            keys["gradients"].add(self._track(p.grad))
         keys["gradients"] |= self.grads
         for state in optimizer.state.values():
-            for t in state.values():
-                if isinstance(t, torch.Tensor):
-                    keys["optimizer"].add((_storage(t) or (None,))[0])
+            keys["optimizer"] |= {self._track(t) for t in state.values()}
         keys["activations"] = self.saved
         out = dict.fromkeys(CATEGORIES, 0)
         for key, nbytes in self.at_peak.items():
