@@ -131,8 +131,11 @@ MISPRICED: dict[tuple[str, str], str] = {}
 
 
 def assert_as_planned(ranks, case):
-    """Every lowered stage of every rank (`ranks`: each one's `programs()`) issued the collectives
-    its plan records, no other (`runtime.lower.unplanned`), but in the cases the planner still misprices."""
+    """Every stage of every rank (`ranks`: each one's `programs()`) ran lowered (or eager: a
+    one-stage plan without a tensor axis), none interpreted, and issued the collectives its plan
+    records, no other (`runtime.lower.unplanned`), but in the cases the planner still misprices."""
+    interpreted = [p["why"] for programs in ranks for p in programs if p["runs"] == "interpreted"]
+    assert not interpreted, interpreted
     differ = [p for programs in ranks for p in programs if p["runs"] == "lowered" and (p["unplanned"] or p["missing"])]
     assert bool(differ) == (case in MISPRICED), differ or f"now as planned: take {case} off MISPRICED"
 

@@ -102,7 +102,8 @@ def _parallel(rank, world, name, layout, zero3):
     if getattr(pm, "graph", None) is not None and pm.graph.units:  # FSDP2's groups: each unit with weights, the root's own
         issued["groups"] = sum(1 for u in pm.graph.units if any(True for _ in u.parameters())) \
             + any(True for _ in pm.graph.parameters(recurse=False))
-    return losses, pm.full_state_dict(), {**pm.comm_stats(), "fsdp": issued}
+    return losses, pm.full_state_dict(), {**pm.comm_stats(), "fsdp": issued,
+                                          "interpreted": [p["why"] for p in pm.programs() if p["runs"] == "interpreted"]}
 
 
 @contextlib.contextmanager
@@ -166,8 +167,9 @@ ZERO3 = [(n, lay, True) for n in ("mlp-tiny", "gpt-tiny", "hf-gpt2") for lay in 
 @pytest.mark.parametrize("name, layout, zero3", ZERO3)
 def test_zero3_with_a_tensor_or_pipeline_axis_equals_single_process(tmp_path, name, layout, zero3):
     losses, params = _single(name)
-    for got_losses, got_params, _ in shared_ranks(_parallel, 4, ZERO3, (name, layout, zero3), tmp_path):
+    for got_losses, got_params, stats in shared_ranks(_parallel, 4, ZERO3, (name, layout, zero3), tmp_path):
         _assert_same_training(got_losses, got_params, losses, params)
+        assert not stats["interpreted"]  # each layer its own lowered program, whatever it hands the next
 
 
 def _pipelined(rank, world, name, layout, compile=False):

@@ -30,7 +30,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -279,6 +279,7 @@ class _Entry:
     collectives: list[Collective]
     seconds: float  # tracing (and compiling) time, once traced
     saved_bytes: int = 0  # what the forward graph keeps for the backward, per call
+    outputs: list = field(default_factory=list)  # per output: its DTensor spec, or None for a plain one
 
 
 class Program:
@@ -323,12 +324,18 @@ class Program:
             # slices (a batch's tokens and targets cut from one block), traced as contiguous ones
             inputs = tuple(x.contiguous() for x in inputs)
             fixed = [t.contiguous() for t in fixed]
-        key = (tuple((tuple(x.shape), x.dtype, x.requires_grad) for x in (*inputs, *fixed)),
+        # a segment (a ZeRO layer) hands DTensors to the next: they cross into and out of the program
+        # as local tensors (`_Locals`' rule for gradients: a partial value's is replicated), so the
+        # traced graphs see plain values only, as a whole stage's do (AOTAutograd's own handling of
+        # tensor-subclass outputs and their tangents left some layers' partitions invalid)
+        specs = tuple(x._spec if isinstance(x, DTensor) else None for x in inputs)
+        inputs = tuple(x.to_local() if isinstance(x, DTensor) else x for x in inputs)
+        key = (tuple((tuple(x.shape), x.dtype, x.requires_grad) for x in (*inputs, *fixed)), specs,
                tuple(p.requires_grad for p in params), torch.is_grad_enabled(), graph.training,
                _autocast_state())
         entry = self.cache.get(key)
         if entry is None:
-            entry = self._lower(graph, params)
+            entry = self._lower(graph, params, specs)
         dparams = [p for p in params if isinstance(p, DTensor)]
         if dparams and torch.is_grad_enabled() and any(p.requires_grad for p in dparams):
             locals_ = iter(_Locals.apply(entry.specs, *dparams))
@@ -337,7 +344,7 @@ class Program:
         flat = [next(locals_) if isinstance(p, DTensor) else p for p in params]
         if key in self.cache:
             self._tally(entry)
-            return _as_returned(entry.run(*flat, *fixed, *inputs))
+            return _as_dtensors(entry, entry.run(*flat, *fixed, *inputs))
         # the first call traces (on fake copies of the inputs), then runs
         graph.tracing = True
         try:
@@ -355,7 +362,7 @@ class Program:
         entry.specs[:] = [_grad_spec(p, entry.record[i]) for i, p in enumerate(params) if isinstance(p, DTensor)]
         self.cache[key] = entry
         self._tally(entry)
-        return _as_returned(out)
+        return _as_dtensors(entry, out)
 
     def _tally(self, entry: _Entry) -> None:
         backward = torch.is_grad_enabled()  # (the backward graph runs once per forward that needs it)
@@ -394,8 +401,9 @@ class Program:
         """Time spent lowering (tracing, and with `compile` compiling), over every signature so far."""
         return sum(e.seconds for e in self.cache.values())
 
-    def _lower(self, graph: Any, params: list) -> _Entry:
-        """The program for one signature, traced at its first call."""
+    def _lower(self, graph: Any, params: list, specs: tuple) -> _Entry:
+        """The program for one signature, traced at its first call; `specs`: the DTensor inputs'
+        (their local tensors are handed in)."""
         from functorch.compile import default_partition, make_boxed_func
         from torch._functorch.aot_autograd import aot_function
 
@@ -410,7 +418,14 @@ class Program:
             for i, (node, local, p) in enumerate(zip(nodes, locals_, params)):
                 given[node] = _AsParam.apply(local, params, entry.record, i) if isinstance(p, DTensor) else local
             given.update(zip(fixed_nodes, rest[:len(fixed_nodes)]))
-            return graph.interpret(tuple(rest[len(fixed_nodes):]), given)
+            inputs = tuple(x if spec is None else DTensor.from_local(
+                x, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+                for x, spec in zip(rest[len(fixed_nodes):], specs))
+            out = graph.interpret(inputs, given)
+            outs = out if isinstance(out, tuple) else (out,)
+            entry.outputs[:] = [o._spec if isinstance(o, DTensor) else None for o in outs]
+            outs = tuple(o.to_local() if isinstance(o, DTensor) else o for o in outs)
+            return outs if isinstance(out, tuple) else outs[0]
 
         returned = [0]  # the forward graph's outputs before those it keeps for the backward
 
@@ -697,9 +712,16 @@ def _mark_recomputed(joint: torch.fx.GraphModule) -> None:
             node.meta["ac_graph_id"] = region
 
 
-def _as_returned(out: Any) -> Any:
-    """The outputs as `interpret` returns them: one value, or a tuple (AOTAutograd gives a list)."""
-    return tuple(out) if isinstance(out, list) else out
+def _as_dtensors(entry: _Entry, out: Any) -> Any:
+    """The outputs as `interpret` returns them: one value, or a tuple (AOTAutograd gives a list),
+    DTensors again where they were traced as DTensors."""
+    if not any(entry.outputs):
+        return tuple(out) if isinstance(out, list) else out
+    outs = out if isinstance(out, (list, tuple)) else [out]
+    outs = tuple(o if spec is None else DTensor.from_local(
+        o, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+        for o, spec in zip(outs, entry.outputs))
+    return outs if isinstance(out, (list, tuple)) else outs[0]
 
 
 def _below_autograd(run: Callable) -> Callable:
