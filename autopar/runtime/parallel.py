@@ -426,6 +426,7 @@ class ParallelModel(nn.Module):
         self._bytes = {"dp": [0, 0], "tp": [0, 0], "pp": [0, 0]}
         self._issued: list[dict[str, Any]] = []
         self._carried = False  # the step's loss rode with the gradients (`GradSync.carry`)
+        self._loss_sum: Any = None  # or its own collective, in flight (`_sum_loss`)
         if self.tp > 1:  # replicated values draw one dropout mask on every rank of the tensor axis
             rng.share(mesh["tp"], device)
 
@@ -697,11 +698,18 @@ class ParallelModel(nn.Module):
             self.buffer_sync.after_step()
         if self._carried:
             total, self.sync.carried = self.sync.carried, None
-        elif self.graph is not None and self.graph.output_shard:  # the tensor axis's ranks hold different samples
-            dist.all_reduce(total)
-        elif self.dp > 1:  # the tensor axis's ranks hold the same loss: no collective over it
-            dist.all_reduce(total, group=self.group)
+        elif self._loss_sum is not None:
+            self._loss_sum.wait()
         return float(total) / self.dp
+
+    def _sum_loss(self, total: torch.Tensor) -> Any:
+        """Launch the sum of the step's loss over the ranks holding different samples (None: no
+        collective needed); `step` waits on it."""
+        if self.graph is not None and self.graph.output_shard:  # the tensor axis's ranks hold different samples
+            return dist.all_reduce(total, async_op=True)
+        if self.dp > 1:  # the tensor axis's ranks hold the same loss: no collective over it
+            return dist.all_reduce(total, group=self.group, async_op=True)
+        return None
 
     def _microbatches(self, micro_in: list, micro_target: list, total: torch.Tensor) -> None:
         """Forward and backward of every microbatch (the synchroniser launches with the last)."""
@@ -722,8 +730,10 @@ class ParallelModel(nn.Module):
                 else:  # every rank of the tensor axis holds the same loss
                     loss = reported = self.loss_fn(self.graph(*args), micro_target[i]) / m
             total += reported.detach().double()
-            # the step's loss summed with the last gradient bucket, not in a collective of its own
+            # the step's loss summed with the last gradient bucket, not in a collective of its own;
+            # else summed by one launched now, which the last backward hides
             self._carried = last and self.tp == 1 and self.sync is not None and self.sync.carry(total)
+            self._loss_sum = self._sum_loss(total) if last and not self._carried else None
             with phase("backward"):
                 self.precision.scale(loss).backward()
 
