@@ -70,17 +70,28 @@ def _bucket_latency(stage: StageGraph) -> float:
     return all_reduce_latency(stage.mesh.dp, stage.mesh.dp_link)
 
 
-def shard_stage(
-    graph: OpGraph,
-    cluster: ClusterSpec,
-    submesh: tuple[int, int],
-    logical: tuple[int, int],
-    memory_limit: float | None = None,
-    time_limit_s: float = 30.0,
-    rule: Rule | None = None,
-    fixed: dict[str, Strategy] | None = None,
-) -> StageSharding:
-    """Solve the sharding of `graph` on logical mesh `logical` (dp, tp) over `submesh` (hosts, devices).
+@dataclass
+class StageProblem:
+    """A stage's sharding problem, built once (the strategies, their evaluations, the ILP's costs)
+    and solved under as many memory limits as the planner asks (`solve_stage`)."""
+
+    stage: StageGraph
+    logical: tuple[int, int]
+    strategies: dict[str, list[Strategy]]
+    classes: list[str]
+    evals: dict[str, list[Evaluation]]
+    problem: Problem  # its memory set per solve
+    states: list[np.ndarray]  # per ILP node: each strategy's model states (and 16-bit weight copies)
+    activations: list[np.ndarray]  # and its activations
+
+    def least_memory(self, activation_weight: float = 1.0) -> float:
+        """What the leanest sharding needs, counting the activations at `activation_weight`."""
+        return float(sum((s + activation_weight * a).min() for s, a in zip(self.states, self.activations)))
+
+
+def stage_problem(graph: OpGraph, cluster: ClusterSpec, submesh: tuple[int, int], logical: tuple[int, int],
+                  rule: Rule | None = None, fixed: dict[str, Strategy] | None = None) -> StageProblem:
+    """The sharding problem of `graph` on logical mesh `logical` (dp, tp) over `submesh` (hosts, devices).
 
     `rule` narrows each anchor's choices (a hand-written layout such as Megatron-LM's): the ILP
     still places everything else consistently and prices it the same way. `fixed` (a result's
@@ -96,24 +107,49 @@ def shard_stage(
     classes = [a for a in anchors if stage.cls[a] == a]
     evals = {c: [costs.evaluate(c, s) for s in strategies[c]] for c in classes}
     var = {c: i for i, c in enumerate(classes)}
-    problem = Problem([np.zeros(len(strategies[c])) for c in classes], [np.zeros(len(strategies[c])) for c in classes])
+    def zeros() -> list[np.ndarray]:
+        return [np.zeros(len(strategies[c])) for c in classes]
+
+    problem, states, acts = Problem(zeros(), zeros()), zeros(), zeros()
     for a in anchors:
         c = stage.cls[a]
         problem.node_costs[var[c]] += np.array([e.time for e in evals[c]])
         # ZeRO-3's gathered parameters are not summed: FSDP2 gathers a layer at a time (`gathered`
         # is priced per stage: `search._gathered_per_layer`, `search.plan_single_stage`)
-        problem.node_memory[var[c]] += np.array([e.state_memory + e.activation_memory + e.weight_copies
-                                                 for e in evals[c]])
+        states[var[c]] += np.array([e.state_memory + e.weight_copies for e in evals[c]])
+        acts[var[c]] += np.array([e.activation_memory for e in evals[c]])
     for name, cost in output_costs(stage, evals).items():
         problem.node_costs[var[stage.group(name)]] += cost
     for u, v, m in edge_costs(stage, evals):
         problem.add_edge(var[u], var[v], m)
-    problem.memory_limit = cluster.device.memory_bytes * 0.9 if memory_limit is None else memory_limit
+    return StageProblem(stage, logical, strategies, classes, evals, problem, states, acts)
+
+
+def solve_stage(prepared: StageProblem, memory_limit: float, time_limit_s: float = 30.0,
+                activation_weight: float = 1.0) -> StageSharding:
+    """The fastest sharding of `prepared` within `memory_limit` bytes per device, counting the
+    activations at `activation_weight` beside the model states (0: the states alone, as a pipeline
+    stage of many microbatches holds few of the batch's activations at once). Raises
+    `InfeasibleError` (with the least memory) where none fits."""
+    stage, classes, evals = prepared.stage, prepared.classes, prepared.evals
+    problem = dataclasses.replace(prepared.problem, memory_limit=memory_limit, node_memory=[
+        s + activation_weight * a for s, a in zip(prepared.states, prepared.activations)])
     sol = solve(problem, time_limit_s)
+    var = {c: i for i, c in enumerate(classes)}
     chosen = {c: evals[c][sol.choice[var[c]]] for c in classes}
-    picked = {a: strategies[a][sol.choice[var[stage.cls[a]]]] for a in anchors}
-    result = _result(stage, logical, chosen, {c: picked[c].zero for c in classes}, sol, problem)
+    anchors = [n for n in stage.names if stage.root.get(n) == n]
+    picked = {a: prepared.strategies[a][sol.choice[var[stage.cls[a]]]] for a in anchors}
+    result = _result(stage, prepared.logical, chosen, {c: picked[c].zero for c in classes}, sol, problem)
     return dataclasses.replace(result, strategies=picked, tp_batch=_tp_batch(stage, result))
+
+
+def shard_stage(graph: OpGraph, cluster: ClusterSpec, submesh: tuple[int, int], logical: tuple[int, int],
+                memory_limit: float | None = None, time_limit_s: float = 30.0, rule: Rule | None = None,
+                fixed: dict[str, Strategy] | None = None) -> StageSharding:
+    """Solve the sharding of `graph` on logical mesh `logical` (dp, tp) over `submesh` (hosts,
+    devices) within `memory_limit` (default 90 % of the device): `stage_problem`, then `solve_stage`."""
+    limit = cluster.device.memory_bytes * 0.9 if memory_limit is None else memory_limit
+    return solve_stage(stage_problem(graph, cluster, submesh, logical, rule, fixed), limit, time_limit_s)
 
 
 def _tp_batch(stage: StageGraph, result: StageSharding) -> frozenset[tuple[int, int]]:
@@ -213,7 +249,8 @@ def _result(stage: StageGraph, logical, chosen: dict[str, Evaluation], zero: dic
                 "gradients": sum(e.grad_memory for e in per_anchor),
                 "attention": sum(e.attention_memory for e in per_anchor),
                 "attention_kept": sum(e.attention_kept for e in per_anchor),
-                "total": problem.memory(sol.choice), "limit": problem.memory_limit},
+                "total": sum(e.state_memory + e.activation_memory + e.weight_copies for e in per_anchor),
+                "limit": problem.memory_limit},
         solver={"status": sol.status, "objective": sol.objective, "gap": sol.gap, "time_s": sol.solve_time_s,
                 "variables": sol.num_variables, "constraints": sol.num_constraints,
                 "ilp_nodes": len(problem.node_costs), "anchors": len(anchors)},

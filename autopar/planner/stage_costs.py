@@ -2,8 +2,10 @@
 
 Each atom (module-boundary layer: an embedding, a transformer block, the output layer) is solved
 by the intra-op ILP on every (submesh, logical mesh) once per structural hash — 24 identical
-blocks cost one solve — in two variants: fastest, and leanest (the least memory any sharding
-needs, then the fastest such). A stage's cost is the sum of its atoms': atoms meet at
+blocks cost one solve — in three variants (`SHARDINGS`): fastest; the fastest of those with the
+least model states (what a pipeline stage of many microbatches needs: its states stay, a few
+microbatches' activations come and go — Megatron-LM's tensor parallelism is such a point); and
+leanest (the least memory, states and a whole batch's activations, then the fastest such). A stage's cost is the sum of its atoms': atoms meet at
 replicated or batch-split boundaries, which the intra-op pass enforces at every atom's output.
 
 The graph is captured at the global batch; a stage of M microbatches runs each microbatch in
@@ -37,6 +39,8 @@ from autopar.planner.intra_op import (
     logical_meshes,
     program_collectives,
     shard_stage,
+    solve_stage,
+    stage_problem,
 )
 from autopar.planner.layering import cut_bytes
 from autopar.planner.placement import P, R, redistribution
@@ -44,6 +48,11 @@ from autopar.planner.stage_graph import layer_hash
 from autopar.planner.strategy_costs import DTYPE_BYTES, Rule
 
 COLUMNS = 24  # of `StageCosts.range_sums`
+# each atom's shardings: the fastest; the fastest of those within STATES_SLACK of the least model
+# states (a bias left whole beside its sharded weight costs a few bytes and saves a collective);
+# the least memory. Ranked in this order where they tie
+FASTEST, LEAST_STATES, LEAST_MEMORY = SHARDINGS = (0, 1, 2)
+STATES_SLACK = 0.02
 # selective recomputation is weighed where attention cores hold at least this share of the model's
 # activations: where attention keeps its s² scores (eager: 19–21 % in gpt-small-eager and T5; BERT's
 # masked attention on CPU 17 %), not where a fused kernel keeps its output and log-sum-exp (8.6–12 %
@@ -79,7 +88,7 @@ class StageOption:
     """One way to run a layer range on a submesh, per microbatch of a given count."""
 
     logical_mesh: tuple[int, int]
-    lean: bool  # the least-memory sharding of each atom
+    lean: int  # which of each atom's shardings (`SHARDINGS`): 0 fastest, 1 least states, 2 least memory
     recompute: bool | str  # False, True (whole layers) or SELECTIVE (attention cores)
     forward_s: float
     backward_s: float
@@ -145,6 +154,7 @@ class StageCosts:
         self.tied = {f: ks for f, ks in users.items() if len(ks) > 1}
         self.hashes = [layer_hash(self.graph, a.nodes) for a in self.atoms]
         self._subgraphs: dict[int, OpGraph] = {}
+        self._problems: dict = {}  # (atom, submesh, logical) -> its `StageProblem`, solved per sharding
         self._first: dict[str, int] = {}  # structural hash -> the atom its results were solved on
         self._prefix: dict = {}  # (submesh, logical, lean) -> prefix sums of atom costs
         self._splits: dict = {}  # (submesh, logical, lean) -> each atom's tp_batch
@@ -196,7 +206,7 @@ class StageCosts:
             return sync + self.compressed_per_byte(submesh, lm) * trainable
         return exposed_time(sync, backward, axis_link(self.cluster, lm, 0, submesh))
 
-    def atom(self, k: int, submesh: tuple[int, int], logical: tuple[int, int], lean: bool) -> StageSharding | None:
+    def atom(self, k: int, submesh: tuple[int, int], logical: tuple[int, int], lean: int) -> StageSharding | None:
         key = (self.hashes[k], submesh, logical, lean)
         if key in self._cache:
             self.hits += 1
@@ -215,16 +225,15 @@ class StageCosts:
             self._cache[key] = result
             return result
         try:
+            problem = self._problems.get((k, submesh, logical))
+            if problem is None:  # built once, solved for each of the shardings
+                problem = self._problems[(k, submesh, logical)] = stage_problem(sub, self.cluster, submesh, logical,
+                                                                                self.rule)
             self.solves += 1
-            result = shard_stage(sub, self.cluster, submesh, logical, float("inf"), self.time_limit_s, self.rule)
-            if lean:
-                try:
-                    self.solves += 1  # a probe: the least memory any sharding needs
-                    shard_stage(sub, self.cluster, submesh, logical, 0.0, self.time_limit_s, self.rule)
-                except InfeasibleError as exc:
-                    self.solves += 1
-                    result = shard_stage(sub, self.cluster, submesh, logical, exc.least_memory * (1 + 1e-9),
-                                         self.time_limit_s, self.rule)
+            weight = 0.0 if lean == LEAST_STATES else 1.0  # what counts: the states alone, or with activations
+            slack = STATES_SLACK if lean == LEAST_STATES else 1e-9
+            limit = problem.least_memory(weight) * (1 + slack) if lean else float("inf")
+            result = solve_stage(problem, limit, self.time_limit_s, activation_weight=weight)
         except InfeasibleError:
             result = None  # the data axis does not divide this atom's batch
         if self.choices is not None and result is not None:
@@ -436,7 +445,7 @@ class StageCosts:
         whole = submesh[0] * submesh[1] == self.world
         recompute = self.recomputes if recompute is None else recompute
         return [(lm, lean, rc, z) for lm in (logical or logical_meshes(submesh)) if self.splits_batch(m, lm[0])
-                for lean in (False, True) for rc in recompute for z in self.zero_levels(lm, zeros) if abs(z) < 2 or whole]
+                for lean in SHARDINGS for rc in recompute for z in self.zero_levels(lm, zeros) if abs(z) < 2 or whole]
 
     def splits_batch(self, m: int, dp: int) -> bool:
         """Whether m microbatches over a data axis of dp leave each rank whole samples, as many as the
