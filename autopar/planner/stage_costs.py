@@ -5,8 +5,9 @@ by the intra-op ILP on every (submesh, logical mesh) once per structural hash �
 blocks cost one solve — in three variants (`SHARDINGS`): fastest; the fastest of those with the
 least model states (what a pipeline stage of many microbatches needs: its states stay, a few
 microbatches' activations come and go — Megatron-LM's tensor parallelism is such a point); and
-leanest (the least memory, states and a whole batch's activations, then the fastest such). A stage's cost is the sum of its atoms': atoms meet at
-replicated or batch-split boundaries, which the intra-op pass enforces at every atom's output.
+leanest (the least memory, states and a whole batch's activations, then the fastest such). A
+stage's cost is the sum of its atoms': atoms meet at replicated or batch-split boundaries, which
+the intra-op pass enforces at every atom's output.
 
 The graph is captured at the global batch; a stage of M microbatches runs each microbatch in
 1/M of the batch-proportional time (compute, activation collectives) and holds 1/M of the
