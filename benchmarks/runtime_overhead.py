@@ -12,8 +12,8 @@ each), same global batch:
   vocabulary-parallel embedding and output layer, local head count in attention).
 With `--compile`, also the data-parallel plan with `compile=True` (no graph to lower: the module
 blocks each under `torch.compile`, `parallel.compile_blocks`).
-All are built first; then each step of the batches runs every runtime in turn (the order rotating
-from step to step, so that a drift of the machine's speed reaches them alike), `--warmup` steps
+All are built first; then each step of the batches runs every runtime in turn (in an order
+shuffled from step to step, so that a drift of the machine's speed reaches them alike), `--warmup` steps
 (the first lowers, or compiles) and `--steps` timed ones, in `--runs` separate starts of the ranks; a row gives the median of the runs' medians and their spread (the
 noise floor), and the ratio against the hand-written baseline. Run it alone: other work on the
 cores skews the times. Prints the table and writes it to docs/benchmarks/results/runtime_overhead.md
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -129,11 +130,16 @@ def _rank(rank, world, port, out, args):
                 opt.step()
                 return loss.item()
         steps[kind] = step
-    # step by step, every runtime in turn (the order rotating): a drift of the machine's speed
-    # during the run reaches them all alike, as `farm-bench --vs` pairs its runs
+    # step by step, every runtime in turn: a drift of the machine's speed during the run reaches them
+    # all alike, as `farm-bench --vs` pairs its runs. In an order shuffled every step (the same on
+    # every rank): a fixed rotation has each runtime follow the same one nearly every step, and the
+    # one after the interpreted runtime (whose dispatch churns caches and the allocator) measured
+    # 8 % slower than the same program after another (gpt-tiny, 2026-11-27)
     times = {kind: [] for kind in args.kinds}
     for i, (inputs, target) in enumerate(batches):
-        for kind in args.kinds[i % len(args.kinds):] + args.kinds[:i % len(args.kinds)]:
+        order = list(args.kinds)
+        random.Random(i).shuffle(order)
+        for kind in order:
             dist.barrier()
             start = time.perf_counter()
             steps[kind](inputs, target)

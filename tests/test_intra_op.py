@@ -92,9 +92,13 @@ def test_when_activations_bind_the_ilp_finds_megatron_sequence_parallelism():
     with torch.device("meta"):
         graph = capture(gpt.build(cfg).half(), (torch.zeros(4, 2048, dtype=torch.long, device="meta"),))
     megatron = shard_stage(graph, HOST, (1, 8), (1, 8), rule=MEGATRON)
+    # Megatron-LM's embeddings: the vocabulary's split, the positions' whole (a plain nn.Embedding)
+    assert megatron.params["wte.weight"] == ["R", "S(0)"] and megatron.params["wpe.weight"] == ["R", "R"]
     sp = shard_stage(graph, HOST, (1, 8), (1, 8), rule=MEGATRON_SP)
     assert sp.memory["activations"] < 0.6 * megatron.memory["activations"]
-    limit = 1.01 * sp.memory["total"]
+    # a limit a little under what Megatron-SP needs (the ILP may split the position table, which
+    # Megatron-LM keeps whole): room for sequence parallelism, none for replicated norms
+    limit = 0.97 * sp.memory["total"]
     assert megatron.memory["total"] > limit
     r = shard_stage(graph, HOST, (1, 8), (1, 8), memory_limit=limit)
     for layer in ("h.0", "h.1"):

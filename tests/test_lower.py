@@ -256,3 +256,33 @@ def test_a_lowered_stage_accumulates_gradients_as_autograd_does(fake_group):
     grads = torch.autograd.grad(loss(), list(params.values()))
     assert all(p.grad is None for p in params.values())
     assert all(torch.equal(g.to_local(), once[n]) for n, g in zip(params, grads))
+
+
+def test_an_all_reduce_sums_in_place_only_what_nothing_else_reads(fake_group):
+    """The eager program sums a value in place (`all_reduce_`, no copy per call) where the value is
+    computed in the program and read by nothing else, through views read once; a value read again
+    later, one handed in by the caller, or one whose memory another value shares keeps the
+    functional all-reduce, which sums a copy."""
+    import torch.distributed as dist
+    import torch.distributed._functional_collectives as fc
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from autopar.runtime.lower import _reduce_in_place
+
+    group = dist.group.WORLD
+
+    def program(x, w):
+        dead = fc.all_reduce(x @ w, "sum", group)  # computed here, read by the reduce alone
+        viewed = fc.all_reduce((x @ w).view(-1), "sum", group)  # through a view read once
+        again = x * 2
+        read_again = fc.all_reduce(again, "sum", group)  # `again` is read below
+        given = fc.all_reduce(x, "sum", group)  # the caller's tensor
+        base = x @ w
+        shared = fc.all_reduce(torch.ops.aten._unsafe_view(base, [-1]), "sum", group)  # `base` is read below
+        return dead + viewed.view_as(dead) + read_again + again + given + shared.view_as(base) + base
+
+    gm = make_fx(program)(torch.randn(4, 4), torch.randn(4, 4))
+    _reduce_in_place(gm)
+    reduces = [n for n in gm.graph.nodes if "all_reduce" in str(n.target)]
+    assert [n.target.__name__ for n in reduces] == ["all_reduce_.default", "all_reduce_.default",
+                                                    "all_reduce.default", "all_reduce.default", "all_reduce.default"]

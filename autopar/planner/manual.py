@@ -33,8 +33,9 @@ def megatron_letters(sig: L.Signature, node: OpNode, batch: set[str]) -> set[str
         # column- or row-parallel; the ILP alternates them to save all-reduces (never a batch:
         # CLIP's image-text similarities multiply the batch by the batch)
         return ({"n", "k"} - batch) or {None}
-    if op == "embedding":
-        return {"v"}  # vocabulary-parallel
+    if op == "embedding":  # vocabulary-parallel where it looks the data's tokens up; a table read
+        # by positions (no batch) stays whole, as Megatron-LM's position embeddings do
+        return {"v"} if batch else {None}
     if "scaled_dot_product" in op:
         return {"h"}  # attention heads
     if op in ("conv2d", "convolution"):

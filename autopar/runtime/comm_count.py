@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 _NAMESPACES = {"_c10d_functional", "c10d_functional", "_c10d_functional_autograd"}
-_COLLECTIVES = {"all_reduce", "all_reduce_coalesced", "all_gather_into_tensor", "all_gather_into_tensor_coalesced",
+_COLLECTIVES = {"all_reduce", "all_reduce_", "all_reduce_coalesced", "all_gather_into_tensor", "all_gather_into_tensor_coalesced",
                 "reduce_scatter_tensor", "reduce_scatter_tensor_coalesced", "all_to_all_single", "broadcast"}
 
 
