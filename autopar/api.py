@@ -29,6 +29,7 @@ from autopar.contract.workload import Workload
 from autopar.cost_models import get_cluster
 from autopar.planner.capture import capture
 from autopar.planner.manual import Layout, manual_plan, manual_search, uncaptured_plan
+from autopar.planner.plan_cache import asked, cached
 from autopar.planner.search import Search, plan_auto, plan_compressed
 from autopar.planner.strategy_costs import REPLICATED_GRADIENTS
 from autopar.planner.tune import candidates, choose
@@ -38,7 +39,7 @@ from autopar.runtime.backend import group_backend, keep_to_loopback
 from autopar.runtime.failures import PeerFailed, agreed, collective_failures, set_timeouts, told
 from autopar.runtime.loop import time_steps
 from autopar.runtime.memory import hold_to
-from autopar.runtime.parallel import ParallelModel, UnsupportedPlan, zero3
+from autopar.runtime.parallel import ParallelModel, UnsupportedPlan
 from autopar.runtime.pipeline import PipelineModel
 
 log = logging.getLogger(__name__)
@@ -334,18 +335,11 @@ def _checked(resolved: Plan, request: _Request, graph: Any, world: int) -> Plan:
         raise AutoparError(f"the plan {resolved.name} is a pipeline of {len(resolved.stages)} stages, whose schedule "
                            "runs the loss between them: pass loss_fn (and optimizer) and train with pm.step(inputs, "
                            "target), or use a one-stage plan")
-    if compression not in (None, "auto") or delay:  # the caller's choice overrides the plan's
+    if compression not in (None, "auto") or delay:  # the caller's choice overrides the plan's, validated as a
+        # plan file is: which features combine is the rule book's (`contract.compat`)
         resolved = resolved.with_gradient(
             compression=resolved.dp_gradient.get("compression") if compression == "auto"
             else parse(compression).canonical() if compression else None, delay=delay)
-    if (resolved.dp_gradient.get("compression") or resolved.dp_gradient.get("delay")) and resolved.precision == "fp16":
-        raise AutoparError("fp16 scales the loss, and compressors and delayed averaging keep gradients across steps "
-                           "(error feedback, averages in flight), where a scaled or overflowed one would stay: use bf16 "
-                           "mixed precision with compression or delayed averaging")
-    if (resolved.dp_gradient.get("compression") or resolved.dp_gradient.get("delay")) and (
-            zero3(resolved) or any(s.zero for s in resolved.stages)):
-        raise AutoparError("compression and delayed averaging work on replicated gradients; this plan shards them "
-                           "over the data axis (ZeRO): use a plan without S(0) parameters or stage zero levels")
     return resolved
 
 
@@ -396,8 +390,10 @@ def _resolve(plan, model, args, batch, graph, cluster, mesh, compression, delay,
 
     if plan is not None:
         layout = Layout.parse(str(plan))
-        return plan_compressed(search, compression, lambda s: manual_plan(manual_search(s), layout))
-    return plan_compressed(search, compression, partial(plan_auto, stages=1) if one_stage else plan_auto)
+        return cached(search, asked(layout, None, compression),
+                      lambda: plan_compressed(search, compression, lambda s: manual_plan(manual_search(s), layout)))
+    return cached(search, asked(None, 1 if one_stage else None, compression),
+                  lambda: plan_compressed(search, compression, partial(plan_auto, stages=1) if one_stage else plan_auto))
 
 
 def _search(model, args, batch, graph, cluster, mesh, delay, precision, memory_limit):

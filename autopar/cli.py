@@ -30,6 +30,7 @@ from autopar.contract.units import human, human_bytes, human_time, printable, sp
 from autopar.cost_models import PRESETS, ClusterSpec, calibration_file, collective_time, get_cluster
 from autopar.models import load_workload
 from autopar.planner.manual import Layout, deepspeed_moe_plan, has_experts, layout_grid, manual_plan, manual_search
+from autopar.planner.plan_cache import asked, cached
 from autopar.planner.search import RESERVE, Search, parse_mesh, plan_auto, plan_compressed, warn_time_limited
 from autopar.planner.unruled import warn_replicated
 from autopar.summary import inspect_workload
@@ -136,6 +137,7 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
 
     start = time.perf_counter()
     bar, step = _progress(f"planning {args.model}")
+    say = Console(stderr=True, highlight=False, soft_wrap=True).print if args.json else out.print  # JSON alone on stdout
     with bar:
         step("capturing")
         search = _search(args)
@@ -161,10 +163,14 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
         elif args.manual:
             layout = Layout.parse(args.manual, args.recompute, args.virtual or 1, args.sequence_parallel, args.zero or 0,
                                   args.offload)
-            plan = plan_compressed(search, args.compression, lambda s: manual_plan(manual_search(s), layout), step)
+            plan = cached(search, asked(layout, None, args.compression),
+                          lambda: plan_compressed(search, args.compression,
+                                                  lambda s: manual_plan(manual_search(s), layout), step), say)
         else:
-            plan = plan_compressed(search, args.compression, lambda s: plan_auto(s, stages=args.stages, progress=step),
-                                   step)
+            plan = cached(search, asked(None, args.stages, args.compression),
+                          lambda: plan_compressed(search, args.compression,
+                                                  lambda s: plan_auto(s, stages=args.stages, progress=step), step),
+                          say)
     elapsed = time.perf_counter() - start
     warn_replicated(search.graph, plan)
     if args.out:
@@ -172,8 +178,11 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
     if args.json:
         return {**plan.to_dict(), "planning_time_s": round(elapsed, 3)}
     _print_plan(plan, out)
-    out.print(f"planned in {elapsed:.1f} s ({plan.search.get('ilp_solves', 0)} ILP solves, "
-              f"{plan.search.get('cache_hits', 0)} cache hits)" + (f" · written to {args.out}" if args.out else ""))
+    if "cached" not in plan.search:
+        out.print(f"planned in {elapsed:.1f} s ({plan.search.get('ilp_solves', 0)} ILP solves, "
+                  f"{plan.search.get('cache_hits', 0)} cache hits)" + (f" · written to {args.out}" if args.out else ""))
+    elif args.out:
+        out.print(f"written to {args.out}")
     return None
 
 

@@ -83,7 +83,7 @@ def _refused(rank, world, name, key):
 
 REFUSED = {  # refused with one message each until they train as one process does; the search offers neither
     # FSDP2 under torch's split backward: Llama's losses came out 6e-5 apart after one step
-    "zbv-zero3": "ZeRO with zbv: a split backward under FSDP2 does not yet train as one process does",
+    "zbv-zero3": "zbv splits backward, which FSDP2's ZeRO does not yet train as one process does",
     # torch's checkpoint: "a different number of tensors was saved during the original forward and recomputation"
     "zbv-split-recompute": "torch's checkpoint cannot recompute a layer for its input gradient and again",
 }

@@ -84,8 +84,7 @@ def test_a_stage_recomputes_only_the_layers_its_memory_needs():
     assert stage is not None, [(s.layers, s.recompute, s.recompute_layers) for s in plan.stages]
     assert 1 <= stage.recompute_layers < stage.layers[1] - stage.layers[0]
     costs, atoms = search.costs, search.atoms(*stage.layers)
-    every = costs.option_for(atoms, stage.submesh, stage.logical_mesh, False, True,
-                             costs.range_sums(atoms, stage.submesh, stage.logical_mesh, False), plan.num_microbatches)
+    every = costs.option_for(atoms, stage.submesh, stage.logical_mesh, False, True, plan.num_microbatches)
     assert stage.cost["backward_s"] < every.backward_s  # fewer layers' forwards again
     assert stage.cost["activation_bytes_per_microbatch"] > every.activation_bytes  # the rest keep theirs
     assert f"first {stage.recompute_layers} layer(s)" in plan.summary()

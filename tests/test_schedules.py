@@ -144,7 +144,7 @@ def test_schema_1_plans_load_with_one_stage_per_group_and_schema_2_round_trips(t
 
 @pytest.mark.parametrize("edit, message", [
     ({"virtual": 3}, "virtual must be a number of stages per device group that divides the 2 stages"),
-    ({"virtual": 2, "schedule": "zbv"}, "one device group would hold all 2 stages: nothing to interleave"),
+    ({"virtual": 2, "schedule": "zbv", "mesh": [1, 1]}, "one device group would hold every stage: nothing to interleave"),
 ])
 def test_a_plan_whose_virtual_stages_do_not_add_up_is_refused(edit, message):
     data = _two_stages().to_dict() | edit
@@ -231,9 +231,9 @@ def test_virtual_on_the_command_line(capsys):
     assert main(args + ["--manual", "1,1,2,4", "--schedule", "interleaved-zb"]) == 0
     assert json.loads(capsys.readouterr().out)["schedule"] == "interleaved-zb"
     assert main(args + ["--manual", "1,1,2,4", "--schedule", "interleaved-zb", "--recompute"]) == 2
-    assert "interleaved-zb splits backward, which recomputation does not run under yet" in capsys.readouterr().err
+    assert "interleaved-zb splits backward, and torch's checkpoint cannot recompute" in capsys.readouterr().err
     assert main(args + ["--manual", "2,1,1", "--virtual", "2", "--schedule", "interleaved-1f1b"]) == 2
-    assert "nothing to interleave (--virtual needs pp ≥ 2)" in capsys.readouterr().err
+    assert "nothing to interleave (virtual stages need 2 or more device groups)" in capsys.readouterr().err
 
 
 def test_the_search_offers_zero3_only_with_a_whole_backward():

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from autopar.contract import schedules
+from autopar.contract.compat import stages_refusal
 from autopar.contract.compression import parse
 from autopar.contract.errors import AutoparError
 from autopar.contract.jsonio import load_file, loads, write_json
@@ -328,13 +329,9 @@ def _parse(data: Any, source: str) -> Plan:
                     and math.isfinite(c["bytes"]) and c["bytes"] >= 0):
                 raise PlanError(f"{source}: {where}collectives must be objects with node, kind and phase (strings) "
                                 f"and bytes (a non-negative number), got {c!r}")
-        if stage.zero is not None and not (stage.zero in (1, 2) and stage.logical_mesh[0] > 1
-                                           and not any(p[0] == "S(0)" for p in stage.params.values())):
-            raise PlanError(f"{source}: {where}zero must be 1 or 2 (null: none) on a stage with a data axis (dp > 1) "
-                            f"whose parameters are not sharded on it already (S(0): ZeRO-3), got {stage.zero!r}")
-        if stage.offload and not stage.zero:
-            raise PlanError(f"{source}: {where}offload moves the states ZeRO shards to host memory: it needs zero 1 or 2 "
-                            "on the stage (set zero, or drop offload)")
+        if stage.zero is not None and not (stage.zero in (1, 2) and not any(p[0] == "S(0)" for p in stage.params.values())):
+            raise PlanError(f"{source}: {where}zero must be 1 or 2 (null: none) on a stage whose parameters are not "
+                            f"sharded over the data axis already (S(0): ZeRO-3), got {stage.zero!r}")
         if stage.recompute_granularity is not None and not (
                 stage.recompute_granularity == SELECTIVE and stage.recompute and stage.recompute_layers is None):
             raise PlanError(f"{source}: {where}recompute_granularity must be \"selective\" (null: whole layers), with "
@@ -382,9 +379,6 @@ def _parse(data: Any, source: str) -> Plan:
         raise PlanError(f"{source}: virtual must be a number of stages per device group that divides the "
                         f"{len(stages)} stages, got {virtual}")
     groups = len(stages) // virtual
-    if groups == 1 and virtual > 1:
-        raise PlanError(f"{source}: one device group would hold all {len(stages)} stages: nothing to interleave; "
-                        "write virtual 1 with one stage")
     wrong = schedules.problem(schedule, groups, groups, virtual)  # one round of microbatches: any count runs
     if wrong:
         raise PlanError(f"{source}: {wrong}")
@@ -407,16 +401,12 @@ def _parse(data: Any, source: str) -> Plan:
     delay = gradient.get("delay", 0)
     if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
         raise PlanError(f"{source}: dp_gradient.delay must be a number of steps ≥ 0, got {delay!r}")
-    zeroed = next((i for i, s in enumerate(stages) if s.zero), None)
-    if zeroed is not None and (gradient.get("compression") or delay):
-        raise PlanError(f"{source}: stages[{zeroed}].zero shards the gradients a compressor or delayed averaging needs "
-                        "whole: drop one or the other")
-    if zeroed is not None and len(stages) > 1 and any(s.zero == 2 for s in stages):
-        raise PlanError(f"{source}: ZeRO-2 (zero 2) runs in one-stage plans only: torch's pipeline schedules keep a "
-                        "stage's gradients whole until its last backward; use zero 1 in a pipeline")
     precision = data.get("precision")
     if precision not in (None, "bf16", "fp16"):
         raise PlanError(f"{source}: precision must be \"bf16\", \"fp16\" or null (the model's dtype), got {precision!r}")
+    why = stages_refusal(stages, schedule, virtual, gradient, precision)  # which features combine: the rule book's
+    if why:
+        raise PlanError(f"{source}: {why}")
     mb = need(data, "num_microbatches", int)
     batch = need(data, "batch", int)
     if not 1 <= batch <= MAX_BATCH or mb > MAX_MICROBATCHES:

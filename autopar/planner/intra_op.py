@@ -88,6 +88,11 @@ class StageProblem:
         """What the leanest sharding needs, counting the activations at `activation_weight`."""
         return float(sum((s + activation_weight * a).min() for s, a in zip(self.states, self.activations)))
 
+    def memory_of(self, result: StageSharding, activation_weight: float = 1.0) -> float:
+        """What `result` (a solution of this problem) needs, counted as `least_memory` counts."""
+        picks = [self.strategies[c].index(result.strategies[c]) for c in self.classes]
+        return float(sum(s[i] + activation_weight * a[i] for s, a, i in zip(self.states, self.activations, picks)))
+
 
 def stage_problem(graph: OpGraph, cluster: ClusterSpec, submesh: tuple[int, int], logical: tuple[int, int],
                   rule: Rule | None = None, fixed: dict[str, Strategy] | None = None) -> StageProblem:

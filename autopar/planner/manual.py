@@ -14,6 +14,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from autopar.contract import schedules
+from autopar.contract.compat import Features, refusal
 from autopar.contract.errors import AutoparError
 from autopar.contract.placements import Replicate
 from autopar.contract.plan import SELECTIVE, Plan, StagePlan
@@ -205,24 +206,16 @@ def check(search: Search, layout: Layout) -> str | None:
     if (layout.dp * layout.tp) % per_host and per_host % (layout.dp * layout.tp):
         return f"a stage's {layout.dp * layout.tp} devices must tile hosts of {per_host}"
     stages = layout.pp * layout.virtual
-    if layout.recompute and schedules.splits_backward(search.schedule):
-        return f"{search.schedule} splits backward, which recomputation does not run under yet: use interleaved-1f1b"
+    compression = search.costs.compression
+    why = refusal(Features(schedule=search.schedule, stages=stages, virtual=layout.virtual, dp=layout.dp, tp=layout.tp,
+                           zero=layout.zero, offload=layout.offload, recompute=layout.recompute,
+                           sequence_parallel=layout.sequence_parallel,
+                           compression=compression.canonical() if compression is not None else None,
+                           precision=search.graph.precision))
+    if why:
+        return why
     if layout.recompute == SELECTIVE and not any(n.attention for n in search.graph):
         return "selective recomputation recomputes attention (QKᵀ, softmax, the product with V): the model has none"
-    if layout.sequence_parallel and layout.tp == 1:
-        return "sequence parallelism splits the sequence over the tensor axis: it needs tp ≥ 2"
-    if layout.offload and layout.zero not in (1, 2):
-        return "offload moves the states ZeRO-1/2 shard to host memory: add +z1 or +z2 (--zero)"
-    if layout.zero and layout.dp == 1:
-        return f"ZeRO-{layout.zero} shards over the data axis: it needs dp ≥ 2"
-    if layout.zero == 2 and layout.pp > 1:
-        return "ZeRO-2 runs in one-stage plans (torch's pipeline schedules keep gradients whole): use +z1 with pp > 1"
-    if layout.zero and schedules.splits_backward(search.schedule):
-        return f"{search.schedule} splits backward, which ZeRO does not run under yet: use interleaved-1f1b"
-    if layout.zero and search.costs.compression is not None:
-        return "a compressor needs the data axis's gradients whole: drop the compression or the ZeRO level"
-    if layout.pp == 1 and layout.virtual > 1:
-        return "one pipeline group would hold every stage: nothing to interleave (--virtual needs pp ≥ 2)"
     if len(block) % stages:
         return (f"{len(block)} blocks do not split evenly into {stages} stages" + (
             ": its repeated layers form one block (layers that share one block's weights, as ALBERT's do, "

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from autopar.contract import schedules
+from autopar.contract.compat import plan_refusal
 from autopar.contract.compression import parse
 from autopar.contract.errors import AutoparError
 from autopar.contract.limits import MAX_DEVICES, MAX_DEVICES_PER_HOST
@@ -182,8 +183,7 @@ class Search:
     def option(self, i: int, j: int, shape: tuple[int, int], m: int, variant) -> StageOption:
         lm, lean, rc, z = variant
         atoms = self.atoms(i, j)
-        return self.costs.option_for(atoms, shape, lm, lean, rc, self.costs.range_sums(atoms, shape, lm, lean), m,
-                                     zero=z)
+        return self.costs.option_for(atoms, shape, lm, lean, rc, m, zero=z)
 
 
 def _stacked(tables: list[dict], m: int) -> dict[str, np.ndarray]:
@@ -401,8 +401,7 @@ def _without_zero(search: Search, chosen: list, m: int) -> list:
     for (i, j), shape, opt in chosen:
         if opt.zero:
             atoms = search.atoms(i, j)
-            opt = search.costs.option_for(atoms, shape, opt.logical_mesh, opt.lean, opt.recompute,
-                                          search.costs.range_sums(atoms, shape, opt.logical_mesh, opt.lean), m,
+            opt = search.costs.option_for(atoms, shape, opt.logical_mesh, opt.lean, opt.recompute, m,
                                           depth=opt.recompute_layers)
         out.append(((i, j), shape, opt))
     return out
@@ -473,11 +472,10 @@ def _virtual_plan(search: Search, p: int, shape: tuple[int, int], lm: tuple[int,
 
 
 def runs(plan: Plan) -> bool:
-    """Whether the runtime runs the plan's schedule with its ZeRO and recomputation: under a split
-    backward FSDP2 does not yet train as one process does, and torch's checkpoint cannot
-    recompute a layer twice (`runtime/pipeline.py` refuses both)."""
-    return not schedules.splits_backward(plan.schedule) or (
-        plan.dp_gradient["zero_stage"] == 0 and not any(s.recompute for s in plan.stages))
+    """Whether the runtime runs the plan's combination of features (`contract.compat`: under a split
+    backward FSDP2 does not yet train as one process does, and torch's checkpoint cannot recompute
+    a layer twice, among others)."""
+    return plan_refusal(plan) is None
 
 
 def plan_compressed(search: Search, compression: str | None, make: Callable[[Search], Plan],
@@ -596,9 +594,8 @@ def recompute_less(search: Search, chosen: list[tuple[tuple[int, int], tuple[int
         if opt.recompute is True and j - i > 1:
             in_flight, limit = search.budget(idx, len(chosen), m)
             atoms = search.atoms(i, j)
-            sums = search.costs.range_sums(atoms, shape, opt.logical_mesh, opt.lean)
             for k in range(1, j - i):
-                fewer = search.costs.option_for(atoms, shape, opt.logical_mesh, opt.lean, True, sums, m, depth=k,
+                fewer = search.costs.option_for(atoms, shape, opt.logical_mesh, opt.lean, True, m, depth=k,
                                                 zero=opt.zero_choice)
                 if fewer.memory(in_flight) <= limit:
                     opt = fewer

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import IntEnum
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -48,7 +50,36 @@ from autopar.planner.placement import P, R, redistribution
 from autopar.planner.stage_graph import layer_hash
 from autopar.planner.strategy_costs import DTYPE_BYTES, Rule
 
-COLUMNS = 24  # of `StageCosts.range_sums`
+
+
+class Col(IntEnum):
+    """The quantities `StageCosts.range_sums` adds up over a range of atoms, by name."""
+
+    fwd = 0  # compute of the forward (seconds, whole batch)
+    bwd = 1  # compute of the backward
+    comm = 2  # the tensor axis's collectives and reshardings
+    sync = 3  # the data axis's gradient averaging, bucket latency left out
+    states = 4  # model states (bytes)
+    acts = 5  # activations backward keeps (whole batch)
+    trainable = 6  # trainable bytes
+    weighted_latency = 7  # bucket latency × trainable bytes
+    latency = 8  # the collectives' latency (paid per microbatch)
+    copies = 9  # autocast's 16-bit weight copies
+    gathered = 10  # ZeRO-3's gathered parameters and gradients
+    grads = 11  # gradient bytes
+    averaged = 12  # bytes the data axis averages from flat copies (GradSync's)
+    gather = 13  # ZeRO-3's all-gather (seconds)
+    scatter = 14  # ZeRO-3's reduce-scatter
+    fixed_f = 15  # the fixed per-op time of forward
+    fixed_b = 16  # of backward
+    elements = 17  # the optimizer's elements
+    tensors = 18  # its tensors
+    dtensors = 19  # its DTensors
+    tp_grad = 20  # the tensor axis's weight-gradient all-reduces
+    attention = 21  # the activations the attention cores save
+    attention_s = 22  # the forward selective recomputation repeats
+    attention_kept = 23  # the cores' inputs its checkpoints keep beyond those
+
 # each atom's shardings: the fastest; the fastest of those within STATES_SLACK of the least model
 # states (a bias left whole beside its sharded weight costs a few bytes and saves a collective);
 # the least memory. Ranked in this order where they tie
@@ -168,6 +199,7 @@ class StageCosts:
         self._per_byte: dict = {}
         self._excess: dict = {}  # `variant_table`'s tied_excess, by (bounds, submesh, logical, lean)
         self._links: dict = {}  # (submesh, logical) -> the data axis's link
+        self._shardings: dict = {}  # (submesh, logical) -> the shardings of distinct costs (`shardings`)
         kept = {n.name: sum(o.nbytes for k, o in enumerate(n.outputs) if n.saved_outputs is None or k in n.saved_outputs)
                 + n.saved_hidden for n in self.graph if not n.is_view and n.op != "input"}
         freed = sum(kept[n.name] for n in self.graph if n.attention and n.name in kept) - sum(
@@ -190,7 +222,7 @@ class StageCosts:
         key = (submesh, lm)
         if key not in self._per_byte:
             shapes = [tuple(self.graph.params[f].shape) for f in sorted(self.graph.trainable)]
-            link = axis_link(self.cluster, lm, 0, submesh)
+            link = self.data_link(submesh, lm)
             extra = (sync_time(self.compression, shapes, lm[0], link, self.cluster.device)
                      - dense_time(shapes, lm[0], link))
             self._per_byte[key] = extra / max(1, 4 * sum(math.prod(s) for s in shapes))
@@ -205,7 +237,13 @@ class StageCosts:
         after backward (its rounds depend on the data): nothing hides, and it adds its own cost."""
         if self.compression is not None and lm[0] > 1:
             return sync + self.compressed_per_byte(submesh, lm) * trainable
-        return exposed_time(sync, backward, axis_link(self.cluster, lm, 0, submesh))
+        return exposed_time(sync, backward, self.data_link(submesh, lm))
+
+    def data_link(self, submesh: tuple[int, int], lm: tuple[int, int]):
+        """The link a stage's data axis runs over (`axis_link`, cached: the search asks it per variant)."""
+        if (submesh, lm) not in self._links:
+            self._links[(submesh, lm)] = axis_link(self.cluster, lm, 0, submesh)
+        return self._links[(submesh, lm)]
 
     def atom(self, k: int, submesh: tuple[int, int], logical: tuple[int, int], lean: int) -> StageSharding | None:
         key = (self.hashes[k], submesh, logical, lean)
@@ -230,11 +268,15 @@ class StageCosts:
             if problem is None:  # built once, solved for each of the shardings
                 problem = self._problems[(k, submesh, logical)] = stage_problem(sub, self.cluster, submesh, logical,
                                                                                 self.rule)
-            self.solves += 1
             weight = 0.0 if lean == LEAST_STATES else 1.0  # what counts: the states alone, or with activations
             slack = STATES_SLACK if lean == LEAST_STATES else 1e-9
             limit = problem.least_memory(weight) * (1 + slack) if lean else float("inf")
-            result = solve_stage(problem, limit, self.time_limit_s, activation_weight=weight)
+            fastest = self.atom(k, submesh, logical, FASTEST) if lean else None
+            if fastest is not None and problem.memory_of(fastest, weight) <= limit:
+                result = fastest  # the fastest is lean enough already: the same solve's answer
+            else:
+                self.solves += 1
+                result = solve_stage(problem, limit, self.time_limit_s, activation_weight=weight)
         except InfeasibleError:
             result = None  # the data axis does not divide this atom's batch
         if self.choices is not None and result is not None:
@@ -419,7 +461,7 @@ class StageCosts:
             sums = self.range_sums(atoms, submesh, lm, lean)
             if sums is None or not self.splits_microbatch(submesh, lm, lean, num_microbatches, atoms):
                 continue
-            option = self.option_for(atoms, submesh, lm, lean, rc, sums, num_microbatches, zero=z)
+            option = self.option_for(atoms, submesh, lm, lean, rc, num_microbatches, zero=z)
             if math.isfinite(option.time):
                 out.append(option)
         return out
@@ -446,7 +488,22 @@ class StageCosts:
         whole = submesh[0] * submesh[1] == self.world
         recompute = self.recomputes if recompute is None else recompute
         return [(lm, lean, rc, z) for lm in (logical or logical_meshes(submesh)) if self.splits_batch(m, lm[0])
-                for lean in SHARDINGS for rc in recompute for z in self.zero_levels(lm, zeros) if abs(z) < 2 or whole]
+                for lean in self.shardings(submesh, lm) for rc in recompute for z in self.zero_levels(lm, zeros)
+                if abs(z) < 2 or whole]
+
+    def shardings(self, submesh: tuple[int, int], lm: tuple[int, int]) -> tuple[int, ...]:
+        """The shardings (`SHARDINGS`) that place some atom otherwise than every earlier one on this
+        mesh: where every atom solves alike under two, the second would give the search each of the
+        first's options again."""
+        key = (submesh, lm)
+        if key not in self._shardings:
+            placed = {}
+            for lean in SHARDINGS:
+                self.range_sums((0, 0), submesh, lm, lean)  # solves every atom (read below without counting hits)
+                results = (self._cache[(h, submesh, lm, lean)] for h in self.hashes)
+                placed[lean] = [(r.params, r.ops) if r is not None else None for r in results]
+            self._shardings[key] = tuple(lean for lean in SHARDINGS if all(placed[k] != placed[lean] for k in range(lean)))
+        return self._shardings[key]
 
     def splits_batch(self, m: int, dp: int) -> bool:
         """Whether m microbatches over a data axis of dp leave each rank whole samples, as many as the
@@ -474,9 +531,7 @@ class StageCosts:
         `q`: states, grads, averaged, trainable, elements, tensors, sync (seconds, not yet
         exposed), fwd, bwd (per microbatch), unit; arrays or floats. Returns the changed ones, the
         exposed sync (`sync`, `unhidden`), the `transient` to add and `valid`."""
-        if (submesh, lm) not in self._links:
-            self._links[(submesh, lm)] = axis_link(self.cluster, lm, 0, submesh)
-        dp, link = lm[0], self._links[(submesh, lm)]
+        dp, link = lm[0], self.data_link(submesh, lm)
         level = abs(z)
         host = self.cluster.host_link if z < 0 and self.cluster.offloads else None
         states, grads, averaged, elements = q["states"], q["grads"], q["averaged"], q["elements"]
@@ -531,203 +586,167 @@ class StageCosts:
                                  for h in self.hashes]
         return self._splits[key]
 
-    def variant_table(self, bounds: np.ndarray, submesh: tuple[int, int], variant, m: int) -> dict[str, np.ndarray]:
-        """`option_for` for every layer range [bounds[i], bounds[j]) at once: arrays indexed [i, j]
-        (inf time where an atom has no sharding on this mesh)."""
+    def variant_table(self, bounds: np.ndarray, submesh: tuple[int, int], variant, m: int,
+                      depth: int | None = None) -> dict[str, np.ndarray]:
+        """The stage cost, for every layer range [bounds[i], bounds[j]) at once: arrays indexed [i, j]
+        (inf time where an atom has no sharding on this mesh). The one formula: `option_for` reads
+        an entry (the DP ranks by the whole table, the plan is priced by the entry). With `depth`
+        (recomputing variants): each range [i, j) recomputes only its first `depth` layers, those
+        between bounds i and i + depth."""
         lm, lean, rc, z = variant
         self.range_sums((0, 0), submesh, lm, lean)  # fills the prefix sums
         prefix = self._prefix[(submesh, lm, lean)][bounds]  # [layer boundary, quantity]
         sums = prefix[None, :, :] - prefix[:, None, :]  # [i, j, quantity]
-        fwd, bwd, comm, sync, states, acts, trainable, weighted, latency, copies, gathered, grads, averaged, \
-            gather, scatter, fixed_f, fixed_b, elements, tensors, dtensors, tp_grad, attention, attention_s, \
-            attention_kept = np.moveaxis(sums, -1, 0)
+        q = SimpleNamespace(**{c.name: sums[..., c] for c in Col})
         key = (bounds.tobytes(), submesh, lm, lean)  # the same for every recompute and ZeRO variant
         if key not in self._excess:
             self._excess[key] = self.tied_excess(bounds, submesh, lm, lean)
-        states = states - self._excess[key]
-        comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
-        with np.errstate(invalid="ignore", divide="ignore"):
-            n_buckets = bucket_count(trainable)
-            sync = sync + np.where(trainable > 0, weighted / np.where(trainable > 0, trainable, 1) * n_buckets, 0)
-        fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m + copies
-        fwd, bwd = fwd + fixed_f * (1 - 1 / m), bwd + fixed_b * (1 - 1 / m)  # every microbatch issues every op
-        fwd = fwd + gather / 2 * (1 - 1 / m)  # ZeRO-3 gathers again for every microbatch's forward: `option_for`
+        states = q.states - self._excess[key]
+        comm = q.comm - q.latency + q.latency * m  # per microbatch below: bytes scale with it, α does not
+        with np.errstate(invalid="ignore", divide="ignore"):  # one bucket latency per 25 MB of the stage's weights
+            n_buckets = bucket_count(q.trainable)
+            sync = q.sync + np.where(q.trainable > 0, q.weighted_latency / np.where(q.trainable > 0, q.trainable, 1)
+                                     * n_buckets, 0)
+        # a linear layer's backward computes its input's and its weight's gradients at equal cost
+        # (Qi et al. price T_W = T_B): the weights' half of the computation, none of its collectives
+        weight = q.bwd / m / 2
+        # autocast copies the weights once per microbatch and keeps them until its backward
+        fwd, bwd, acts = (q.fwd + comm / 2) / m, (q.bwd + comm / 2) / m, q.acts / m + q.copies
+        fwd, bwd = fwd + q.fixed_f * (1 - 1 / m), bwd + q.fixed_b * (1 - 1 / m)  # every microbatch issues every op
+        # ZeRO-3 gathers the parameters again for every microbatch's forward; in one stage for its
+        # backward too, and reduce-scatters every microbatch's gradients (`runtime.parallel`). torch's
+        # pipeline schedules keep them gathered through the backwards and reduce once, after the last
+        fwd = fwd + q.gather / 2 * (1 - 1 / m)
         if bounds[0] == 0 and bounds[-1] == len(self.atoms):
-            bwd[0, -1] += (gather[0, -1] / 2 + scatter[0, -1]) * (1 - 1 / m)
+            bwd[0, -1] += (q.gather[0, -1] / 2 + q.scatter[0, -1]) * (1 - 1 / m)
         loss = np.where(bounds == len(self.atoms), self.loss_bytes / (lm[0] * m), 0.0)[None, :]  # ranges ending the model
-        transient = 2 * loss + gathered * self.held_in_pipeline(lm[0])
+        transient = 2 * loss + q.gathered * self.held_in_pipeline(lm[0])
         if bounds[0] == 0 and bounds[-1] == len(self.atoms):  # the whole model in one stage
             transient[0, -1] = self.one_stage_transient(prefix, bounds, 2 * loss[0, -1], m, rc)
         inbound = np.array([self.cut[a - 1] if a > 0 else 0.0 for a in bounds]) / (lm[0] * m)  # each layer's input
+        partial: dict[str, np.ndarray] = {}
         if rc == SELECTIVE:  # the attention cores' activations recomputed, one layer's at a time
-            bwd = bwd + attention_s / m
-            acts = acts - (attention - attention_kept) / m + inbound[:, None]
-            transient = transient + self._largest(prefix, bounds, 21) / m
+            bwd = bwd + q.attention_s / m
+            acts = acts - (q.attention - q.attention_kept) / m + inbound[:, None]
+            transient = transient + self._largest(prefix, bounds, Col.attention) / m
         elif rc:  # keep each layer's input; one layer's activations (and the weight copies) at a time
-            # a range's first d layers only (`search._fastest`): acts without recomputation + depth[i + d] - depth[i]
-            # (the inputs of layers i + 1 … i + d kept, the activations of layers i … i + d - 1 not)
-            partial = {"again": fwd, "plain_acts": acts + inbound[:, None],
-                       "depth": np.cumsum(inbound) - np.concatenate([[0.0], np.cumsum(np.diff(prefix[:, 5]) / m
-                                                                                      + np.diff(prefix[:, 9]))])}
-            bwd = bwd + fwd
-            inputs = np.concatenate([[0.0], np.cumsum(inbound[:-1])])
-            transient = transient + self._largest(prefix, bounds, 5) / m + copies
-            acts = inputs[None, :] - inputs[:, None]
+            plain = acts + inbound[:, None]  # without recomputation
+            # [k]: the inputs of layers 1 … k kept, the activations of layers 0 … k - 1 not
+            kept = np.cumsum(inbound) - np.concatenate(
+                [[0.0], np.cumsum(np.diff(prefix[:, Col.acts]) / m + np.diff(prefix[:, Col.copies]))])
+            held = self._largest(prefix, bounds, Col.acts) / m + q.copies  # one layer's, recomputed
+            if depth is None:
+                # a range's first d layers only (`search._fastest`): plain + kept[i + d] - kept[i]
+                partial = {"again": fwd, "plain_acts": plain, "depth": kept}
+                inputs = np.concatenate([[0.0], np.cumsum(inbound[:-1])])
+                bwd, transient, acts = bwd + fwd, transient + held, inputs[None, :] - inputs[:, None]
+            else:  # the first `depth` layers of each range as above, the rest as without recomputation
+                rows = np.arange(len(bounds))
+                head = np.minimum(rows + depth, len(bounds) - 1)
+                bwd = bwd + fwd[rows, head][:, None]
+                transient = transient + held[rows, head][:, None]
+                acts = plain + (kept[head] - kept)[:, None]
         else:  # a later stage keeps what it received until that microbatch's backward
             acts = acts + inbound[:, None]
         # the loss keeps its log-probabilities; in a pipeline the schedule keeps the logits as well
-        acts = acts + loss * np.where(bounds > 0, 2.0, 1.0)[:, None]
-        if rc is True:
-            partial["plain_acts"] = partial["plain_acts"] + loss * np.where(bounds > 0, 2.0, 1.0)[:, None]
+        logits = loss * np.where(bounds > 0, 2.0, 1.0)[:, None]
+        acts = acts + logits
+        if partial:
+            partial["plain_acts"] = partial["plain_acts"] + logits
         fwd, bwd = fwd + self.loss_time(loss) / 2, bwd + self.loss_time(loss) / 2
         valid = True
         whole = (bounds[:, None] == 0) & (bounds[None, :] == len(self.atoms))
+        grads, averaged, elements, dtensors, tp_grad = q.grads, q.averaged, q.elements, q.dtensors, q.tp_grad
         transient = transient + np.where(self.graph_backward(whole, lm, rc, z, m), grads, 0.0)
         if z:
-            unit = self._largest(prefix, bounds, 11)  # the largest layer's gradient bytes in each range
+            unit = self._largest(prefix, bounds, Col.grads)  # the largest layer's gradient bytes in each range
             zq = self.zeroed(z, submesh, lm, m, whole, {"states": states, "grads": grads, "averaged": averaged,
-                                                     "trainable": trainable, "elements": elements, "tensors": tensors,
-                                                     "sync": sync, "fwd": fwd, "bwd": bwd, "unit": unit})
-            states, grads, averaged, elements, dtensors, bwd, sync, valid, host_s = (
-                zq[k] for k in ("states", "grads", "averaged", "elements", "dtensors", "bwd", "sync", "valid", "host_s"))
+                                                     "trainable": q.trainable, "elements": elements,
+                                                     "tensors": q.tensors, "sync": sync, "fwd": fwd, "bwd": bwd,
+                                                     "unit": unit})
+            states, grads, averaged, elements, dtensors, bwd, sync, unhidden, valid = (
+                zq[k] for k in ("states", "grads", "averaged", "elements", "dtensors", "bwd", "sync", "unhidden", "valid"))
             transient = transient + zq["transient"]
-            tp_grad = tp_grad + host_s
+            tp_grad = tp_grad + zq["host_s"]  # after the last backward: an offloaded stage's step on the host
         else:
-            sync = self.exposed_sync(sync, bwd, submesh, lm, trainable)
+            unhidden = self.exposed_sync(sync, 0.0, submesh, lm, q.trainable)
+            sync = self.exposed_sync(sync, bwd, submesh, lm, q.trainable)
         cut_after = np.array([self.cut[b - 1] if 0 < b < len(self.atoms) else 0.0 for b in bounds])
-        link = stage_send_link(self.cluster, submesh)
+        link = stage_send_link(self.cluster, submesh)  # each rank sends its slice (Megatron's scatter)
         send = np.where(cut_after > 0, p2p_time(cut_after / (lm[0] * lm[1] * m), link), 0.0)[None, :] \
             * np.ones_like(acts)
+        bwd = np.where(np.asarray(valid), bwd, np.inf)
         time = fwd + bwd + send
-        time = np.where(np.isnan(time) | ~np.asarray(valid), np.inf, time)
+        time = np.where(np.isnan(time), np.inf, time)
         if lm[1] > 1 and any(self._tp_splits(submesh, lm, lean)):  # a range with an atom whose batch split m breaks
             broken = np.concatenate([[0], np.cumsum([not self.splits_microbatch(submesh, lm, lean, m, (k, k + 1))
                                                      for k in range(len(self.atoms))])])[bounds]
             time = np.where(broken[None, :] - broken[:, None] > 0, np.inf, time)
-        return {"time": time, "backward": bwd, "sync": sync, "states": states, "acts": acts, "transient": transient,
-                "grads": grads, "averaged": flat_held(averaged, self.largest_grad),
-                "optimizer": self.optimizer_s(elements, tensors, dtensors) + tp_grad,
-                **(partial if rc is True else {})}
+        return {"time": time, "forward": fwd, "backward": bwd, "send": send, "sync": sync, "unhidden": unhidden,
+                "states": states, "acts": acts, "transient": transient, "grads": grads,
+                "averaged": flat_held(averaged, self.largest_grad),
+                # after the last backward, before the optimizer: the tensor axis's partial weight gradients
+                "optimizer": self.optimizer_s(elements, q.tensors, dtensors) + tp_grad, "weight": weight, **partial}
 
     def range_sums(self, atoms, submesh, lm, lean) -> np.ndarray | None:
-        """Per-atom [fwd, bwd, comm, sync without latency, states, acts, trainable bytes,
-        bucket latency × bytes, comm latency, 16-bit weight copies, ZeRO-3's gathered parameters and
-        gradients, gradient bytes, bytes the data axis averages from flat copies, ZeRO-3's all-gather
-        (bytes) and reduce-scatter times, the fixed per-op time of forward and of backward, the
-        optimizer's elements, tensors and DTensors, the tensor axis's weight-gradient all-reduces, the
-        activations the attention cores save, the forward selective recomputation repeats, the
-        cores' inputs its checkpoints keep beyond those] summed over [a, b),
-        from prefix sums."""
+        """The quantities of `Col` summed over atoms [a, b), from prefix sums (None: an atom of the
+        range has no sharding on this mesh)."""
         key = (submesh, lm, lean)
         if key not in self._prefix:
             rows = []
             for k in range(len(self.atoms)):
                 p = self.atom(k, submesh, lm, lean)
-                if p is None:
-                    rows.append([np.nan] * COLUMNS)
-                    continue
-                f, b = self.flops[k]
-                share = f / (f + b) if f + b else 0.5
-                c = p.cost  # the atom's bucket latency is replaced by the stage's (its buckets hold all its weights)
-                bucketed = lm[0] > 1 and not any(pl[0] == "S(0)" for pl in p.params.values())  # GradSync's copies
-                latency = c["bucket_latency_s"] * bucket_count(c["trainable_bytes"])
-                rows.append([c["compute_s"] * share, c["compute_s"] * (1 - share), c["comm_s"] + c["reshard_s"],
-                             c["grad_sync_s"] - latency, p.memory["model_states"], p.memory["activations"],
-                             c["trainable_bytes"], c["bucket_latency_s"] * c["trainable_bytes"], c["comm_latency_s"],
-                             p.memory.get("weight_copies", 0.0), p.memory.get("gathered", 0.0),
-                             p.memory.get("gradients", 0.0), c["trainable_bytes"] if bucketed else 0.0,
-                             c.get("zero_gather_s", 0.0), c.get("zero_scatter_s", 0.0),
-                             c.get("fixed_s", 0.0) * share, c.get("fixed_s", 0.0) * (1 - share),
-                             c.get("optimizer_elements", 0.0), c.get("optimizer_tensors", 0.0),
-                             c.get("optimizer_dtensors", 0.0), c.get("tp_grad_s", 0.0),
-                             p.memory.get("attention", 0.0), c.get("attention_s", 0.0),
-                             p.memory.get("attention_kept", 0.0)])
-            self._prefix[key] = np.vstack([np.zeros(COLUMNS), np.cumsum(np.array(rows), axis=0)])
+                row = np.full(len(Col), np.nan)
+                if p is not None:
+                    f, b = self.flops[k]
+                    share = f / (f + b) if f + b else 0.5
+                    c, mem = p.cost, p.memory  # the atom's bucket latency is replaced by the stage's (`variant_table`)
+                    bucketed = lm[0] > 1 and not any(pl[0] == "S(0)" for pl in p.params.values())  # GradSync's copies
+                    latency = c["bucket_latency_s"] * bucket_count(c["trainable_bytes"])
+                    fixed = c.get("fixed_s", 0.0)
+                    row[:] = 0.0
+                    for col, value in {
+                            Col.fwd: c["compute_s"] * share, Col.bwd: c["compute_s"] * (1 - share),
+                            Col.comm: c["comm_s"] + c["reshard_s"], Col.sync: c["grad_sync_s"] - latency,
+                            Col.states: mem["model_states"], Col.acts: mem["activations"],
+                            Col.trainable: c["trainable_bytes"],
+                            Col.weighted_latency: c["bucket_latency_s"] * c["trainable_bytes"],
+                            Col.latency: c["comm_latency_s"], Col.copies: mem.get("weight_copies", 0.0),
+                            Col.gathered: mem.get("gathered", 0.0), Col.grads: mem.get("gradients", 0.0),
+                            Col.averaged: c["trainable_bytes"] if bucketed else 0.0,
+                            Col.gather: c.get("zero_gather_s", 0.0), Col.scatter: c.get("zero_scatter_s", 0.0),
+                            Col.fixed_f: fixed * share, Col.fixed_b: fixed * (1 - share),
+                            Col.elements: c.get("optimizer_elements", 0.0), Col.tensors: c.get("optimizer_tensors", 0.0),
+                            Col.dtensors: c.get("optimizer_dtensors", 0.0), Col.tp_grad: c.get("tp_grad_s", 0.0),
+                            Col.attention: mem.get("attention", 0.0), Col.attention_s: c.get("attention_s", 0.0),
+                            Col.attention_kept: mem.get("attention_kept", 0.0)}.items():
+                        row[col] = value
+                rows.append(row)
+            self._prefix[key] = np.vstack([np.zeros(len(Col)), np.cumsum(np.array(rows), axis=0)])
         prefix = self._prefix[key]
         sums = prefix[atoms[1]] - prefix[atoms[0]]
         return None if np.isnan(sums).any() else sums
 
-    def option_for(self, atoms, submesh, lm, lean, rc, sums: np.ndarray, m: int, depth: int | None = None,
-                   zero: int = 0) -> StageOption:
-        """`rc` with `depth`: recompute only the range's first `depth` layers (Mist, AdaPipe: as many
-        as memory needs); the later ones keep their activations. `zero`: ZeRO-1/2 (`zeroed`; an
-        option it cannot apply to has infinite time)."""
-        (fwd, bwd, comm, sync, states, acts, trainable, weighted_latency, latency, copies, gathered, grads, averaged,
-         gather, scatter, fixed_f, fixed_b, elements, tensors, dtensors, tp_grad, attention, attention_s,
-         attention_kept) = (
-            float(x) for x in sums)
-        states -= float(self.tied_excess(np.array(atoms), submesh, lm, lean)[0, 1])
-        comm = comm - latency + latency * m  # per microbatch below: bytes scale with it, α does not
-        if trainable:  # one bucket latency per 25 MB of the stage's weights (byte-weighted over its atoms)
-            sync += weighted_latency / trainable * bucket_count(trainable)
-        # a linear layer's backward computes its input's and its weight's gradients at equal cost
-        # (Qi et al. price T_W = T_B): the weights' half of the computation, none of its collectives
-        weight = bwd / m / 2
-        # autocast copies the weights once per microbatch and keeps them until its backward
-        fwd, bwd, acts = (fwd + comm / 2) / m, (bwd + comm / 2) / m, acts / m + copies
-        fwd, bwd = fwd + fixed_f * (1 - 1 / m), bwd + fixed_b * (1 - 1 / m)  # every microbatch issues every op
-        # ZeRO-3 gathers the parameters again for every microbatch's forward; in one stage for its
-        # backward too, and reduce-scatters every microbatch's gradients (`runtime.parallel`). torch's
-        # pipeline schedules keep them gathered through the backwards and reduce once, after the last
-        fwd += gather / 2 * (1 - 1 / m)
-        if tuple(atoms) == (0, len(self.atoms)):
-            bwd += (gather / 2 + scatter) * (1 - 1 / m)
-        loss = self.loss_bytes / (lm[0] * m) if atoms[1] == len(self.atoms) else 0.0
-        transient = 2 * loss + gathered * self.held_in_pipeline(lm[0])
-        if tuple(atoms) == (0, len(self.atoms)):  # the whole model in one stage
-            bounds = np.array(sorted({0, *(self.layer_starts or range(len(self.atoms))), len(self.atoms)}))
-            transient = self.one_stage_transient(self._prefix[(submesh, lm, lean)][bounds], bounds, 2 * loss, m, rc)
-        starts = [a for a in (self.layer_starts or range(len(self.atoms))) if atoms[0] < a < atoms[1]]
-        ends = [atoms[0], *starts, atoms[1]]
-        depth = depth if rc is True and depth is not None and 1 <= depth < len(ends) - 1 else None
-        if rc == SELECTIVE:  # the attention cores' activations recomputed, one layer's at a time
-            bwd += attention_s / m
-            acts -= (attention - attention_kept) / m
-            transient += max(float(self.range_sums((a, b), submesh, lm, lean)[21]) for a, b in zip(ends, ends[1:])) / m
-        if depth is not None:  # the first `depth` layers as below, the rest as without recomputation
-            head = (atoms[0], ends[depth])
-            head_sums = self.range_sums(head, submesh, lm, lean)
-            bwd += self.option_for(head, submesh, lm, lean, False, head_sums, m).forward_s
-            per_layer = [self.range_sums((a, b), submesh, lm, lean)[5] / m for a, b in zip(ends, ends[1:depth + 1])]
-            transient += max(per_layer) + head_sums[9]
-            kept = self.range_sums((ends[depth], atoms[1]), submesh, lm, lean)
-            # the recomputed layers' inputs, and the first kept layer's (the last recomputed one's output)
-            acts = sum(self.cut[a - 1] for a in ends[:depth + 1] if a > 0) / (lm[0] * m) + kept[5] / m + kept[9]
-        elif rc is True:  # keep each layer's input per microbatch; recompute one layer at a time before its backward
-            bwd += fwd
-            per_layer = [self.range_sums((a, b), submesh, lm, lean)[5] / m for a, b in zip(ends, ends[1:])]
-            transient += max(per_layer) + copies
-            acts = sum(self.cut[a - 1] for a in ends[:-1] if a > 0) / (lm[0] * m)
-        elif atoms[0] > 0:  # a later stage keeps what it received until that microbatch's backward (selective too)
-            acts += self.cut[atoms[0] - 1] / (lm[0] * m)
-        acts += loss * (2 if atoms[0] > 0 else 1)  # log-probabilities; a pipeline's schedule keeps the logits
-        fwd, bwd = fwd + float(self.loss_time(loss)) / 2, bwd + float(self.loss_time(loss)) / 2
-        if self.graph_backward(tuple(atoms) == (0, len(self.atoms)), lm, rc, zero, m):
-            transient += grads
-        if zero:
-            unit = max(float(self.range_sums((a, b), submesh, lm, lean)[11]) for a, b in zip(ends, ends[1:]))
-            zq = self.zeroed(zero, submesh, lm, m, tuple(atoms) == (0, len(self.atoms)),
-                             {"states": states, "grads": grads, "averaged": averaged, "trainable": trainable,
-                              "elements": elements, "tensors": tensors, "sync": sync, "fwd": fwd, "bwd": bwd,
-                              "unit": unit})
-            transient += float(zq["transient"])
-            states, grads, averaged, elements, dtensors, bwd, sync, unhidden = (
-                float(zq[k]) for k in ("states", "grads", "averaged", "elements", "dtensors", "bwd", "sync", "unhidden"))
-            bwd = bwd if zq["valid"] else math.inf
-            tp_grad += float(zq["host_s"])
-        else:
-            unhidden = float(self.exposed_sync(sync, 0.0, submesh, lm, trainable))
-            sync = float(self.exposed_sync(sync, bwd, submesh, lm, trainable))
-        last = atoms[1] - 1
-        send = 0.0
-        if last < len(self.atoms) - 1 and self.cut[last] > 0:  # each rank sends its slice (Megatron's scatter)
-            send = p2p_time(self.cut[last] / (lm[0] * lm[1] * m), stage_send_link(self.cluster, submesh))
-        # after the last backward, before the optimizer: the tensor axis's partial weight gradients
-        # (and an offloaded stage's step on the host)
-        optimizer = float(self.optimizer_s(elements, tensors, dtensors)) + tp_grad
-        held = float(flat_held(averaged, self.largest_grad))
-        return StageOption(lm, lean, rc, fwd, bwd, send, sync, states, acts, transient, grads, held, optimizer,
-                           weight, unhidden, depth, abs(zero), zero < 0)
+    def layer_bounds(self, atoms: tuple[int, int]) -> np.ndarray:
+        """Atoms [a, b)'s first atom, the planner's layer starts inside it, and b."""
+        inside = [a for a in (self.layer_starts or range(len(self.atoms))) if atoms[0] < a < atoms[1]]
+        return np.array([atoms[0], *inside, atoms[1]])
+
+    def option_for(self, atoms, submesh, lm, lean, rc, m: int, depth: int | None = None, zero: int = 0
+                   ) -> StageOption:
+        """The stage of atoms [a, b) under one variant, per microbatch of `m`: `variant_table`'s entry
+        for the range (its layers as the table's bounds, so a recomputing range recomputes, and
+        keeps the inputs of, the planner's layers). `rc` with `depth`: recompute only the range's
+        first `depth` layers (Mist, AdaPipe: as many as memory needs); the later ones keep their
+        activations. `zero`: ZeRO-1/2 (`zeroed`; an option it cannot apply to has infinite time)."""
+        bounds = self.layer_bounds(atoms)
+        depth = depth if rc is True and depth is not None and 1 <= depth < len(bounds) - 1 else None
+        t = self.variant_table(bounds, submesh, (lm, lean, rc, zero), m, depth)
+        at = (0, len(bounds) - 1)
+        v = [float(np.broadcast_to(t[k], t["time"].shape)[at]) for k in (
+            "forward", "backward", "send", "sync", "states", "acts", "transient", "grads", "averaged", "optimizer",
+            "weight", "unhidden")]
+        return StageOption(lm, lean, rc, *v, depth, abs(zero), zero < 0)
 
     def _largest(self, prefix: np.ndarray, bounds: np.ndarray, column: int) -> np.ndarray:
         """[i, j]: the largest layer's `column` among the layers of [bounds[i], bounds[j]) (the prefix
@@ -774,9 +793,10 @@ class StageCosts:
             return loss
         per_layer = np.diff(prefix[ends], axis=0)
         if rc is True:
-            return gathered_peak(per_layer[:, 10], self.graph.precision, loss)
-        held = per_layer[:, 5] - (per_layer[:, 21] - per_layer[:, 23] if rc == SELECTIVE else 0.0)
-        return gathered_peak(per_layer[:, 10], self.graph.precision, loss, held / m)
+            return gathered_peak(per_layer[:, Col.gathered], self.graph.precision, loss)
+        held = per_layer[:, Col.acts] - (per_layer[:, Col.attention] - per_layer[:, Col.attention_kept]
+                                         if rc == SELECTIVE else 0.0)
+        return gathered_peak(per_layer[:, Col.gathered], self.graph.precision, loss, held / m)
 
     def tied_excess(self, bounds: np.ndarray, submesh: tuple[int, int], lm: tuple[int, int], lean: bool) -> np.ndarray:
         """[i, j]: the state bytes counted more than once in atoms [bounds[i], bounds[j]) (tied

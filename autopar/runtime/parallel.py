@@ -20,6 +20,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
+from autopar.contract.compat import plan_refusal
 from autopar.contract.compression import carries_momentum, parse
 from autopar.contract.errors import AutoparError
 from autopar.contract.export import first_tensor
@@ -232,10 +233,10 @@ def data_sync(params: list[nn.Parameter], group: dist.ProcessGroup, plan: Plan) 
             raise UnsupportedPlan(f"AUTOPAR_EMULATE_LINK={text[:40]!r}: write latency_s[,bytes_per_s], finite "
                                   "non-negative numbers, e.g. 0.1 or 0.05,1e9")
         link = EmulatedLink(*values)
+    why = plan_refusal(plan)  # (a plan built in memory, not validated as a file is)
+    if why:
+        raise UnsupportedPlan(why)
     if gradient.get("delay"):
-        if gradient.get("compression"):
-            raise UnsupportedPlan("delayed averaging runs on dense gradients: use compression or delay, not both")
-
         return DelayedSync(params, group, int(gradient["delay"]), link=link)
     compressed = None
     if gradient.get("compression"):

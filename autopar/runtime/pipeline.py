@@ -31,6 +31,7 @@ from torch.distributed.pipelining.schedules import PipelineScheduleSingle
 from torch.distributed.tensor import DTensor, Replicate
 
 from autopar.contract import schedules
+from autopar.contract.compat import plan_refusal
 from autopar.contract.errors import AutoparError
 from autopar.contract.export import differentiated, first_tensor, trainable_placeholders
 from autopar.contract.inputs import as_args
@@ -89,9 +90,6 @@ class _Groups:
         dp, tp = plan.stages[self.stage].logical_mesh
         self.dp_rank = j // tp
         meshes = [tuple(s.logical_mesh) for s in plan.stages]
-        if plan.virtual > 1 and (len(set(meshes)) > 1 or len(set(self.sizes)) > 1):
-            raise UnsupportedPlan(f"{plan.schedule} with {plan.virtual} stages per device group runs stages of one "
-                                  f"size and logical mesh; this plan's are {[list(m) for m in meshes]}: re-plan")
         self.bridged_before = self.stage > 0 and meshes[self.stage - 1] != meshes[self.stage]
         self.bridged_after = self.stage < len(meshes) - 1 and meshes[self.stage + 1] != meshes[self.stage]
         if len(set(meshes)) == 1:
@@ -179,6 +177,9 @@ class PipelineModel:
     def __init__(self, model: nn.Module, plan: Plan, loss_fn: Callable, optimizer: Callable,
                  example_inputs: tuple, device: torch.device | None = None,
                  max_grad_norm: float | None = None, compile: bool = False) -> None:
+        why = plan_refusal(plan)  # which features combine (a plan built in memory is not validated as a file is)
+        if why:
+            raise UnsupportedPlan(why)
         loss_fn = compile_loss(loss_fn) if compile else loss_fn
         self.plan, self.loss_fn, self.forward = plan, loss_fn, model.forward
         self.max_grad_norm, self.last_grad_norm = max_grad_norm, None
@@ -203,14 +204,6 @@ class PipelineModel:
             raise UnsupportedPlan(f"stages {', '.join(map(str, self.local))} share device group {g.stage}, and only some "
                                   "shard their parameters over the data axis (ZeRO): re-plan them alike")
         sharded = kinds == {True}
-        if schedules.splits_backward(plan.schedule) and any(plan.stages[s].recompute for s in self.local):
-            raise UnsupportedPlan(f"{plan.schedule} splits backward, and torch's checkpoint cannot recompute a layer "
-                                  "for its input gradient and again for its weight gradient; re-plan with --schedule "
-                                  "interleaved-1f1b or 1f1b, or without recomputation")
-        if sharded and schedules.splits_backward(plan.schedule):
-            raise UnsupportedPlan(f"ZeRO with {plan.schedule}: a split backward under FSDP2 does not yet train as one "
-                                  "process does (losses differ by 1e-5 to 1e-4); re-plan with --schedule "
-                                  "interleaved-1f1b or 1f1b, or without ZeRO")
         self.precision = mixed_precision(plan.precision, device)
         modules = []
         # a parameter the first stage keeps but another of this rank's stages uses is placed as that one's plan says
@@ -270,9 +263,6 @@ class PipelineModel:
                 refuse_failing(module, tuple(micro) if s == 0 else inputs)
         fan = (1, 1)  # ranks this one sends activations to, and input gradients to
         if g.pp_group is None:  # stages of different sizes: a rank may send to several
-            if schedules.splits_backward(plan.schedule):
-                raise UnsupportedPlan(f"{plan.schedule} splits backward, which stages of different sizes "
-                                      f"({g.sizes} devices) do not run: re-plan with --schedule 1f1b")
             stage = FanOutSchedule(self.module, self.stage_index, g.sizes, self.m, loss_m, plan.schedule,
                                    received[0], sent[0])
             self.schedule, stages = stage, [stage]
