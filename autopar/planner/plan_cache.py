@@ -20,8 +20,9 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from autopar.contract.plan import Plan, PlanError
 

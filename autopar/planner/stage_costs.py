@@ -51,7 +51,6 @@ from autopar.planner.stage_graph import layer_hash
 from autopar.planner.strategy_costs import DTYPE_BYTES, Rule
 
 
-
 class Col(IntEnum):
     """The quantities `StageCosts.range_sums` adds up over a range of atoms, by name."""
 
