@@ -406,17 +406,26 @@ _FUNCOL = {"all_reduce": "all_reduce", "all_gather_into_tensor": "all_gather", "
            "all_to_all_single": "all_to_all"}
 
 
+def _comm_mode():
+    """torch's CommDebugMode, told that `_c10d_functional.all_reduce_` is an all-reduce: the lowered
+    program sums in place a value nothing else reads (`runtime.lower._reduce_in_place`), an op
+    torch's table of functional collectives leaves out."""
+    from torch.distributed.tensor.debug import CommDebugMode, _comm_mode
+
+    _comm_mode.NATIVE_TO_PY_MAPPING.setdefault(torch.ops._c10d_functional.all_reduce_,
+                                               torch.ops.c10d_functional.all_reduce)
+    return CommDebugMode()
+
+
 def _tp_collectives(rank, world, name):
     """What one TP step issues on the tensor axis (functional collectives), by kind: the second step,
     the first lowers the stage (tracing dispatches collectives on fake tensors)."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
     w, batches = _workload(name)
     pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
                              plan="1,2,1")
     pm.step(*batches[0])
     assert pm.graph.program.lowered
-    with CommDebugMode() as mode:
+    with _comm_mode() as mode:
         pm.step(*batches[1])
     counts = {str(op): n for op, n in mode.get_comm_counts().items()}
     issued = {_FUNCOL[k.split(".")[-1]]: n for k, n in counts.items() if k.startswith("c10d_functional.")}
@@ -447,13 +456,11 @@ def test_a_tensor_parallel_step_issues_what_the_plan_predicts(tmp_path, name):
 
 def _forward_collectives(rank, world, name, layout):
     """What one step's forward issues on the tensor axis, by kind (the second step: the first lowers)."""
-    from torch.distributed.tensor.debug import CommDebugMode
-
     w, batches = _workload(name)
     pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
                              plan=layout)
     pm.step(*batches[0])
-    with CommDebugMode() as mode:
+    with _comm_mode() as mode:
         pm.step(*batches[1])
     counts = mode.comm_module_counts["Global"]["forward"]
     return {_FUNCOL[str(k).split(".")[-1]]: n for k, n in counts.items() if str(k).startswith("c10d_functional.")}
