@@ -88,11 +88,6 @@ def build_checked(module: ShardedGraph, inputs: tuple) -> None:
         raise UnsupportedPlan(failed)
 
 
-def zero3(plan: Plan) -> bool:
-    """Parameters sharded over the data axis (S(0) there): FSDP2 runs it."""
-    return any(p[0] == Shard(0) for s in plan.stages for p in s.params.values())
-
-
 def data_sharded(stage: StagePlan, dp: int) -> bool:
     """Whether FSDP2 shards the stage's parameters over its data axis: ZeRO-3 (S(0) there) or the
     stage's ZeRO-1/2."""
