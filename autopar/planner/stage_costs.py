@@ -199,6 +199,7 @@ class StageCosts:
         self._excess: dict = {}  # `variant_table`'s tied_excess, by (bounds, submesh, logical, lean)
         self._links: dict = {}  # (submesh, logical) -> the data axis's link
         self._shardings: dict = {}  # (submesh, logical) -> the shardings of distinct costs (`shardings`)
+        self._last_base: tuple = (None, None)  # `_base`'s last key and terms
         kept = {n.name: sum(o.nbytes for k, o in enumerate(n.outputs) if n.saved_outputs is None or k in n.saved_outputs)
                 + n.saved_hidden for n in self.graph if not n.is_view and n.op != "input"}
         freed = sum(kept[n.name] for n in self.graph if n.attention and n.name in kept) - sum(
@@ -585,22 +586,20 @@ class StageCosts:
                                  for h in self.hashes]
         return self._splits[key]
 
-    def variant_table(self, bounds: np.ndarray, submesh: tuple[int, int], variant, m: int,
-                      depth: int | None = None) -> dict[str, np.ndarray]:
-        """The stage cost, for every layer range [bounds[i], bounds[j]) at once: arrays indexed [i, j]
-        (inf time where an atom has no sharding on this mesh). The one formula: `option_for` reads
-        an entry (the DP ranks by the whole table, the plan is priced by the entry). With `depth`
-        (recomputing variants): each range [i, j) recomputes only its first `depth` layers, those
-        between bounds i and i + depth."""
-        lm, lean, rc, z = variant
+    def _base(self, bounds: np.ndarray, submesh: tuple[int, int], lm: tuple[int, int], lean: int, m: int) -> dict:
+        """`variant_table`'s terms that no recompute or ZeRO choice changes, for one (mesh, sharding,
+        microbatch count): the search asks for every such variant in turn, so the last is kept."""
+        key = (bounds.tobytes(), submesh, lm, lean, m)
+        if self._last_base[0] == key:
+            return self._last_base[1]
         self.range_sums((0, 0), submesh, lm, lean)  # fills the prefix sums
         prefix = self._prefix[(submesh, lm, lean)][bounds]  # [layer boundary, quantity]
         sums = prefix[None, :, :] - prefix[:, None, :]  # [i, j, quantity]
         q = SimpleNamespace(**{c.name: sums[..., c] for c in Col})
-        key = (bounds.tobytes(), submesh, lm, lean)  # the same for every recompute and ZeRO variant
-        if key not in self._excess:
-            self._excess[key] = self.tied_excess(bounds, submesh, lm, lean)
-        states = q.states - self._excess[key]
+        excess = (bounds.tobytes(), submesh, lm, lean)  # the same for every m
+        if excess not in self._excess:
+            self._excess[excess] = self.tied_excess(bounds, submesh, lm, lean)
+        states = q.states - self._excess[excess]
         comm = q.comm - q.latency + q.latency * m  # per microbatch below: bytes scale with it, α does not
         with np.errstate(invalid="ignore", divide="ignore"):  # one bucket latency per 25 MB of the stage's weights
             n_buckets = bucket_count(q.trainable)
@@ -620,9 +619,37 @@ class StageCosts:
             bwd[0, -1] += (q.gather[0, -1] / 2 + q.scatter[0, -1]) * (1 - 1 / m)
         loss = np.where(bounds == len(self.atoms), self.loss_bytes / (lm[0] * m), 0.0)[None, :]  # ranges ending the model
         transient = 2 * loss + q.gathered * self.held_in_pipeline(lm[0])
-        if bounds[0] == 0 and bounds[-1] == len(self.atoms):  # the whole model in one stage
-            transient[0, -1] = self.one_stage_transient(prefix, bounds, 2 * loss[0, -1], m, rc)
         inbound = np.array([self.cut[a - 1] if a > 0 else 0.0 for a in bounds]) / (lm[0] * m)  # each layer's input
+        cut_after = np.array([self.cut[b - 1] if 0 < b < len(self.atoms) else 0.0 for b in bounds])
+        link = stage_send_link(self.cluster, submesh)  # each rank sends its slice (Megatron's scatter)
+        send = np.where(cut_after > 0, p2p_time(cut_after / (lm[0] * lm[1] * m), link), 0.0)[None, :] \
+            * np.ones_like(acts)
+        broken = None
+        if lm[1] > 1 and any(self._tp_splits(submesh, lm, lean)):  # a range with an atom whose batch split m breaks
+            cuts = np.concatenate([[0], np.cumsum([not self.splits_microbatch(submesh, lm, lean, m, (k, k + 1))
+                                                   for k in range(len(self.atoms))])])[bounds]
+            broken = cuts[None, :] - cuts[:, None] > 0
+        base = {"prefix": prefix, "q": q, "states": states, "sync": sync, "weight": weight, "fwd": fwd, "bwd": bwd,
+                "acts": acts, "loss": loss, "transient": transient, "inbound": inbound, "send": send, "broken": broken,
+                "unhidden": self.exposed_sync(sync, 0.0, submesh, lm, q.trainable)}
+        self._last_base = (key, base)
+        return base
+
+    def variant_table(self, bounds: np.ndarray, submesh: tuple[int, int], variant, m: int,
+                      depth: int | None = None) -> dict[str, np.ndarray]:
+        """The stage cost, for every layer range [bounds[i], bounds[j]) at once: arrays indexed [i, j]
+        (inf time where an atom has no sharding on this mesh). The one formula: `option_for` reads
+        an entry (the DP ranks by the whole table, the plan is priced by the entry). With `depth`
+        (recomputing variants): each range [i, j) recomputes only its first `depth` layers, those
+        between bounds i and i + depth."""
+        lm, lean, rc, z = variant
+        b = self._base(bounds, submesh, lm, lean, m)
+        q, prefix, inbound, loss = b["q"], b["prefix"], b["inbound"], b["loss"]
+        states, sync, weight, fwd, bwd, acts, transient = (
+            b[k] for k in ("states", "sync", "weight", "fwd", "bwd", "acts", "transient"))
+        if bounds[0] == 0 and bounds[-1] == len(self.atoms):  # the whole model in one stage
+            transient = transient.copy()
+            transient[0, -1] = self.one_stage_transient(prefix, bounds, 2 * loss[0, -1], m, rc)
         partial: dict[str, np.ndarray] = {}
         if rc == SELECTIVE:  # the attention cores' activations recomputed, one layer's at a time
             bwd = bwd + q.attention_s / m
@@ -668,19 +695,14 @@ class StageCosts:
             transient = transient + zq["transient"]
             tp_grad = tp_grad + zq["host_s"]  # after the last backward: an offloaded stage's step on the host
         else:
-            unhidden = self.exposed_sync(sync, 0.0, submesh, lm, q.trainable)
+            unhidden = b["unhidden"]
             sync = self.exposed_sync(sync, bwd, submesh, lm, q.trainable)
-        cut_after = np.array([self.cut[b - 1] if 0 < b < len(self.atoms) else 0.0 for b in bounds])
-        link = stage_send_link(self.cluster, submesh)  # each rank sends its slice (Megatron's scatter)
-        send = np.where(cut_after > 0, p2p_time(cut_after / (lm[0] * lm[1] * m), link), 0.0)[None, :] \
-            * np.ones_like(acts)
+        send = b["send"]
         bwd = np.where(np.asarray(valid), bwd, np.inf)
         time = fwd + bwd + send
         time = np.where(np.isnan(time), np.inf, time)
-        if lm[1] > 1 and any(self._tp_splits(submesh, lm, lean)):  # a range with an atom whose batch split m breaks
-            broken = np.concatenate([[0], np.cumsum([not self.splits_microbatch(submesh, lm, lean, m, (k, k + 1))
-                                                     for k in range(len(self.atoms))])])[bounds]
-            time = np.where(broken[None, :] - broken[:, None] > 0, np.inf, time)
+        if b["broken"] is not None:  # a range with an atom whose batch split the microbatches break
+            time = np.where(b["broken"], np.inf, time)
         return {"time": time, "forward": fwd, "backward": bwd, "send": send, "sync": sync, "unhidden": unhidden,
                 "states": states, "acts": acts, "transient": transient, "grads": grads,
                 "averaged": flat_held(averaged, self.largest_grad),
