@@ -198,7 +198,7 @@ class StageCosts:
         self._per_byte: dict = {}
         self._excess: dict = {}  # `variant_table`'s tied_excess, by (bounds, submesh, logical, lean)
         self._links: dict = {}  # (submesh, logical) -> the data axis's link
-        self._shardings: dict = {}  # (submesh, logical) -> the shardings of distinct costs (`shardings`)
+        self._shardings: dict = {}  # (submesh, logical) -> the shardings that place atoms differently (`shardings`)
         self._last_base: tuple = (None, None)  # `_base`'s last key and terms
         kept = {n.name: sum(o.nbytes for k, o in enumerate(n.outputs) if n.saved_outputs is None or k in n.saved_outputs)
                 + n.saved_hidden for n in self.graph if not n.is_view and n.op != "input"}
