@@ -22,13 +22,15 @@ def _dp_grads(rank, world, bucket_bytes, microbatches):
     sync = GradSync(list(model.parameters()), bucket_bytes=bucket_bytes)
     x, y = _batch()
     xs, ys = x.chunk(world)[rank].chunk(microbatches), y.chunk(world)[rank].chunk(microbatches)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     steps = []
     for kept in (False, True):  # gradients set to None before the step, then kept and zeroed in place
-        for p in model.parameters():
-            if kept:
-                p.grad.zero_()
-            else:
-                p.grad = None
+        if kept:  # `pm.step`'s zero_grad: one fill per bucket, every gradient still its view
+            sync.zero_grad(optimizer)
+            assert all(b.last is not None and b._views_of(b.last()) for b in sync.buckets)
+            assert all(not p.grad.any() for p in model.parameters())
+        else:
+            optimizer.zero_grad(set_to_none=True)
         for i, (xm, ym) in enumerate(zip(xs, ys)):
             sync.sync = i == microbatches - 1  # accumulate locally, reduce on the last microbatch only
             (nn.functional.mse_loss(model(xm), ym) / microbatches).backward()

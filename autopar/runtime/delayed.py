@@ -40,6 +40,9 @@ class DelayedSync:
         self.pending: deque[tuple[Any, torch.Tensor, torch.Tensor, float]] = deque()
         self.steps = 0
 
+    def zero_grad(self, optimizer: torch.optim.Optimizer) -> None:
+        optimizer.zero_grad(set_to_none=True)
+
     @torch.no_grad()
     def carry(self, value: torch.Tensor) -> bool:
         """Delayed averaging reduces no gradients in most steps: the loss goes on its own."""

@@ -659,7 +659,10 @@ class ParallelModel(nn.Module):
         micro_in = [_split(local_in, m, i) for i in range(m)]
         micro_target = [_split(local_target, m, i) for i in range(m)]
         total = torch.zeros((), dtype=torch.float64, device=self.device)  # NCCL reduces device tensors only
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.sync is not None:  # zeroes its buckets in place where it can
+            self.sync.zero_grad(self.optimizer)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         if self.buffer_sync is not None:
             self.buffer_sync.before_step()
         counter = StageBytes([self.graph]) if self.tp > 1 else contextlib.nullcontext()

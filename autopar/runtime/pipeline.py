@@ -364,7 +364,10 @@ class PipelineModel:
         # the first stage uses the inputs, the last the target; a local slice is cut into microbatches as it is
         local_in, local_target = (inputs, target) if local else (self._local(inputs), self._local(target))
         args = tuple(x for x in local_in if isinstance(x, torch.Tensor))  # the graph's inputs (None: a constant)
-        self.optimizer.zero_grad(set_to_none=True)
+        if self.sync is not None:  # zeroes its buckets in place where it can
+            self.sync.zero_grad(self.optimizer)
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
         if self.buffer_sync is not None:
             self.buffer_sync.before_step()
         losses: list[torch.Tensor] = []
