@@ -27,10 +27,11 @@ from autopar.contract.precision import parse_precision
 from autopar.contract.units import human_bytes
 from autopar.contract.workload import Workload
 from autopar.cost_models import get_cluster
+from autopar.planner.auto import plan_auto
 from autopar.planner.capture import capture
 from autopar.planner.manual import Layout, manual_plan, manual_search, uncaptured_plan
 from autopar.planner.plan_cache import asked, cached
-from autopar.planner.search import Search, plan_auto, plan_compressed
+from autopar.planner.search import Search, plan_compressed
 from autopar.planner.strategy_costs import REPLICATED_GRADIENTS
 from autopar.planner.tune import candidates, choose
 from autopar.planner.unruled import warn_replicated

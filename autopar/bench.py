@@ -32,8 +32,9 @@ from autopar.contract.errors import AutoparError
 from autopar.contract.plan import SELECTIVE, Plan
 from autopar.contract.precision import parse_precision
 from autopar.models import load_workload
+from autopar.planner.auto import plan_auto
 from autopar.planner.manual import Layout, check, manual_plan, manual_search
-from autopar.planner.search import Search, plan_auto, replay
+from autopar.planner.search import Search, replay
 from autopar.planner.tune import candidates, choose
 from autopar.runtime.backend import join_local, local_store, same_hash_order
 from autopar.runtime.breakdown import measuring, summarise

@@ -29,9 +29,10 @@ from autopar.contract.precision import parse_precision
 from autopar.contract.units import human, human_bytes, human_time, printable, span
 from autopar.cost_models import PRESETS, ClusterSpec, calibration_file, collective_time, get_cluster
 from autopar.models import load_workload
+from autopar.planner.auto import plan_auto
 from autopar.planner.manual import Layout, deepspeed_moe_plan, has_experts, layout_grid, manual_plan, manual_search
 from autopar.planner.plan_cache import asked, cached
-from autopar.planner.search import RESERVE, Search, parse_mesh, plan_auto, plan_compressed, warn_time_limited
+from autopar.planner.search import RESERVE, Search, parse_mesh, plan_compressed, warn_time_limited
 from autopar.planner.unruled import warn_replicated
 from autopar.summary import inspect_workload
 
@@ -245,7 +246,8 @@ def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
                                    "offload": bool(s.offload)}
                                   for s in auto.stages],
                        "num_microbatches": auto.num_microbatches, "schedule": auto.schedule, "virtual": auto.virtual,
-                       **_estimate(auto)},
+                       # the stage DP's plan, or the hand-written layout the floor priced faster (`planner.auto`)
+                       "found_by": auto.search.get("floor") or "stage DP", **_estimate(auto)},
               "manual": manual}
     if args.json:
         return result

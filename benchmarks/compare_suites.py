@@ -3,7 +3,8 @@ suites on `v100-p3` at the GPU counts of the Alpa paper (global batch 1024). Pri
 table next to the per-GPU TFLOP/s measured in the Alpa paper (REFERENCES.md; for MoE the
 baseline column is DeepSpeed's), and for MoE the predicted speedup of the auto plan over the
 DeepSpeed-style layout next to the measured Alpa / DeepSpeed ratio (3.5× on 16 GPUs, 10.2× on 32).
-Writes the table to docs/benchmarks/results/compare_suites.md.
+"found by" says whether the stage DP found the auto plan or the floor did (a hand-written layout
+priced in the search's own space that beat the DP's plan: `autopar.planner.auto`). Writes the table to docs/benchmarks/results/compare_suites.md.
 
     python benchmarks/compare_suites.py [MODEL ...]
 """
@@ -35,7 +36,7 @@ SUITE = {  # model: (mesh, Alpa measured TFLOP/s per GPU, baseline measured: Meg
 }
 
 
-HEADER = ["model", "GPUs", "auto: stages × submesh, microbatches, schedule", "auto TFLOP/s/GPU",
+HEADER = ["model", "GPUs", "auto: stages × submesh, microbatches, schedule", "found by", "auto TFLOP/s/GPU",
           "auto, 1F1B only TFLOP/s/GPU", "best hand-written (fits)", "its TFLOP/s/GPU", "auto ≤ best",
           "auto / deepspeed-moe predicted", "Alpa measured", "Megatron-LM / DeepSpeed measured",
           "Alpa / DeepSpeed measured", "wall s"]
@@ -59,7 +60,7 @@ def _row(model: str) -> list:
         r, wall, _ = run_cli("compare", model, "--cluster", "v100-p3", "--mesh", mesh, "--batch", "1024")
     except RuntimeError as exc:  # the model fits on no layout: say so, with the planner's own words
         why = str(exc).split("error:")[-1].split("MAXRSS")[0].strip()
-        return [model, hosts * per_host, why, "–", "–", "–", "–", "–", "–", alpa, baseline, measured, "–"]
+        return [model, hosts * per_host, why, "–", "–", "–", "–", "–", "–", "–", alpa, baseline, measured, "–"]
     before, _, _ = run_cli("plan", model, "--cluster", "v100-p3", "--mesh", mesh, "--batch", "1024",
                            "--schedule", "1f1b")  # the search space without the other schedules
     fitting = [m for m in r["manual"] if m["fits"]]
@@ -71,7 +72,7 @@ def _row(model: str) -> list:
                                       else "deepspeed-moe does not fit")
     chose = (f"{len(auto['stages'])} stage(s), {auto['num_microbatches']}, {auto['schedule']}"
              + (f" v{auto['virtual']}" if auto["virtual"] > 1 else "") + memory_choices(auto["stages"]))
-    return [model, hosts * per_host, chose, f"{auto['tflops_per_device']:.1f}",
+    return [model, hosts * per_host, chose, auto["found_by"], f"{auto['tflops_per_device']:.1f}",
             f"{before['estimate']['tflops_per_device']:.1f}", best["name"] if best else "none fits",
             f"{best['tflops_per_device']:.1f}" if best else "–", "yes" if ok else "NO", speedup, alpa, baseline,
             measured, f"{wall:.0f}"]

@@ -69,7 +69,8 @@ def _mutate(data, path, value, how):
 @pytest.fixture(scope="module")
 def valid():
     """A plan as the planner writes it (mlp-tiny, two ranks: a tensor axis, so needs are in it)."""
-    from autopar.planner.search import Search, plan_auto
+    from autopar.planner.auto import plan_auto
+    from autopar.planner.search import Search
 
     w = autopar.load_workload("mlp-tiny", batch=8)
     return json.loads(plan_auto(Search.start(w, get_cluster("cpu-local"), (1, 2))).to_json())

@@ -147,7 +147,8 @@ def broken(tmp_path_factory) -> Path:
     import re
 
     from autopar.cost_models import get_cluster
-    from autopar.planner.search import Search, plan_auto
+    from autopar.planner.auto import plan_auto
+    from autopar.planner.search import Search
 
     tmp_path = tmp_path_factory.mktemp("broken")
     w = autopar.load_workload("mlp-tiny")  # the suite's batch, as `autopar train mlp-tiny` runs it

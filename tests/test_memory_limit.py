@@ -30,7 +30,8 @@ def _plan(world, case):
     """One stage of 4 microbatches, data parallelism only (the tensor axis off: the layout whose
     memory ZeRO and recomputation are there to save), under a fraction of what it takes without a limit."""
     from autopar.cost_models import get_cluster
-    from autopar.planner.search import Search, plan_auto
+    from autopar.planner.auto import plan_auto
+    from autopar.planner.search import Search
     from autopar.planner.strategy_costs import Rule
 
     w = autopar.load_workload("gpt-small-eager" if case == "selective" else "gpt-small", batch=32, device="cpu")

@@ -211,7 +211,8 @@ def _two_stages(rank, world, name):
     """The searched plan with two pipeline stages: moe-tiny's one block of two layers (dense, MoE)
     has no even Megatron split; the plan cuts between its layers, inside the block module."""
     from autopar.cost_models import get_cluster
-    from autopar.planner.search import Search, plan_auto
+    from autopar.planner.auto import plan_auto
+    from autopar.planner.search import Search
 
     w, batches = _workload(name)
     plan = plan_auto(Search.start(w, get_cluster("cpu-local"), (1, world)), stages=2, num_microbatches=4)

@@ -11,7 +11,8 @@ from autopar.contract.errors import AutoparError
 from autopar.contract.plan import Plan
 from autopar.contract.workload import Workload
 from autopar.cost_models import get_cluster
-from autopar.planner.search import Search, plan_auto
+from autopar.planner.auto import plan_auto
+from autopar.planner.search import Search
 from autopar.zoo import gpt, mlp
 
 MESHES = st.sampled_from([(1, 1), (1, 2), (1, 4), (2, 2), (2, 4), (4, 8)])

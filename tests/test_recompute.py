@@ -41,7 +41,8 @@ def _plan(w, world, layout, recompute):
     plan of 8 microbatches under a memory limit (80 % of its peak without one) that makes a
     stage recompute."""
     from autopar.cost_models import get_cluster
-    from autopar.planner.search import Search, plan_auto
+    from autopar.planner.auto import plan_auto
+    from autopar.planner.search import Search
 
     cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)
     if layout == "searched":
@@ -69,7 +70,8 @@ def test_a_stage_recomputes_only_the_layers_its_memory_needs():
     """Mist, AdaPipe: a stage that must recompute recomputes its first layers, as few as fit its
     memory, and keeps the activations of the rest: faster than recomputing them all."""
     from autopar.cost_models import get_cluster
-    from autopar.planner.search import Search, plan_auto
+    from autopar.planner.auto import plan_auto
+    from autopar.planner.search import Search
 
     w, _ = _setup("llama", "1,1,2,2")
     cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=2)
@@ -173,7 +175,8 @@ def test_the_stage_dp_prices_recomputing_a_few_layers(monkeypatch):
     but not all of its layers."""
     from autopar.cost_models import get_cluster
     from autopar.planner import search as searching
-    from autopar.planner.search import Search, plan_auto
+    from autopar.planner.auto import plan_auto
+    from autopar.planner.search import Search
 
     def plan():
         w = autopar.load_workload("gpt-2.6b")

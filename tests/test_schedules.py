@@ -13,7 +13,8 @@ from autopar.contract.plan import Plan
 from autopar.cost_models import get_cluster
 from autopar.cost_models.simulator import StageTimes, simulate
 from autopar.models import load_workload
-from autopar.planner.search import Search, plan_auto
+from autopar.planner.auto import plan_auto
+from autopar.planner.search import Search
 from autopar.runtime.pipeline import schedule_class
 
 

@@ -133,8 +133,7 @@ def manual_search(search: Search, zero3: bool = False, sequence_parallel: bool =
     """The same graph and cluster with Megatron's sharding rule (with `zero3`, every weight also
     sharded over the data axis, as FSDP does; with `sequence_parallel`, Megatron-SP); layers are the
     model's modules. A hand-written layout names its schedule: "auto" (the search's) prices it with 1F1B."""
-    atoms = search.graph.layer_list
-    layers = [Layer(a.name, (i, i + 1), a.nodes, a.flops_fwd + a.flops_bwd) for i, a in enumerate(atoms)]
+    layers = module_layers(search)
     rule = MEGATRON_SP if sequence_parallel else MEGATRON
     rule = dataclasses.replace(rule, zero=True, zero_only=True) if zero3 else rule
     c = search.costs
@@ -142,6 +141,11 @@ def manual_search(search: Search, zero3: bool = False, sequence_parallel: bool =
                        choices=c.choices, pin=c.pin)
     return Search(search.workload, search.cluster, search.mesh, search.graph, layers, costs,
                   search.memory_limit, "1f1b" if search.schedule == "auto" else search.schedule, search.virtual)
+
+
+def module_layers(search: Search) -> list[Layer]:
+    """The graph's modules as layers, where a person cuts stages (the DP's layers cluster them)."""
+    return [Layer(a.name, (i, i + 1), a.nodes, a.flops_fwd + a.flops_bwd) for i, a in enumerate(search.graph.layer_list)]
 
 
 def blocks(search: Search, stages: int) -> list[int]:
@@ -248,18 +252,12 @@ def manual_plan(search: Search, layout: Layout) -> Plan:
     rule = search.costs.rule
     if rule is not None and (layout.sequence_parallel != rule.sequence_parallel or layout.zero == 3 and not rule.zero_only):
         search = manual_search(search, rule.zero_only or layout.zero == 3, layout.sequence_parallel)
-    stages = layout.pp * layout.virtual
-    block = blocks(search, stages)
-    per_stage = len(block) // stages
-    cuts = [0] + [block[per_stage * s] for s in range(1, stages)] + [len(search.layers)]
-    counts = [layout.num_microbatches] if layout.num_microbatches else [
-        m for m in microbatch_counts(search.workload.batch) if search.costs.splits_batch(m, layout.dp)
-        and not schedules.problem(search.schedule, layout.pp, m, layout.virtual)]
+    cuts, counts = stage_cuts(search, layout), layout_counts(search, layout)
     best = None
     for m in counts:
         chosen = []
         for s, (i, j) in enumerate(zip(cuts, cuts[1:])):
-            option = search.fastest(i, j, shape, m, *search.budget(s, stages, m), logical=[(layout.dp, layout.tp)],
+            option = search.fastest(i, j, shape, m, *search.budget(s, len(cuts) - 1, m), logical=[(layout.dp, layout.tp)],
                                     recompute=(layout.recompute,), zeros=(layout.zero_choice,)) \
                 or _unconstrained(search, i, j, shape, m, layout)
             chosen.append(((i, j), shape, option))
@@ -276,6 +274,22 @@ def manual_plan(search: Search, layout: Layout) -> Plan:
         raise AutoparError(f"layout {layout.name}: some layer cannot run on the logical mesh ({layout.dp}, {layout.tp}) "
                            f"(the data axis must divide every batch dimension); `autopar plan --stages 1` names the op")
     return best
+
+
+def stage_cuts(search: Search, layout: Layout) -> list[int]:
+    """Where the layout's stages begin (Megatron's blocks split evenly), and the end."""
+    stages = layout.pp * layout.virtual
+    block = blocks(search, stages)
+    per_stage = len(block) // stages
+    return [0] + [block[per_stage * s] for s in range(1, stages)] + [len(search.layers)]
+
+
+def layout_counts(search: Search, layout: Layout) -> list[int]:
+    """The microbatch counts the layout is priced with (its own, or every one the batch and the
+    schedule allow), ascending."""
+    return [layout.num_microbatches] if layout.num_microbatches else [
+        m for m in microbatch_counts(search.workload.batch) if search.costs.splits_batch(m, layout.dp)
+        and not schedules.problem(search.schedule, layout.pp, m, layout.virtual)]
 
 
 def _unconstrained(search: Search, i: int, j: int, shape, m: int, layout: Layout):

@@ -254,7 +254,7 @@ def _fastest(stacked: dict[str, np.ndarray], in_flight: int, limit: float, varia
     index, per entry of `offloads`. An offloaded variant (ZeRO level < 0) only with offloading,
     and only where its level on the device does not fit, which is never slower: the once-per-step
     terms are spread over the microbatches here, and an offloaded stage's host step hides so only
-    in the pipeline's bottleneck (`plan_auto` weighs plans with and without it by the simulator)."""
+    in the pipeline's bottleneck (`plan_dp` weighs plans with and without it by the simulator)."""
     memory = stacked["states"] + np.maximum(in_flight * stacked["acts"] + stacked["transient"], stacked["averaged"])
     masked = np.where(memory <= limit, stacked["key"], INF)
     index = {v: i for i, v in enumerate(variants)}
@@ -280,7 +280,7 @@ def _fastest(stacked: dict[str, np.ndarray], in_flight: int, limit: float, varia
     return out
 
 
-def plan_auto(search: Search, *, stages: int | None = None, num_microbatches: int | None = None,
+def plan_dp(search: Search, *, stages: int | None = None, num_microbatches: int | None = None,
               progress: Callable[[str], None] | None = None) -> Plan:
     """Search stages, submeshes, logical meshes and the microbatch count; the simulator decides.
 
@@ -704,7 +704,7 @@ def _plan(search: Search, stages: list[StagePlan], sim, m: int, name: str, info:
         peak_memory_bytes=peak, bubble_fraction=sim.bubble_fraction, fits=peak <= search.memory_limit)
     zero = any(p[0] == Shard(0) for s in stages for p in s.params.values())
     plan = Plan(
-        model=search.workload.name, graph_hash=search.graph.fingerprint(), batch=search.workload.batch,
+        model=search.workload.name, graph_hash=search.costs.fingerprint, batch=search.workload.batch,
         cluster=search.cluster.name, mesh=search.mesh,
         layers=[{"name": layer.name, "nodes": list(layer.nodes)} for layer in search.layers],
         stages=stages, num_microbatches=m, schedule=search.schedule, virtual=search.virtual, precision=search.graph.precision,

@@ -176,6 +176,7 @@ class StageCosts:
 
     def __post_init__(self) -> None:
         self.atoms = self.graph.layer_list
+        self.fingerprint = self.graph.fingerprint()  # every plan priced here names it (hashing is not free)
         # weights several atoms compute with (a GPT's tied embedding and output layer): each atom's
         # result counts their states, a stage holding several of those atoms holds them once
         users: dict[str, list[int]] = {}

@@ -11,9 +11,10 @@ import dataclasses
 from autopar.contract.errors import AutoparError
 from autopar.contract.placements import Shard
 from autopar.contract.plan import Plan
+from autopar.planner.auto import plan_auto
 from autopar.planner.inter_op import microbatch_counts
 from autopar.planner.manual import layout_grid, manual_plan, manual_search
-from autopar.planner.search import Search, plan_auto
+from autopar.planner.search import Search
 
 
 def layout_key(plan: Plan) -> tuple:

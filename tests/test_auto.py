@@ -1,0 +1,56 @@
+"""The planner's answer never loses to a hand-written layout (`autopar.planner.auto`)."""
+
+from autopar.contract.plan import Plan
+from autopar.cost_models import get_cluster
+from autopar.models import load_workload
+from autopar.planner.auto import _hand_written_floor, _step_bound, plan_auto
+from autopar.planner.manual import Layout, layout_grid, manual_plan, manual_search
+from autopar.planner.search import Search, plan_dp, runs
+
+
+def _search(model: str = "gpt-tiny", mesh=(1, 4), batch: int = 16) -> Search:
+    return Search.start(load_workload(model, batch=batch), get_cluster("v100-p3"), mesh)
+
+
+def test_auto_is_never_slower_than_any_hand_written_layout():
+    for model in ("gpt-tiny", "moe-tiny"):
+        search = _search(model)
+        auto = plan_auto(search)
+        view = manual_search(search)
+        for layout in layout_grid(view):
+            plan = manual_plan(view, layout)
+            if plan.estimate.fits:
+                assert auto.estimate.step_time_s <= plan.estimate.step_time_s * (1 + 1e-9), (model, layout.name)
+
+
+def test_the_floor_replaces_a_slower_plan_and_says_so():
+    search = _search()
+    slow = plan_dp(search, stages=1, num_microbatches=16)  # one sample a microbatch: far from the best
+    best = _hand_written_floor(search, slow)
+    assert best.estimate.step_time_s < slow.estimate.step_time_s and best.estimate.fits
+    assert best.search["floor"] in {layout.name for layout in layout_grid(manual_search(search))}
+    assert best.search["dp_step_time_s"] == slow.estimate.step_time_s and best.name == slow.name
+    assert runs(best) and Plan.from_json(best.to_json()).estimate == best.estimate
+    # the search's own layers are back: a plan the DP prices next is priced as before
+    assert search.costs.layer_starts == [layer.atoms[0] for layer in search.layers]
+    assert plan_dp(search, stages=1, num_microbatches=16).estimate == slow.estimate
+    # where the DP's plan is the fastest, it stands untouched
+    auto = plan_dp(search)
+    assert _hand_written_floor(search, best) is best
+    assert _hand_written_floor(search, auto).estimate.step_time_s <= auto.estimate.step_time_s
+
+
+def test_the_floor_keeps_a_fixed_stage_count_and_microbatch_count():
+    search = _search()
+    plan = plan_auto(search, stages=2, num_microbatches=4)
+    assert len(plan.stages) == 2 and plan.num_microbatches == 4
+    manual = manual_plan(manual_search(search), Layout(2, 1, 2, 4))
+    assert plan.estimate.step_time_s <= manual.estimate.step_time_s * (1 + 1e-9)
+
+
+def test_step_bound_is_below_every_simulated_pipeline():
+    search = _search(mesh=(1, 8), batch=32)
+    for layout in layout_grid(manual_search(search)):
+        plan = manual_plan(manual_search(search), layout)
+        work = [s.cost["forward_s"] + s.cost["backward_s"] for s in plan.stages]
+        assert _step_bound(work, plan.num_microbatches) <= plan.estimate.step_time_s * (1 + 1e-9), layout.name
