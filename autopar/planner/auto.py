@@ -82,7 +82,8 @@ def _hand_written_floor(search: Search, auto: Plan, stages: int | None = None,
                 if _step_bound([_work(option) for _, _, option in chosen], m) >= best.estimate.step_time_s:
                     continue
                 plan = assemble(view, chosen, m, name=auto.name)
-                if plan.estimate.fits and plan.estimate.step_time_s < best.estimate.step_time_s:
+                # faster beyond rounding: a tie keeps the DP's plan (moe-380m's differed by 2e-13 s)
+                if plan.estimate.fits and plan.estimate.step_time_s < best.estimate.step_time_s * (1 - 1e-9):
                     best, found = plan, name
     finally:
         search.costs.layer_starts = [layer.atoms[0] for layer in search.layers]
