@@ -324,7 +324,10 @@ def test_train_on_two_ranks_follows_the_one_rank_losses(capsys):
     assert len(two["peak_rss_bytes"]) == 2 and min(two["peak_rss_bytes"]) > 0
     for measured in two["peak_tensor_bytes"]:  # the last step's live tensors, by the planner's categories
         assert measured["total"] == sum(measured[c] for c in CATEGORIES)
-        assert measured["parameters"] == measured["gradients"] > 0 and measured["activations"] > 0
+        # each gradient held once: in the synchroniser's bucket, whose last one also carries the
+        # step's loss (one fp32 scalar) to its all-reduce
+        assert measured["gradients"] - measured["parameters"] in (0, 4) and measured["gradients"] > 0
+        assert measured["activations"] > 0
         moments = 2 * measured["parameters"]  # AdamW's two moments and a step count per parameter
         assert moments < measured["optimizer"] < moments + 1024
     tp = run_json(capsys, "train", "gpt-tiny", "--nproc", "2", "--plan", "1,2,1", "--steps", "2")
