@@ -26,15 +26,22 @@ def _instance(rng):
 
 
 @pytest.mark.parametrize("seed", range(25))
-def test_stage_dp_on_a_t_max_grid_is_within_its_tolerance_and_respects_a_bound(seed):
+def test_stage_dp_on_a_t_max_grid_is_within_its_tolerance_and_skips_stages_slower_than_a_bound(seed):
     times, sizes, devices, micro = _instance(np.random.default_rng(100 + seed))
     expected = brute_force(times, sizes, devices, micro)
     total, _ = stage_dp(times, sizes, devices, micro, tolerance=0.05)
     assert expected <= total * (1 + 1e-12) and (total <= expected * 1.05 or not np.isfinite(expected))
-    # a bound below the optimum (another microbatch count already does better): nothing to find
-    assert stage_dp(times, sizes, devices, micro, bound=expected * 0.99)[0] == np.inf
+    # a step time already reached (another microbatch count's): a plan whose slowest stage runs its
+    # microbatches for longer cannot beat it; below every stage's, nothing to find
+    assert stage_dp(times, sizes, devices, micro, bound=micro * times[np.isfinite(times)].min())[0] == np.inf
     if np.isfinite(expected):
-        assert stage_dp(times, sizes, devices, micro, bound=expected * 1.01)[0] == pytest.approx(expected)
+        best, plan = stage_dp(times, sizes, devices, micro)
+        slowest = max(times[len(plan) - i, c.layers[0], c.layers[1], c.shape] for i, c in enumerate(plan))
+        assert best == pytest.approx(expected)
+        assert stage_dp(times, sizes, devices, micro, bound=micro * slowest * (1 + 1e-9))[0] == pytest.approx(expected)
+        bounded, plan = stage_dp(times, sizes, devices, micro, bound=micro * slowest)
+        assert not plan or micro * max(times[len(plan) - i, c.layers[0], c.layers[1], c.shape]
+                                       for i, c in enumerate(plan)) < micro * slowest
 
 
 def test_devices_are_counted_in_units_of_the_smallest_submesh():

@@ -275,19 +275,37 @@ def test_stages_of_different_meshes_and_sizes_equal_single_process(tmp_path, nam
         _assert_same_training(got_losses, got_params, losses, params)
 
 
+def _two_cores(world: int) -> str:
+    """A cluster file: `world` ranks sharing 2 cores of 12 GB each (CI's machine, nominal), so the
+    searched plan is the same on every machine that runs the tests."""
+    import os
+    import tempfile
+
+    from autopar.cost_models.presets import nominal_cpu
+
+    path = os.path.join(tempfile.gettempdir(), f"autopar-tests-{world}-ranks-on-2-cores.json")
+    scratch = f"{path}.{os.getpid()}"
+    nominal_cpu(2, 24 * 2**30).with_ranks(world).save(scratch)
+    os.replace(scratch, path)  # every rank writes the same file: atomically
+    return path
+
+
 def _searched(rank, world, name):
     w, batches = _workload(name)
-    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer)
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
+                             cluster=_two_cores(world))
     return [pm.step(inputs, target) for inputs, target in batches], pm.plan.name, [s.logical_mesh for s in pm.plan.stages]
 
 
 SEARCHED = [
-    # 4 ranks on 2 cores: the search prefers pipelines, whose idle stages free cores. (moe-tiny's
+    # Planned for 2 nominal cores (`_two_cores`). 4 ranks on 2 cores: the search prefers pipelines,
+    # whose idle stages free cores; for mlp-tiny the DP's (1, 4) is 0.6 % slower than Megatron's
+    # 1,2,2 by the simulator, so the hand-written floor's plan runs (`planner.auto`). (moe-tiny's
     # searched plan microbatches too, which regroups GShard's capacity groups: its losses differ
     # from one process by design; its layouts are compared in test_recompute and test_precision)
     # (gpt-tiny on 4: one stage of ZeRO-1 over 4 since the search weighs ZeRO levels; the nominal
     # cpu-local preset prices its sharded optimizer step faster than the all-reduce it replaces)
-    ("mlp-tiny", 2, [(1, 2)]), ("mlp-tiny", 4, [(1, 4)]), ("gpt-tiny", 4, [(4, 1)]),
+    ("mlp-tiny", 2, [(1, 2)]), ("mlp-tiny", 4, [(1, 2), (1, 2)]), ("gpt-tiny", 4, [(4, 1)]),
     ("hf-gpt2", 4, [(2, 1), (2, 1)]),
     ("gpt-tiny", 3, [(2, 1), (1, 1)]),  # stages of 2 and 1 devices
 ]
@@ -298,7 +316,7 @@ def test_the_searched_plan_trains_like_one_process(tmp_path, name, world, meshes
     losses, _ = _single(name)
     family = [(n,) for n, w, _ in SEARCHED if w == world]
     for got, plan_name, logical in shared_ranks(_searched, world, family, (name,), tmp_path):
-        assert plan_name == "auto" and logical == meshes  # e.g. mlp-tiny's tensor axis over every rank
+        assert plan_name == "auto" and logical == meshes  # e.g. mlp-tiny's tensor axis over both ranks
         assert got == pytest.approx(losses, rel=1e-5)
 
 

@@ -84,8 +84,12 @@ def _cpu_local() -> ClusterSpec:
     path = calibration_file()
     if path.is_file():
         return ClusterSpec.load(path)
-    cores = os.cpu_count() or 1
-    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return nominal_cpu(os.cpu_count() or 1, os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def nominal_cpu(cores: int, memory: int) -> ClusterSpec:
+    """`cpu-local`'s nominal figures for a machine of `cores` cores and `memory` bytes (tests plan
+    for a fixed one, so that a searched plan does not depend on the machine running them)."""
     core_flops = 2.5e9 * 32
     return ClusterSpec(
         name="cpu-local",

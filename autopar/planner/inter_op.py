@@ -55,8 +55,12 @@ def stage_dp(times: np.ndarray, sizes: list[int], devices: int, num_microbatches
     With `tolerance` ε > 0, t_max is tried on a grid: one DP stands for every candidate within
     a factor (1 + ε) below it, so the total is within (1 + ε) of the optimum (a plan whose
     slowest stage is t ≤ t' ≤ (1 + ε)·t is found by the DP at t' and costs at most
-    (M − 1)·t' + Σ t_i). Only totals below `bound` (the best of another microbatch count) are
-    searched: t_max ≥ bound / M cannot give one, so often a single DP rules the count out."""
+    (M − 1)·t' + Σ t_i). `bound` is a step time already reached (the simulated step of another
+    microbatch count's plan): a stage of per-microbatch time t runs M of them and then its
+    once-per-step share (spread over the microbatches in `times`) on its own devices, so a plan
+    whose slowest stage takes t ≥ bound / M cannot beat it and those t_max are not searched; often
+    that rules the count out at once. (Eq. 2 totals of different counts do not bound each other:
+    Σ t_i counts every stage's once-per-step share although stages run theirs at the same time.)"""
     if stages is not None:  # only plans of exactly that many stages
         times = times.copy()
         times[stages + 1:] = INF  # no deeper pipeline
@@ -83,7 +87,7 @@ def stage_dp(times: np.ndarray, sizes: list[int], devices: int, num_microbatches
             hi = mid
         else:
             lo = mid + 1
-    best_total, best_plan = bound, []
+    best_total, best_plan = INF, []
     while lo < len(candidates):
         if num_microbatches * candidates[lo] >= best_total:
             break  # Alpa's early stop: every later t_max only adds to (M-1)·t_max

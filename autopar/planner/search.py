@@ -302,15 +302,15 @@ def plan_dp(search: Search, *, stages: int | None = None, num_microbatches: int 
     n = len(search.layers)
     depth = min(n, devices, stages or n)
     best: Plan | None = None
-    # many microbatches first (small bubbles): the best eq. 2 total so far rules out most others
+    # many microbatches first (small bubbles): the best simulated step so far rules out most others
     counts = [num_microbatches] if num_microbatches else microbatch_counts(search.workload.batch)[::-1]
-    bound = INF
+    bound = INF  # the fastest simulated step that fits so far (`stage_dp`: why it bounds every count)
     for m in counts:
         if progress:
             progress(f"{m} microbatch{'es' if m > 1 else ''}")
         # with the weights on the device, then offloading too where it lets a range fit that did
         # not: eq. 2 spreads an offloaded stage's host step over the microbatches, too hopeful
-        # outside the bottleneck, so only the simulator judges it and it bounds no later count
+        # outside the bottleneck, so only the simulator judges it
         tables = search.times(shapes, m, depth)
         for offloaded, (times, picks) in enumerate(tables):
             if offloaded and not np.any((times < tables[0][0]) & (m * times < bound)):
@@ -328,7 +328,8 @@ def plan_dp(search: Search, *, stages: int | None = None, num_microbatches: int 
             chosen = recompute_less(search, chosen, m)
             plan = assemble(search, chosen, m, name="auto")
             plan.search["eq2_total_s"] = float(total)
-            bound = bound if offloaded else min(bound, total)
+            if plan.estimate.fits:
+                bound = min(bound, plan.estimate.step_time_s)
             if best is None or plan.estimate.step_time_s < best.estimate.step_time_s:
                 best, best_chosen = plan, chosen
     if best is None:
