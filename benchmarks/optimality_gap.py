@@ -24,8 +24,9 @@ needs on one device, so memory binds in about half the instances). On it:
 Where the DP is slower, the cause named is the first that holds: "clustering" (the exact plan
 cuts where the DP's clustered layers cannot), "DP memory guess" (the DP's table has no entry for a
 stage of the exact plan: the DP does not know the pipeline's length when it checks memory, and
-checkpoints its own layers when recomputing), "microbatch bound" (the exact plan's eq. 2 total is
-at least the best total of a larger microbatch count, so the DP never searched it), "t_max grid"
+checkpoints its own layers when recomputing), "microbatch bound" (the exact plan's slowest stage
+runs its microbatches for at least the best simulated step of a larger microbatch count, so the DP
+did not search it: `stage_dp`'s bound, which should never cut a faster plan), "t_max grid"
 (the DP's total at that count is worse, within its tolerance `DP_TOLERANCE`), "eq. 2 vs simulator"
 (the DP's plan at that count is as good or better by eq. 2; the simulator disagrees), else
 "unexplained". A clustering gap can hide another: there the exact search runs again cutting only
@@ -277,10 +278,15 @@ def cause(search: Search, exact: Plan, cuts: list[int]) -> str:
     if not all(math.isfinite(x) for x in own):
         return "DP memory guess"
     total = sum(own) + (m - 1) * max(own)
-    bound = INF  # the DP searches counts from the most microbatches down, each bounded by the best total so far
+    bound = INF  # the DP searches counts from the most microbatches down, each bounded by the best simulated step so far
     for count in (c for c in microbatch_counts(search.workload.batch)[::-1] if c > m):
-        bound = min(bound, stage_dp(table(count), sizes, devices, count, tolerance=DP_TOLERANCE, bound=bound)[0])
-    if total >= bound:
+        try:
+            plan = plan_dp(search, num_microbatches=count)
+        except AutoparError:
+            continue
+        if plan.estimate.fits:
+            bound = min(bound, plan.estimate.step_time_s)
+    if m * max(own) >= bound:
         return "microbatch bound"
     found = stage_dp(t, sizes, devices, m, tolerance=DP_TOLERANCE, bound=bound)[0]
     if found <= total:
