@@ -1,9 +1,10 @@
 """A slice of the catalogue (tests/families.py) under every layout, against one process: losses
 and final parameters equal (rel 1e-5; `benchmarks/families.py` sweeps all of it).
 
-On 4 gloo ranks, the families whose blocks differ most under the table's layouts (a data axis
-mixed with another, and the searched plan, on two of them: `SOME`; and sequence parallelism, ZeRO,
-replicas seeded apart); on 2, one family of each construct the catalogue found
+The families whose blocks differ most under the table's layouts (a data axis mixed with another,
+and the searched plan, on two of them: `SOME`; and sequence parallelism, ZeRO, replicas seeded
+apart), on 4 gloo ranks where a layout mixes axes and on 2 where it has one (`ON_TWO`); on 2 also
+one family of each construct the catalogue found
 broken or new: a fused multi-query QKV (Falcon), tied embeddings with soft-capping and a sliding
 window (Gemma2), channels-last activations crossing a pipeline boundary (ConvNeXt), in-place writes
 and latent attention (DeepSeek-V3), BatchNorm (ResNet, compared on the slices each loss saw;
@@ -36,6 +37,10 @@ LAYOUTS = {"dp": "4,1,1,2", "tp": "1,4,1", "pp": "1,1,4,4", "dp-tp": "2,2,1,2", 
            "tp-pp": "1,2,2,2", "tp-sp": "1,4,1+sp", "tp-pp-sp": "1,2,2,2+sp", "searched": None, "zero3": "4,1,1,2",
            "zero1": "4,1,1,2+z1", "zero2-offload": "4,1,1,2+z2+offload", "zero2-tp": "2,2,1,2+z2",
            "zero1-pp": "2,1,2,2+z1", "zero1-pp-offload": "2,1,2,2+z1+offload", "dp-pp-mb4": "2,1,2,4"}
+# a layout of one axis runs on 2 ranks (its program is the same code on 2 or 4; a 4-rank start on 2
+# cores costs 3 times a 2-rank one per case): only layouts mixing axes, and the searched plan, on 4
+ON_TWO = {"dp": "2,1,1,2", "tp": "1,2,1", "pp": "1,1,2,2", "tp-sp": "1,2,1+sp", "zero1": "2,1,1,2+z1",
+          "zero2-offload": "2,1,1,2+z2+offload"}
 TABLE = ["dp", "tp", "pp", "dp-tp", "dp-pp", "tp-pp", "searched"]
 FOUR = ["gpt2", "llama", "mixtral", "bert", "t5"]
 # Where a layout runs on some of FOUR only (a CI run has 25 minutes; the sweep runs every family
@@ -66,10 +71,18 @@ TWO_REFUSED = {("switch", "tp"): "needs the model's graph: cannot capture Switch
                ("switch", "pp"): "needs the model's graph: cannot capture SwitchTransformersForConditionalGeneration"}
 
 
+def _world(layout: str) -> int:
+    return 2 if layout in ON_TWO else WORLD
+
+
+def _layout(layout: str) -> str | None:
+    return ON_TWO[layout] if layout in ON_TWO else LAYOUTS[layout]
+
+
 def _plan(w, world, layout):
     """The layout's plan; ZeRO-3: every parameter sharded over the data axis."""
     if layout != "zero3":
-        return LAYOUTS[layout]
+        return _layout(layout)
     import torch.distributed as dist
 
     from autopar.cost_models import get_cluster
@@ -150,10 +163,16 @@ CASES = [(name, layout, False) for name in FOUR for layout in TABLE if name in S
     (name, layout, False) for name, layout in ZERO]
 
 
+def _shared(name: str, layout: str, apart: bool, tmp_path) -> list:
+    """The case's results from the start of the ranks its world shares (`_world`)."""
+    world = _world(layout)
+    return shared_ranks(_parallel, world, [c for c in CASES if _world(c[1]) == world], (name, layout, apart), tmp_path)
+
+
 @pytest.mark.parametrize("name, layout", [c[:2] for c in CASES if not c[2] and c[:2] not in ZERO])
 def test_family_trains_like_one_process_under_every_layout(tmp_path, name, layout):
     losses, params = single(name)
-    got = shared_ranks(_parallel, WORLD, CASES, (name, layout, False), tmp_path)
+    got = _shared(name, layout, False, tmp_path)
     for got_losses, got_params, _ in got:
         assert_same_training(got_losses, got_params, losses, params)
     assert_as_planned([programs for _, _, (_, _, programs) in got], (name, layout))
@@ -165,8 +184,8 @@ def test_zero_shards_the_optimizer_states_and_trains_like_one_process(tmp_path, 
     momentum (a weight whose dim 0 does not split evenly aside: within 10 %), every unit offloads
     its shards where the plan says so, and trains as one process does."""
     losses, params = single(name)
-    dp = int(LAYOUTS[layout].split(",")[0])
-    got = shared_ranks(_parallel, WORLD, CASES, (name, layout, False), tmp_path)
+    dp = int(_layout(layout).split(",")[0])
+    got = _shared(name, layout, False, tmp_path)
     for got_losses, got_params, (held, offloaded, _) in got:
         assert_same_training(got_losses, got_params, losses, params)
         assert held == pytest.approx(1 / dp, rel=0.1)
@@ -177,7 +196,7 @@ def test_zero_shards_the_optimizer_states_and_trains_like_one_process(tmp_path, 
 @pytest.mark.parametrize("layout", [c[1] for c in APART])
 def test_replicas_built_from_other_seeds_start_from_rank_0(tmp_path, layout):
     losses, params = single("llama")
-    for got_losses, got_params, _ in shared_ranks(_parallel, WORLD, CASES, ("llama", layout, True), tmp_path):
+    for got_losses, got_params, _ in _shared("llama", layout, True, tmp_path):
         assert_same_training(got_losses, got_params, losses, params)
 
 
