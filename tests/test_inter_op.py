@@ -36,12 +36,16 @@ def test_stage_dp_on_a_t_max_grid_is_within_its_tolerance_and_skips_stages_slowe
     assert stage_dp(times, sizes, devices, micro, bound=micro * times[np.isfinite(times)].min())[0] == np.inf
     if np.isfinite(expected):
         best, plan = stage_dp(times, sizes, devices, micro)
-        slowest = max(times[len(plan) - i, c.layers[0], c.layers[1], c.shape] for i, c in enumerate(plan))
+        slowest = _slowest(times, plan)
         assert best == pytest.approx(expected)
         assert stage_dp(times, sizes, devices, micro, bound=micro * slowest * (1 + 1e-9))[0] == pytest.approx(expected)
-        bounded, plan = stage_dp(times, sizes, devices, micro, bound=micro * slowest)
-        assert not plan or micro * max(times[len(plan) - i, c.layers[0], c.layers[1], c.shape]
-                                       for i, c in enumerate(plan)) < micro * slowest
+        _, plan = stage_dp(times, sizes, devices, micro, bound=micro * slowest)
+        assert not plan or _slowest(times, plan) < slowest
+
+
+def _slowest(times, plan):
+    """The per-microbatch time of the plan's slowest stage (`times` counts stages from the end)."""
+    return max(times[len(plan) - i, c.layers[0], c.layers[1], c.shape] for i, c in enumerate(plan))
 
 
 def test_devices_are_counted_in_units_of_the_smallest_submesh():
