@@ -195,7 +195,8 @@ def _stacked(tables: list[dict], m: int) -> dict[str, np.ndarray]:
                       **({"again": np.stack([tables[k]["again"] for k in ks]),
                           "plain": np.stack([tables[k]["plain_acts"] for k in ks]),
                           "depth": np.stack([tables[k]["depth"] for k in ks]),
-                          "start": np.array([_rises_until(tables[k]["depth"]) for k in ks])} if ks else {})}
+                          "start": np.array([_rises_until(tables[k]["depth"]) for k in ks]),
+                          "key_at": [tables[k]["key_at"] for k in ks]} if ks else {})}
     return out
 
 
@@ -205,18 +206,25 @@ def _recompute_fewer(stacked: dict, v: np.ndarray, in_flight: int, limit: float,
     of recomputing only as many of a range's first layers as fit (at least one, fewer than all:
     Mist, AdaPipe), inf where none does. Priced in the DP, so the search weighs a stage that
     recomputes a few layers at what it costs, not at a whole recomputation; `recompute_less` then
-    sets each chosen stage's depth exactly. The transient is the whole recomputation's (its
-    largest layer), an upper bound."""
+    sets each chosen stage's depth exactly. Its key is the table's own formula (`key_at`) with the
+    backward shorter by the forwards not run again: a shorter backward hides less of the gradient
+    synchronisation. The transient is the whole recomputation's (its largest layer), an upper bound."""
     p = stacked["partial"]
     at = (p["k"][v], rows, cols)
-    states, transient, averaged, key = (stacked[name][at] for name in ("states", "transient", "averaged", "key"))
+    states, transient, averaged = (stacked[name][at] for name in ("states", "transient", "averaged"))
     plain, depth = p["plain"][v, rows, cols], p["depth"]
     rhs = (limit - states - transient) / in_flight - plain + depth[v, rows]
     end = _first_within(depth, p["start"], v, rows, rhs)
     inside = end < cols  # fewer layers than the range's
     end = np.where(inside, end, rows)
     memory = states + np.maximum(in_flight * (plain + depth[v, end] - depth[v, rows]) + transient, averaged)
-    return np.where(inside & (memory <= limit), key - p["again"][v, rows, cols] + p["again"][v, rows, end], INF)
+    ok = inside & (memory <= limit)
+    key = np.full(len(rows), INF)
+    less = p["again"][v, rows, cols] - p["again"][v, rows, end]
+    for u in np.unique(v[ok]):
+        sel = ok & (v == u)
+        key[sel] = p["key_at"][u]((rows[sel], cols[sel]), less[sel])
+    return key
 
 
 def _rises_until(depth: np.ndarray) -> int:

@@ -152,6 +152,11 @@ class StageOption:
         return -self.zero if self.offload else self.zero
 
 
+def _at(value: Any, at: Any) -> Any:
+    """`value` at the ranges `at` where it varies by range (an [i, j] array), else itself."""
+    return value[at] if isinstance(value, np.ndarray) and value.ndim == 2 else value
+
+
 @dataclass
 class StageCosts:
     """Intra-op results per (atom hash, submesh, logical mesh, variant), solved on demand."""
@@ -685,30 +690,46 @@ class StageCosts:
         whole = (bounds[:, None] == 0) & (bounds[None, :] == len(self.atoms))
         grads, averaged, elements, dtensors, tp_grad = q.grads, q.averaged, q.elements, q.dtensors, q.tp_grad
         transient = transient + np.where(self.graph_backward(whole, lm, rc, z, m), grads, 0.0)
+        zq_in = {"states": states, "grads": grads, "averaged": averaged, "trainable": q.trainable, "elements": elements,
+                 "tensors": q.tensors, "sync": sync, "fwd": fwd, "bwd": bwd,
+                 "unit": self._largest(prefix, bounds, Col.grads) if z else 0.0}  # the largest layer's gradient bytes
+
+        def timed(at: Any, less: Any = 0.0) -> tuple:
+            """(backward, exposed sync, ZeRO's terms) of the ranges `at` with a backward `less` shorter:
+            how long the synchronisation is hidden depends on the backward beside it."""
+            bwd_at = np.asarray(bwd)[at] - less
+            if z:
+                zq = self.zeroed(z, submesh, lm, m, whole[at], {k: _at(v, at) for k, v in zq_in.items()} | {"bwd": bwd_at})
+                return zq["bwd"], zq["sync"], zq
+            return bwd_at, self.exposed_sync(_at(sync, at), bwd_at, submesh, lm, _at(q.trainable, at)), None
+
+        everywhere = (slice(None), slice(None))
+        bwd, exposed, zq = timed(everywhere)
         if z:
-            unit = self._largest(prefix, bounds, Col.grads)  # the largest layer's gradient bytes in each range
-            zq = self.zeroed(z, submesh, lm, m, whole, {"states": states, "grads": grads, "averaged": averaged,
-                                                     "trainable": q.trainable, "elements": elements,
-                                                     "tensors": q.tensors, "sync": sync, "fwd": fwd, "bwd": bwd,
-                                                     "unit": unit})
-            states, grads, averaged, elements, dtensors, bwd, sync, unhidden, valid = (
-                zq[k] for k in ("states", "grads", "averaged", "elements", "dtensors", "bwd", "sync", "unhidden", "valid"))
+            states, grads, averaged, elements, dtensors, unhidden, valid = (
+                zq[k] for k in ("states", "grads", "averaged", "elements", "dtensors", "unhidden", "valid"))
             transient = transient + zq["transient"]
             tp_grad = tp_grad + zq["host_s"]  # after the last backward: an offloaded stage's step on the host
         else:
             unhidden = b["unhidden"]
-            sync = self.exposed_sync(sync, bwd, submesh, lm, q.trainable)
         send = b["send"]
+        # after the last backward, before the optimizer: the tensor axis's partial weight gradients
+        optimizer = self.optimizer_s(elements, q.tensors, dtensors) + tp_grad
         bwd = np.where(np.asarray(valid), bwd, np.inf)
         time = fwd + bwd + send
         time = np.where(np.isnan(time), np.inf, time)
         if b["broken"] is not None:  # a range with an atom whose batch split the microbatches break
             time = np.where(b["broken"], np.inf, time)
-        return {"time": time, "forward": fwd, "backward": bwd, "send": send, "sync": sync, "unhidden": unhidden,
+        if partial:
+            def key_at(at: Any, less: Any) -> np.ndarray:
+                """The DP's key (`search._stacked`) of ranges `at` recomputing `less` seconds less."""
+                bwd_at, exposed_at, _ = timed(at, less)
+                return np.where(np.isfinite(time[at]), _at(fwd, at) + bwd_at + _at(send, at)
+                                + (exposed_at + _at(optimizer, at)) / m, np.inf)
+            partial["key_at"] = key_at
+        return {"time": time, "forward": fwd, "backward": bwd, "send": send, "sync": exposed, "unhidden": unhidden,
                 "states": states, "acts": acts, "transient": transient, "grads": grads,
-                "averaged": flat_held(averaged, self.largest_grad),
-                # after the last backward, before the optimizer: the tensor axis's partial weight gradients
-                "optimizer": self.optimizer_s(elements, q.tensors, dtensors) + tp_grad, "weight": weight, **partial}
+                "averaged": flat_held(averaged, self.largest_grad), "optimizer": optimizer, "weight": weight, **partial}
 
     def range_sums(self, atoms, submesh, lm, lean) -> np.ndarray | None:
         """The quantities of `Col` summed over atoms [a, b), from prefix sums (None: an atom of the
