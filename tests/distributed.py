@@ -9,6 +9,7 @@ the cached results. A case that raises fails only its own test.
 from __future__ import annotations
 
 import os
+import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +28,7 @@ _CACHE: dict[tuple, list[list[tuple[bool, Any]]]] = {}
 def _entry(rank: int, jobs: list[tuple[Callable, tuple]], world: int, store: str, out: str) -> None:
     # one thread per rank: N ranks with a thread per core each would fight over the 2 cores
     torch.set_num_threads(1)
+    tempfile.tempdir = os.path.dirname(out)  # a case's temporary files go where pytest cleans up
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     results: list[tuple[bool, Any]] = []
     for fn, args in jobs:
