@@ -150,6 +150,8 @@ class SyncingStage(PipelineStage):
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward: bool = False):
         if self.sync is not None:
             self.sync.sync = last_backward and self.launches
+        # the last stage's outputs, for a split backward's input pass (`backward_maybe_with_nosync`)
+        self._outputs = self.fwd_cache[bwd_chunk_id][0] if self.is_last and not full_backward else None
         with phase("backward"):
             return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
 
@@ -163,12 +165,30 @@ class SyncingStage(PipelineStage):
         every layer) would find it freed by the group before (torch frees it after each group). The
         last group frees it, as torch does, rather than leaving it to the microbatch's outputs (which
         may live to the step's end). (FSDP2 under a split backward is refused.)"""
+        if backward_type == "input" and getattr(self, "_outputs", None) is not None:
+            bwd_kwargs = _loss_freed(bwd_kwargs, self._outputs)
         if backward_type != "weight":
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         groups = bwd_kwargs["param_groups"]
         if len(groups) > 1:
             stage_backward_weight(self.submod.parameters(), groups[:-1], retain_graph=True)
         return stage_backward_weight(self.submod.parameters(), groups[-1:]), None
+
+
+def _loss_freed(bwd_kwargs: dict, outputs: Any) -> dict:
+    """The last stage's split backward from its outputs, as the other stages' runs: torch's input
+    pass keeps the graph from the loss for the weights' pass (`retain_graph`), and the schedule keeps
+    each microbatch's loss to the step's end, so the loss's saved tensors (a cross entropy's
+    log-probabilities, logits-sized) lived until then: m of them. Here the loss's part of the
+    graph runs first, once, and is freed; measured on gpt-small under interleaved-zb (2 ranks,
+    8 microbatches) the last rank's peak held 8 log-probabilities where 1F1B holds one."""
+    outs = [o for o in (outputs if isinstance(outputs, tuple) else (outputs,))
+            if isinstance(o, torch.Tensor) and o.requires_grad]
+    if not outs:
+        return bwd_kwargs
+    grads = torch.autograd.grad(bwd_kwargs["stage_output"], outs, allow_unused=True)
+    kept = [(o, g) for o, g in zip(outs, grads) if g is not None]
+    return {**bwd_kwargs, "stage_output": tuple(o for o, _ in kept), "output_grads": [g for _, g in kept]}
 
 
 class PipelineModel:
