@@ -142,6 +142,7 @@ class SyncingStage(PipelineStage):
 
     sync: GradSync | None = None
     launches: bool = True  # whether this stage's last backward is the rank's last
+    _outputs: Any = None  # the last stage's outputs of the microbatch a split backward's input pass runs
 
     def forward_one_chunk(self, *args, **kwargs):
         with phase("forward"):
@@ -150,7 +151,6 @@ class SyncingStage(PipelineStage):
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward: bool = False):
         if self.sync is not None:
             self.sync.sync = last_backward and self.launches
-        # the last stage's outputs, for a split backward's input pass (`backward_maybe_with_nosync`)
         self._outputs = self.fwd_cache[bwd_chunk_id][0] if self.is_last and not full_backward else None
         with phase("backward"):
             return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
@@ -165,8 +165,8 @@ class SyncingStage(PipelineStage):
         every layer) would find it freed by the group before (torch frees it after each group). The
         last group frees it, as torch does, rather than leaving it to the microbatch's outputs (which
         may live to the step's end). (FSDP2 under a split backward is refused.)"""
-        if backward_type == "input" and getattr(self, "_outputs", None) is not None:
-            bwd_kwargs = _loss_freed(bwd_kwargs, self._outputs)
+        if backward_type == "input" and self._outputs is not None:
+            bwd_kwargs, self._outputs = _loss_freed(bwd_kwargs, self._outputs), None
         if backward_type != "weight":
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         groups = bwd_kwargs["param_groups"]
