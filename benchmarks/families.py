@@ -168,12 +168,14 @@ def worker(name: str, world: int, layouts: list[str], directory: Path) -> None:
     _spawn(jobs, world, directory)
 
 
-def sweep(names: list[str], worlds: list[int], redo: str | None, timeout: float) -> None:
+def sweep(names: list[str], worlds: list[int], redo: str | None, timeout: float,
+          layouts: list[str] | None = None) -> None:
     cells = load()
     for name in names:
         for world in worlds:
-            todo = [k for k in LAYOUTS[world] if (name, world, k) not in cells or redo == "all" or (
-                redo == "failed" and cells[(name, world, k)]["status"] not in ("equal", "refused", "n/a"))]
+            todo = [k for k in LAYOUTS[world] if (layouts is None or k in layouts) and (
+                (name, world, k) not in cells or redo == "all" or (
+                redo == "failed" and cells[(name, world, k)]["status"] not in ("equal", "refused", "n/a")))]
             if todo:
                 run_family(name, world, todo, timeout)
 
@@ -322,7 +324,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="steps of --cuda")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
-    parser.add_argument("--layouts", help=argparse.SUPPRESS)
+    parser.add_argument("--layouts", help="comma-separated layouts only (of dp, tp, pp, dp-tp, dp-pp, tp-pp, searched): "
+                        "re-run the cells a change touches, e.g. --redo all --layouts dp,dp-pp,searched")
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -352,7 +355,11 @@ def main() -> None:
         if unknown:
             parser.error(f"unknown families {unknown}: the catalogue has {', '.join(FAMILIES)}")
         print(f"load average at the start: {os.getloadavg()[0]:.2f}", flush=True)
-        sweep(names, [args.world] if args.world else sorted(LAYOUTS), args.redo, args.timeout)
+        layouts = args.layouts.split(",") if args.layouts else None
+        known = {k for w in LAYOUTS.values() for k in w}
+        if layouts and not set(layouts) <= known:
+            parser.error(f"unknown layouts {sorted(set(layouts) - known)}: the sweep has {', '.join(sorted(known))}")
+        sweep(names, [args.world] if args.world else sorted(LAYOUTS), args.redo, args.timeout, layouts)
     table = write_table()
     if args.json:
         print(json.dumps(sorted(load().values(), key=lambda r: (r["family"], r["world"], r["layout"])), indent=1))

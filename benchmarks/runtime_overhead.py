@@ -173,11 +173,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--compile", action="store_true", help="also the lowered program compiled by inductor")
+    ap.add_argument("--kinds", default=None, help="only these runtimes, comma-separated (e.g. ddp,autopar-dp,"
+                    "autopar-dp-module): a study of one row; the page is not written")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    chosen = args.kinds
     args.kinds = ["ddp", "autopar-dp", "autopar-dp-module", "hand-tp", "autopar-tp-interpreted", "autopar-tp",
                   "autopar-tp-module"] + (
         ["autopar-dp-compiled", "autopar-tp-compiled"] if args.compile else [])
+    if chosen:
+        args.kinds = chosen.split(",")
     started = stamp()
     rows, body_rows, module_rows = [], [], []
     for model in args.models.split(","):
@@ -191,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
                 mp.spawn(_rank, args=(args.nproc, port, out, args), nprocs=args.nproc)
             runs.append(torch.load(out))
         for layout, (base, base_name, kinds) in KINDS.items():
+            if base not in args.kinds:
+                continue
             b = [r[base] for r in runs]
             for kind in (k for k in kinds if k in args.kinds):
                 a = [r[kind] for r in runs]
@@ -204,6 +211,8 @@ def main(argv: list[str] | None = None) -> int:
                                   f"{r['ratio_min']:.2f}–{r['ratio_max']:.2f}"])
         for axis, (stepped, called) in {"data parallel": ("autopar-dp", "autopar-dp-module"),
                                         "tensor parallel": ("autopar-tp", "autopar-tp-module")}.items():
+            if stepped not in args.kinds or called not in args.kinds:
+                continue
             ratios = [r[called] / r[stepped] for r in runs]  # the module path against `step`, run by run
             module_rows.append([model, axis, f"{statistics.median(r[stepped] for r in runs) * 1e3:.1f}",
                                 f"{statistics.median(r[called] for r in runs) * 1e3:.1f}",
@@ -219,7 +228,8 @@ def main(argv: list[str] | None = None) -> int:
              "same plan:\n\n" + table(["model", f"layout ({args.nproc} ranks)", "pm.step ms/step", "module ms/step",
                                         "ratio (median of runs)", "ratio over runs"], module_rows, right=(2, 3, 4, 5)))
     print(body)
-    write("runtime_overhead", started, body)
+    if chosen is None:
+        write("runtime_overhead", started, body)
     return 0
 
 

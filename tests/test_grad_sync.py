@@ -24,22 +24,26 @@ def _dp_grads(rank, world, bucket_bytes, microbatches):
     xs, ys = x.chunk(world)[rank].chunk(microbatches), y.chunk(world)[rank].chunk(microbatches)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     steps = []
-    for kept in (False, True):  # gradients set to None before the step, then kept and zeroed in place
-        if kept:  # `pm.step`'s zero_grad: one fill per bucket, every gradient still its view
+    def viewed():  # every gradient is its view of its bucket's buffer
+        return all(b.buffer is not None and p.grad is v for b in sync.buckets for p, v in zip(b.params, b.views))
+
+    # gradients set to None and left so (copied in at launch); `pm.step`'s zero_grad (one fill per
+    # bucket); your own loop's `zero_grad()`, then the module's start of backward (`before_backward`)
+    for start in ("fresh", "step", "yours"):
+        optimizer.zero_grad(set_to_none=True)
+        if start == "step":
             sync.zero_grad(optimizer)
-            assert all(b.last is not None and b._views_of(b.last()) for b in sync.buckets)
-            assert all(not p.grad.any() for p in model.parameters())
-        else:
-            optimizer.zero_grad(set_to_none=True)
+        elif start == "yours":
+            sync.before_backward()
+        if start != "fresh":
+            assert viewed() and all(not p.grad.any() for p in model.parameters())
         for i, (xm, ym) in enumerate(zip(xs, ys)):
             sync.sync = i == microbatches - 1  # accumulate locally, reduce on the last microbatch only
             (nn.functional.mse_loss(model(xm), ym) / microbatches).backward()
         sync.finish()
         stats = sync.reset_stats()
-        in_buckets = all(b.last is not None and p.grad.untyped_storage().data_ptr()
-                         == b.last().untyped_storage().data_ptr() for b in sync.buckets for p in b.params)
         steps.append(({n: p.grad.clone() for n, p in model.named_parameters()}, stats.collectives,
-                      [b.in_backward for b in sync.buckets], stats.bytes_raw, in_buckets))
+                      [b.in_backward for b in sync.buckets], stats.bytes_raw, viewed()))
     return steps
 
 

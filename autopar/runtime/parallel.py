@@ -584,6 +584,8 @@ class ParallelModel(nn.Module):
     def _at_backward_end(self, sync: bool) -> None:
         if not self._queued:
             self._queued = True
+            if self.sync is not None:  # gradients your `zero_grad()` set to None: accumulated in their buckets
+                self.sync.before_backward()
             torch.autograd.Variable._execution_engine.queue_callback(partial(self._after_backward, sync))
 
     def _after_backward(self, sync: bool) -> None:
