@@ -1,5 +1,8 @@
 """The planner's answer never loses to a hand-written layout (`autopar.planner.auto`)."""
 
+import pytest
+
+from autopar.contract.errors import AutoparError
 from autopar.contract.plan import Plan
 from autopar.cost_models import get_cluster
 from autopar.models import load_workload
@@ -54,3 +57,15 @@ def test_step_bound_is_below_every_simulated_pipeline():
         plan = manual_plan(manual_search(search), layout)
         work = [s.cost["forward_s"] + s.cost["backward_s"] for s in plan.stages]
         assert _step_bound(work, plan.num_microbatches) <= plan.estimate.step_time_s * (1 + 1e-9), layout.name
+
+
+def test_a_stage_count_that_rules_out_every_fitting_layout_is_named():
+    """Where the leanest layout fits but the stage count asked for does not, the refusal says so
+    (not "use more devices", which the same message's numbers contradict)."""
+    w = load_workload("gpt-small", batch=32)
+    search = Search.start(w, get_cluster("v100-p3"), (1, 2), memory_limit=70 * 2**20)
+    with pytest.raises(AutoparError, match="with 2 stages under 70 MiB per device; the leanest layout .* needs "
+                                           r"[\d.]+ MiB: leave the 2 stages to the planner"):
+        plan_auto(search, stages=2)
+    plan = plan_auto(search)
+    assert plan.estimate.fits and plan.estimate.peak_memory_bytes <= 70 * 2**20

@@ -341,7 +341,7 @@ def plan_dp(search: Search, *, stages: int | None = None, num_microbatches: int 
             if best is None or plan.estimate.step_time_s < best.estimate.step_time_s:
                 best, best_chosen = plan, chosen
     if best is None:
-        raise _nothing_fits(search)
+        raise _nothing_fits(search, stages, num_microbatches)
     best.search.update({"ilp_solves": search.costs.solves, "cache_hits": search.costs.hits,
                         "microbatch_counts": len(counts)})
     if around:
@@ -575,15 +575,23 @@ def plan_single_stage(search: Search) -> Plan:
                                                    "microbatch_counts": 1, **_time_limited(limited)})
 
 
-def _nothing_fits(search: Search) -> AutoparError:
+def _nothing_fits(search: Search, stages: int | None = None, num_microbatches: int | None = None) -> AutoparError:
     """How much memory per device the leanest way to hold the whole model on every device needs
-    (one stage, ZeRO-3, recomputation, the smallest microbatch its shardings allow)."""
+    (one stage, ZeRO-3, recomputation, the smallest microbatch its shardings allow); where that
+    fits, what ruled it out: the stage or microbatch count asked for."""
     hosts, per_host = search.mesh
     where = f"{hosts}x{per_host} {search.cluster.name}"
     n, batch = len(search.layers), search.workload.batch
     counts = sorted(microbatch_counts(batch), reverse=True)  # the smallest microbatch that shards
     lean = next(([o.memory(1) for o in opts] for m in counts
                  if (opts := search.costs.options(search.atoms(0, n), search.mesh, m))), [])
+    fixed = ", ".join(x for x in (f"{stages} stages" if stages else "",
+                                  f"{num_microbatches} microbatches" if num_microbatches else "") if x)
+    if lean and fixed and min(lean) <= search.memory_limit:
+        return AutoparError(
+            f"{search.workload.name} (batch {batch}) fits on no layout of {where} with {fixed} under "
+            f"{human_bytes(search.memory_limit)} per device; the leanest layout (one stage, ZeRO-3, recomputation) "
+            f"needs {human_bytes(min(lean))}: leave the {fixed} to the planner")
     if lean:
         return AutoparError(
             f"{search.workload.name} (batch {batch}) fits on no layout of {where}: even spread over every device "
