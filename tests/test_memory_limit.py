@@ -87,6 +87,52 @@ def test_a_plan_runs_within_its_memory_limit(tmp_path, world, case):
         assert all(loss == loss for loss in losses)
 
 
+ZERO_BUBBLE = [("zbv",), ("interleaved-zb",)]
+
+
+def _zero_bubble(rank, world, schedule):
+    """gpt-small cut into 2 device groups under a split-backward schedule, planned under a limit at
+    the schedule's own leanest promise (no recomputation or ZeRO-3 runs with a split backward: what
+    it can trade is the microbatch count and the cut), then trained under that limit."""
+    from autopar.cost_models import get_cluster
+    from autopar.planner.auto import plan_auto
+    from autopar.planner.search import Search
+
+    torch.manual_seed(0)
+    w = autopar.load_workload("gpt-small", batch=32, device="cpu")
+    cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)
+    free = plan_auto(Search.start(w, cluster, (1, world), schedule=schedule), stages=world)
+    limit = free.estimate.peak_memory_bytes
+    plan = plan_auto(Search.start(w, cluster, (1, world), schedule=schedule, memory_limit=limit), stages=world)
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=plan, memory_limit=limit,
+                             optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+    gen = torch.Generator().manual_seed(1)
+    try:
+        losses = [pm.step(*w.make_batch(w.batch, gen)) for _ in range(2)]
+    except autopar.AutoparError as exc:
+        return str(exc)
+    return plan.schedule, losses, pm.first_step_tensor_bytes, limit
+
+
+@pytest.mark.parametrize("schedule", [
+    "zbv",
+    pytest.param("interleaved-zb", marks=pytest.mark.xfail(strict=True, reason=(
+        "issue 40: the light rank of a split backward is under-predicted: rank 0 (stages 0 and 2, 32 "
+        "microbatches) held 101 MiB against the 90.9 MiB it was planned for, its temporaries 28.1 MiB "
+        "against 11.1 predicted (2026-11-28)")))])
+def test_a_zero_bubble_plan_runs_within_its_memory_limit(tmp_path, schedule):
+    """A split backward keeps each microbatch's activations from its input pass to its weights'
+    pass, and the last stage's loss until its input pass: a plan priced without that ran over its
+    limit (predicted 0.60-0.78 of the measured peak before). Planned at the schedule's own peak,
+    which the planner refused until a cut's stages could share their group's memory unevenly."""
+    results = shared_ranks(_zero_bubble, 2, ZERO_BUBBLE, (schedule,), tmp_path)
+    assert not any(isinstance(r, str) for r in results), results[0]
+    for ran, losses, measured, limit in results:
+        assert ran == schedule
+        assert measured["total"] <= limit, f"{measured['total'] / 2**20:.1f} MiB > {limit / 2**20:.1f} MiB"
+        assert all(loss == loss for loss in losses)
+
+
 def test_a_step_holding_a_higher_order_op_is_measured():
     """A lowered program that recomputes a random op runs it under `run_and_save_rng_state` (torch's
     partitioner): the memory a step is measured under (`bench`, `train --json`) counts its output."""

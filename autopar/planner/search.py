@@ -392,8 +392,9 @@ def _other_schedules(search: Search, base: Plan, chosen: list, progress: Callabl
             raise AutoparError(
                 f"--schedule {only}: the stage DP's best pipeline ({p} stage(s) on "
                 f"{', '.join(sorted({f'{st.submesh[0]}x{st.submesh[1]}' for st in base.stages}))}, {m} microbatches) "
-                f"has no layout {only} runs here (it needs 2 or more groups of one submesh and logical mesh, and "
-                "ZeRO-3 only with a whole backward); use --schedule auto, or --manual with --virtual")
+                f"has no layout {only} runs here (it needs 2 or more groups of one submesh and logical mesh, stages "
+                "that fit the memory limit (a split backward recomputes nothing), and ZeRO-3 only with a whole "
+                "backward); use --schedule auto, or --manual with --virtual")
     fits = [plan for plan in tried.values() if plan.estimate.fits] or list(tried.values())
     best = min(fits, key=lambda plan: (not plan.estimate.fits, plan.estimate.step_time_s))
     best.search.update({k: base.search[k] for k in ("ilp_solves", "cache_hits", "microbatch_counts")})
@@ -458,15 +459,27 @@ def _virtual_plan(search: Search, p: int, shape: tuple[int, int], lm: tuple[int,
     """The layers cut into p·v stages of the least bottleneck (then the least total) on p groups
     of `shape`, each stage within its share of its group's memory (`Search.budget`); None when no
     such cut fits. Not simulated when the busiest group's own work (its compute, gradient
-    synchronisation and optimizer) already takes `bound` seconds: that time instead."""
+    synchronisation and optimizer) already takes `bound` seconds: that time instead. Where no cut
+    fits the even share, a cut within the group's whole memory is tried, kept where the simulator
+    says the groups fit: a V's first group holds the first and the last stage, rarely alike."""
     q = p * search.virtual
     in_flight, limit = max((search.budget(s, q, m) for s in range(q)), key=lambda b: b[0])
+    found = _virtual_cut(search, p, shape, lm, m, bound, in_flight, limit)
+    if found is None and search.virtual > 1:
+        found = _virtual_cut(search, p, shape, lm, m, bound, in_flight, search.memory_limit)
+        if isinstance(found, Plan) and not found.estimate.fits:
+            return None
+    return found
+
+
+def _virtual_cut(search: Search, p: int, shape: tuple[int, int], lm: tuple[int, int], m: int, bound: float,
+                 in_flight: int, limit: float) -> Plan | float | None:
     recompute = (False,) if schedules.splits_backward(search.schedule) else None  # `runs`
     # one mesh; no ZeRO-1/2: a device group's stages would have to take it alike (`runtime.pipeline`)
     times, (variants, picks) = search.range_times(shape, m, in_flight, limit, [lm], recompute, zeros=(0,))
     if not variants:
         return None
-    cuts = balanced_cuts(times, q)
+    cuts = balanced_cuts(times, p * search.virtual)
     if cuts is None:
         return None
     chosen = [((i, j), shape, search.option(i, j, shape, m, variants[picks[i, j]])) for i, j in zip(cuts, cuts[1:])]
