@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -143,6 +144,7 @@ class SyncingStage(PipelineStage):
     sync: GradSync | None = None
     launches: bool = True  # whether this stage's last backward is the rank's last
     _outputs: Any = None  # the last stage's outputs of the microbatch a split backward's input pass runs
+    _flight: _InFlight | None = None  # this step's sends not yet waited for (`sends_released`)
 
     def forward_one_chunk(self, *args, **kwargs):
         with phase("forward"):
@@ -151,9 +153,19 @@ class SyncingStage(PipelineStage):
     def backward_one_chunk(self, bwd_chunk_id: int, loss=None, full_backward: bool = True, last_backward: bool = False):
         if self.sync is not None:
             self.sync.sync = last_backward and self.launches
-        self._outputs = self.fwd_cache[bwd_chunk_id][0] if self.is_last and not full_backward else None
+        outputs, inputs = self.fwd_cache[bwd_chunk_id]
+        self._outputs = outputs if self.is_last and not full_backward else None
         with phase("backward"):
-            return super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+            out = super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
+        for x in inputs:  # torch leaves each input's gradient on it too, where the receive buffers keep
+            if isinstance(x, torch.Tensor) and x.grad is not None:  # m of them to the next step: it is
+                x.grad = None  # sent from `bwd_cache`, and read nowhere else
+        if self._flight is not None:
+            self._flight.received(self.stage_index, bwd_chunk_id, [_memory(o) for o in outputs])
+            if not self.is_first:  # sent by the schedule next
+                self._flight.gradients.setdefault(bwd_chunk_id, []).extend(
+                    (self.stage_index, _memory(g)) for g in self.bwd_cache.get(bwd_chunk_id, ()) if g is not None)
+        return out
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False):
         with phase("backward"):  # the weights' part of a split backward (its gradients are written, not hooked)
@@ -173,6 +185,87 @@ class SyncingStage(PipelineStage):
         if len(groups) > 1:
             stage_backward_weight(self.submod.parameters(), groups[:-1], retain_graph=True)
         return stage_backward_weight(self.submod.parameters(), groups[-1:]), None
+
+
+def _memory(t: Any) -> int:
+    return (t._local_tensor if isinstance(t, DTensor) else t).data_ptr() if isinstance(t, torch.Tensor) else -1
+
+
+class _Sent:
+    """A send's work that can let go of it (and of the tensor it holds) before the step ends."""
+
+    __slots__ = ("work",)
+
+    def __init__(self, work: Any) -> None:
+        self.work = work
+
+    def wait(self, *args: Any, **kwargs: Any) -> bool:
+        if self.work is not None:
+            self.work.wait(*args, **kwargs)
+            self.work = None
+        return True
+
+
+@dataclass
+class _InFlight:
+    """A rank's sends not yet waited for (`sends_released`), by the sent tensor's memory, and the
+    memory of each microbatch's input gradients by stage (sent once its backward returns)."""
+
+    sends: dict[int, list[_Sent]] = field(default_factory=dict)
+    gradients: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # microbatch -> (stage, memory)
+
+    def received(self, stage: int, microbatch: int, outputs: list[torch.Tensor]) -> None:
+        """Stage `stage` got `microbatch`'s gradient: the next stage had its activation, and every
+        later stage's input gradient of that microbatch reached the stage before it (the gradient
+        passed through them), so those sends are done and their waits return at once."""
+        kept = []
+        for later, memory in self.gradients.pop(microbatch, []):
+            if later > stage:
+                outputs = [*outputs, memory]
+            else:
+                kept.append((later, memory))
+        if kept:
+            self.gradients[microbatch] = kept
+        for memory in outputs:
+            for handle in self.sends.pop(memory, []):
+                handle.wait()
+
+
+@contextlib.contextmanager
+def sends_released(stages: list[Any]) -> Any:
+    """torch's multi-stage schedules (interleaved, zero bubble, ZBV) wait for their sends only at
+    the step's end, so each send's work, and the activation or gradient it sends, lived until then:
+    m microbatches' outputs and input gradients per stage (gpt-small, interleaved-zb, 32
+    microbatches: 94 hidden-state-sized tensors held at rank 0's peak). Here a stage that receives
+    a microbatch's gradient waits for the sends that gradient proves received (`_InFlight`), at
+    once; the schedule's own wait at the end finds them done. (A work that says it completed could
+    be dropped sooner; gloo's sends never say so.)"""
+    from torch.distributed.pipelining import schedules as torch_schedules
+
+    original = getattr(torch_schedules, "_batch_p2p", None)
+    if original is None:  # (another torch: its schedules as they are)
+        yield
+        return
+    flight = _InFlight()
+    for stage in stages:
+        stage._flight = flight
+
+    def batch_p2p(ops: list, desc: str | None = None) -> list:
+        works = original(ops, desc=desc)
+        if not ops or len(works) != len(ops) or any(op.op is not dist.isend for op in ops):
+            return works
+        sent = [_Sent(w) for w in works]
+        for op, handle in zip(ops, sent):
+            flight.sends.setdefault(op.tensor.data_ptr(), []).append(handle)
+        return sent
+
+    torch_schedules._batch_p2p = batch_p2p
+    try:
+        yield
+    finally:
+        torch_schedules._batch_p2p = original
+        for stage in stages:
+            stage._flight = None
 
 
 def _loss_freed(bwd_kwargs: dict, outputs: Any) -> dict:
@@ -296,6 +389,7 @@ class PipelineModel:
                 self.schedule = kind(stages[0], self.m, loss_fn=loss_m, scale_grads=False)
             else:
                 self.schedule = kind(stages, self.m, loss_fn=loss_m, scale_grads=False)
+        self.torch_stages = [stage for stage in stages if isinstance(stage, SyncingStage)]
         self.sync = None
         self.whole: list[nn.Parameter] = []  # kept whole under FSDP2: their gradients averaged by the step
         if sharded:
@@ -400,7 +494,8 @@ class PipelineModel:
             if last:  # the outputs (logits of every microbatch) are not kept: only the losses
                 kept = {"return_outputs": False} if not isinstance(self.schedule, FanOutSchedule) else {}
                 ends = {"target": local_target, "losses": losses, **kept}
-            self.schedule.step(*(args if first else ()), **ends)
+            with sends_released(self.torch_stages):
+                self.schedule.step(*(args if first else ()), **ends)
         if self.sync:  # before the tied sum: finish() writes the averages back
             with phase("dp_sync"):
                 self.sync.finish()
