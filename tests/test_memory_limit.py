@@ -49,22 +49,30 @@ def _plan(world, case):
     return w, plan, limit
 
 
+def _steps(w, world, plan, limit):
+    """Two steps of `plan` under `limit`: (losses, the first step's measured tensor bytes), or the
+    refusal's message."""
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=plan, memory_limit=limit,
+                             optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
+    gen = torch.Generator().manual_seed(1)
+    try:
+        return [pm.step(*w.make_batch(w.batch, gen)) for _ in range(2)], pm.first_step_tensor_bytes
+    except autopar.AutoparError as exc:
+        return str(exc)
+
+
 def _train(rank, world, case):
     torch.manual_seed(0)
     w, plan, limit = _plan(world, case)
     if case == "overflows":  # the same plan, promising a third of what it uses
         plan = dataclasses.replace(plan, estimate=dataclasses.replace(plan.estimate, peak_memory_bytes=1.0))
         limit /= 3
-    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=plan, memory_limit=limit,
-                             optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
-    gen = torch.Generator().manual_seed(1)
-    try:
-        losses = [pm.step(*w.make_batch(w.batch, gen)) for _ in range(2)]
-    except autopar.AutoparError as exc:
-        return str(exc)
+    ran = _steps(w, world, plan, limit)
+    if isinstance(ran, str):
+        return ran
     zero = [s.zero or (3 if all(p[0] == Shard(0) for p in s.params.values()) else 0) for s in plan.stages]
     recompute = [s.recompute_granularity or "full" if s.recompute else None for s in plan.stages]
-    return losses, pm.first_step_tensor_bytes, limit, recompute, zero
+    return *ran, limit, recompute, zero
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -104,14 +112,8 @@ def _zero_bubble(rank, world, schedule):
     free = plan_auto(Search.start(w, cluster, (1, world), schedule=schedule), stages=world)
     limit = free.estimate.peak_memory_bytes
     plan = plan_auto(Search.start(w, cluster, (1, world), schedule=schedule, memory_limit=limit), stages=world)
-    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=plan, memory_limit=limit,
-                             optimizer=lambda ps: torch.optim.Adam(ps, lr=1e-3))
-    gen = torch.Generator().manual_seed(1)
-    try:
-        losses = [pm.step(*w.make_batch(w.batch, gen)) for _ in range(2)]
-    except autopar.AutoparError as exc:
-        return str(exc)
-    return plan.schedule, losses, pm.first_step_tensor_bytes, limit
+    ran = _steps(w, world, plan, limit)
+    return ran if isinstance(ran, str) else (plan.schedule, *ran, limit)
 
 
 @pytest.mark.parametrize("schedule", [

@@ -214,10 +214,11 @@ class _InFlight:
     sends: dict[int, list[_Sent]] = field(default_factory=dict)
     gradients: dict[int, list[tuple[int, int]]] = field(default_factory=dict)  # microbatch -> (stage, memory)
 
-    def received(self, stage: int, microbatch: int, outputs: list[torch.Tensor]) -> None:
-        """Stage `stage` got `microbatch`'s gradient: the next stage had its activation, and every
-        later stage's input gradient of that microbatch reached the stage before it (the gradient
-        passed through them), so those sends are done and their waits return at once."""
+    def received(self, stage: int, microbatch: int, outputs: list[int]) -> None:
+        """Stage `stage` got `microbatch`'s gradient (`outputs`: the memory of what it sent forward):
+        the next stage had its activation, and every later stage's input gradient of that
+        microbatch reached the stage before it (the gradient passed through them), so those sends
+        are done and their waits return at once."""
         kept = []
         for later, memory in self.gradients.pop(microbatch, []):
             if later > stage:
