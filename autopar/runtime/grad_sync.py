@@ -94,14 +94,14 @@ class _Bucket:
         if not self.plain:
             return
         views = self._views()
-        none = [p.grad is None for p in self.params]
-        if all(none):
+        unset = [(p, view) for p, view in zip(self.params, views) if p.grad is None]
+        whole = len(unset) == len(self.params)
+        if whole:  # one fill for the bucket
             self.buffer[:-1].zero_()
-        for p, view, unset in zip(self.params, views, none):
-            if unset:
-                if not all(none):
-                    view.zero_()
-                p.grad = view
+        for p, view in unset:
+            if not whole:
+                view.zero_()
+            p.grad = view
 
     def gather(self, carry: torch.Tensor | None) -> None:
         """`flat`: the bucket's gradients (zeros for those that never arrived), with `carry` last.
