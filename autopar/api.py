@@ -131,15 +131,13 @@ def parallelize(
     job = _job_mesh(mesh, world)
     request.plan = job.pinned(request.plan)
     args = as_args(model.forward, example_inputs, "example_inputs")
-    graph, uncaptured = agreed("capturing the model", lambda: _capture_or_why(model, args, request.plan, tune))
-    resolved, scope, captured = _plan_on_rank0(request, args, graph, uncaptured, job, world)
+    resolved, scope, graph = _plan_on_rank0(request, args, job, world)
     with collective_failures("building the model", scope):  # one rank's error is every rank's
-        agreed("checking the graph", lambda: _same_graph(model, graph, captured))
         if tune:
             resolved = _tuned(resolved, request, args, job.ranks)
-            if dist.get_rank() == 0 and graph is not None:
+            if graph is not None:
                 warn_replicated(graph, resolved)
-        resolved = agreed("checking the plan", lambda: _checked(resolved, request, graph, world))
+        resolved = agreed("checking the plan", lambda: _checked(resolved, request, world))
         pm = _build(resolved, request, args, device, job.ranks)
         pm.failure_scope = scope
         if timeout is not None:
@@ -270,16 +268,20 @@ def _job_mesh(mesh: DeviceMesh | tuple[int, int] | None, world: int) -> _JobMesh
     return _JobMesh(tuple(mesh))
 
 
-def _plan_on_rank0(request: _Request, args: tuple, graph: Any, uncaptured: CaptureError | None, job: _JobMesh,
-                   world: int) -> tuple[Any, str, str | None]:
-    """Rank 0 plans (or loads, or makes the candidates to tune); every rank gets its plan, the
-    scope of this model's failures and the fingerprint of the graph rank 0 captured."""
+def _plan_on_rank0(request: _Request, args: tuple, job: _JobMesh, world: int) -> tuple[Any, str, Any]:
+    """Rank 0 captures the model and plans (or loads, or makes the candidates to tune), checking
+    the plan against the graph; every rank gets its plan and the scope of this model's failures,
+    rank 0 the graph too (None elsewhere). The other ranks do not capture: each exports the model
+    again at the shape it runs, and the runtime checks those exports are rank 0's
+    (`runtime.export.export_as_planned`)."""
     model, plan, precision = request.model, request.plan, request.precision
     size = next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
-    chosen: list[Any] = [None, uuid.uuid4().hex[:12], graph.fingerprint() if graph is not None else None]
+    chosen: list[Any] = [None, uuid.uuid4().hex[:12]]
     failed: BaseException | None = None
+    graph = None
     if dist.get_rank() == 0:
         try:
+            graph, uncaptured = _capture_or_why(model, args, plan, request.tune)
             if uncaptured is not None:
                 chosen[0] = uncaptured_plan(type(model).__name__, [n for n, _ in model.named_parameters()], size,
                                             world, job.shape, request.cluster or "cpu-local",
@@ -294,6 +296,9 @@ def _plan_on_rank0(request: _Request, args: tuple, graph: Any, uncaptured: Captu
                 chosen[0] = _resolve(plan, model, args, size, graph, request.cluster, job.shape, request.compression,
                                      request.delay, precision, request.memory_limit,
                                      one_stage=request.loss_fn is None)
+            if graph is not None:
+                for p in chosen[0] if isinstance(chosen[0], list) else [chosen[0]]:
+                    _fits_graph(p, model, graph)
             if isinstance(chosen[0], Plan) and graph is not None:
                 warn_replicated(graph, chosen[0])
         except Exception as exc:  # every rank reports it, none waits for a plan that never comes
@@ -303,27 +308,19 @@ def _plan_on_rank0(request: _Request, args: tuple, graph: Any, uncaptured: Captu
         raise failed
     if isinstance(chosen[0], PeerFailed):
         raise AutoparError(chosen[0].message) if chosen[0].user else chosen[0]  # a user's error: the same words
-    return tuple(chosen)
+    return chosen[0], chosen[1], graph
 
 
-def _same_graph(model: nn.Module, graph: Any, captured: str | None) -> None:
-    """This rank captured the graph rank 0 planned with (or, as it, none)."""
-    mine = graph.fingerprint() if graph is not None else None
-    if mine != captured:
-        raise AutoparError(
-            f"this rank captured another graph of {type(model).__name__} than rank 0 did ({mine} against "
-            f"{captured}): its forward depends on something that differs between processes, most often Python's "
-            "hash order (a set iterated in forward, as transformers' ModernBERT does with its layer types); start "
-            "every rank with the same PYTHONHASHSEED, e.g. PYTHONHASHSEED=0 torchrun ...")
+def _fits_graph(plan: Plan, model: nn.Module, graph: Any) -> None:
+    """The plan is for this graph, and its parameters' placements fit the model's parameters."""
+    plan.check_graph(graph.fingerprint())
+    plan.check_placements(graph, {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)})
 
 
-def _checked(resolved: Plan, request: _Request, graph: Any, world: int) -> Plan:
-    """The plan checked against this rank's model and the job, with the caller's gradient choices
-    (a model that could not be captured has no graph to check it against)."""
-    model, compression, delay, memory_limit = request.model, request.compression, request.delay, request.memory_limit
-    if graph is not None:
-        resolved.check_graph(graph.fingerprint())
-        resolved.check_placements(graph, {n: tuple(p.shape) for n, p in model.named_parameters(remove_duplicate=False)})
+def _checked(resolved: Plan, request: _Request, world: int) -> Plan:
+    """The plan checked against the job, with the caller's gradient choices (against the graph:
+    `_fits_graph`, on rank 0)."""
+    compression, delay, memory_limit = request.compression, request.delay, request.memory_limit
     if request.mixed_precision is not None:
         resolved.check_precision(request.precision)
     if memory_limit is not None and resolved.estimate is not None and resolved.estimate.peak_memory_bytes > memory_limit:

@@ -348,12 +348,26 @@ def _bad(rank, world, case):
             plan = _layout(w, world, "1,2,1")
             plan.stages[0].collectives = [c for c in plan.stages[0].collectives if c["phase"] != "backward"]
             autopar.parallelize(w.model, (1, world), w.example_inputs, plan=plan, **kwargs)
+        elif case == "rank-dependent":  # rank 0 alone captures: every rank's own export is checked against its
+            autopar.parallelize(_RankDependent(w.model), (1, world), w.example_inputs, plan="1,2,1", **kwargs)
     except AutoparError as exc:
         return str(exc)
     return "no error"
 
 
-BAD = [("mesh",), ("batch",), ("other-model",), ("unrunnable",), ("mispriced",)]
+class _RankDependent(nn.Module):
+    """A forward that differs between ranks (as one iterating a set does under other hash seeds)."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        out = self.inner(x)
+        return out * 2 if torch.distributed.get_rank() == 1 else out
+
+
+BAD = [("mesh",), ("batch",), ("other-model",), ("unrunnable",), ("mispriced",), ("rank-dependent",)]
 
 
 @pytest.mark.parametrize("case, message", [
@@ -364,6 +378,7 @@ BAD = [("mesh",), ("batch",), ("other-model",), ("unrunnable",), ("mispriced",)]
     ("unrunnable", "cannot run this model under the plan: gelu (aten.gelu.default) failed"),
     # the program that would run is not the one priced: refused when built, naming the collectives
     ("mispriced", "its lowered program does not issue the collectives the plan priced (issued, not priced: "),
+    ("rank-dependent", "rank 1 exported another graph of _RankDependent than rank 0 did"),
 ])
 def test_bad_plans_are_one_clear_message(tmp_path, case, message):
     for text in shared_ranks(_bad, 2, BAD, (case,), tmp_path):

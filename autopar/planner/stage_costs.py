@@ -694,10 +694,12 @@ class StageCosts:
                  "tensors": q.tensors, "sync": sync, "fwd": fwd, "bwd": bwd,
                  "unit": self._largest(prefix, bounds, Col.grads) if z else 0.0}  # the largest layer's gradient bytes
 
+        compute_bwd = bwd  # (before ZeRO's terms: `bwd` is rebound below to the backward with them)
+
         def timed(at: Any, less: Any = 0.0) -> tuple:
             """(backward, exposed sync, ZeRO's terms) of the ranges `at` with a backward `less` shorter:
             how long the synchronisation is hidden depends on the backward beside it."""
-            bwd_at = np.asarray(bwd)[at] - less
+            bwd_at = np.asarray(compute_bwd)[at] - less
             if z:
                 zq = self.zeroed(z, submesh, lm, m, whole[at], {k: _at(v, at) for k, v in zq_in.items()} | {"bwd": bwd_at})
                 return zq["bwd"], zq["sync"], zq

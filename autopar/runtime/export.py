@@ -10,12 +10,14 @@ at the same place in it: same module, same op, same occurrence within the module
 
 from __future__ import annotations
 
+import hashlib
 from collections import defaultdict
 from typing import Any
 
 import torch
 from torch import fx, nn
 
+from autopar.contract.errors import AutoparError
 from autopar.contract.export import export_program
 
 
@@ -25,6 +27,30 @@ def export_as_planned(model: nn.Module, micro: tuple, whole: tuple) -> Any:
     if _batch(micro) == 1 != _batch(whole):
         align_names(ep.graph, export_program(model, whole).graph)
     return ep
+
+
+def same_on_every_rank(graph: fx.Graph, model: nn.Module) -> None:
+    """Every rank of the job exported `graph` as rank 0 did (ops, names, shapes), else every rank
+    raises the same error: a forward that depends on something differing between processes would
+    run another program than the plan's on some ranks. (Rank 0 alone captured the graph it
+    planned with; the runtime's builds call this, every rank together, on their own exports.)"""
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return
+    h = hashlib.sha256()
+    for n in graph.nodes:
+        val = n.meta.get("val")
+        h.update(repr((n.op, n.name, str(n.target), tuple(val.shape) if isinstance(val, torch.Tensor) else None)).encode())
+    said: list = [None] * dist.get_world_size()
+    dist.all_gather_object(said, h.hexdigest()[:16])
+    other = [r for r, s in enumerate(said) if s != said[0]]
+    if other:
+        raise AutoparError(
+            f"rank {other[0]} exported another graph of {type(model).__name__} than rank 0 did ({said[other[0]]} "
+            f"against {said[0]}): its forward depends on something that differs between processes, most often "
+            "Python's hash order (a set iterated in forward, as transformers' ModernBERT does with its layer types); "
+            "start every rank with the same PYTHONHASHSEED, e.g. PYTHONHASHSEED=0 torchrun ...")
 
 
 def export_standing_in(model: nn.Module, args: tuple, like: fx.Graph) -> Any:

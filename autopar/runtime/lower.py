@@ -132,11 +132,12 @@ def collectives(gm: torch.fx.GraphModule, phase: str, axes: dict[tuple[int, ...]
     return out
 
 
-def _plain_views(gm: torch.fx.GraphModule) -> None:
+def _plain_views(gm: torch.fx.GraphModule) -> bool:
     """Drop what tracing leaves that costs host time and computes nothing: a view to the shape its
     input already has (DTensor's `from_local` / `to_local` make one per value they wrap), and a
     chain of views read only by views (`view(view(x))` is one view of x). Values the graph
-    returns are left alone: the caller may rely on them being distinct tensors."""
+    returns are left alone: the caller may rely on them being distinct tensors. Like the passes
+    below, it says whether it changed the graph (the caller regenerates its code once)."""
     view = torch.ops.aten.view.default
     returned = {a for n in gm.graph.nodes if n.op == "output" for a in n.all_input_nodes}
     changed = False
@@ -157,10 +158,10 @@ def _plain_views(gm: torch.fx.GraphModule) -> None:
             changed = True
     if changed:
         gm.graph.eliminate_dead_code()
-        gm.recompile()
+    return changed
 
 
-def _reduce_in_place(gm: torch.fx.GraphModule) -> None:
+def _reduce_in_place(gm: torch.fx.GraphModule) -> bool:
     """An all-reduce whose input nothing else reads sums that input in place (`all_reduce_`). The
     functional op sums a copy, in memory allocated per call: on gloo, 2 ranks, that copy made a
     256 KiB all-reduce 1.2x and a 1 MiB one 2.5x slower than in place (2026-11-27). Inductor avoids
@@ -183,11 +184,10 @@ def _reduce_in_place(gm: torch.fx.GraphModule) -> None:
         if source.op == "call_function" and len(source.users) == 1 and not view(source):
             node.target = in_place
             changed = True
-    if changed:
-        gm.recompile()
+    return changed
 
 
-def _overlap(gm: torch.fx.GraphModule) -> None:
+def _overlap(gm: torch.fx.GraphModule) -> bool:
     """Each collective issued as soon as its input exists, and waited for where its result is first
     read: the ops in between (a linear's weight gradient, while its input's gradient is summed) run
     while the backend moves the bytes, as inductor's reordering passes arrange a compiled program.
@@ -214,8 +214,7 @@ def _overlap(gm: torch.fx.GraphModule) -> None:
             previous = node
         if changed:
             nodes = list(gm.graph.nodes)
-    if changed:
-        gm.recompile()
+    return changed
 
 
 class _Locals(torch.autograd.Function):
@@ -460,8 +459,8 @@ class Program:
             returned[0] = num_fwd_outputs
             _mark_recomputed(joint)
             fw, bw = default_partition(joint, inputs, num_fwd_outputs=num_fwd_outputs, **kwargs)
-            _drop_dead_copies(bw)
-            _unaliased_grads(bw)
+            if _drop_dead_copies(bw) | _unaliased_grads(bw):
+                bw.recompile()
             # listed now: AOTAutograd compiles the backward graph only at the first backward
             entry.collectives[:] = collectives(fw, "forward", self.axes) + collectives(bw, "backward", self.axes)
             return fw, bw
@@ -472,16 +471,18 @@ class Program:
                 if phase == "forward" and returned[0]:
                     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
                     entry.saved_bytes = nbytes_of([getattr(v, "meta", {}).get("val") for v in out[returned[0]:]])
-                _plain_views(gm)
+                changed = _plain_views(gm)
                 if not returned[0]:  # a program without backward (not partitioned)
                     entry.collectives[:] = collectives(gm, phase, self.axes)
+                if not self.compile:
+                    changed = _reduce_in_place(gm) | _overlap(gm) | changed
+                if changed:
+                    gm.recompile()
                 if self.compile:
                     from torch._inductor.compile_fx import compile_fx_inner
 
                     run = compile_fx_inner(gm, example)
                 else:
-                    _reduce_in_place(gm)
-                    _overlap(gm)
                     run = make_boxed_func(_below_autograd(gm.forward))
                 # forward: tracing, partitioning and this compile; backward: its compile, done at the
                 # first backward (which may come long after a build-time trace)
@@ -679,7 +680,7 @@ def mismatch(extra: list[dict], missing: list[dict]) -> str:
                                        missing and f"priced, not issued: {said(missing)}") if part)
 
 
-def _drop_dead_copies(gm: torch.fx.GraphModule) -> None:
+def _drop_dead_copies(gm: torch.fx.GraphModule) -> bool:
     """Remove the collectives and random ops whose results nothing reads, and what only they read.
     The partitioner copies into the backward graph every forward op whose inputs the backward
     holds, then removes the unread ones, but keeps collectives and random ops (side effects to
@@ -691,11 +692,10 @@ def _drop_dead_copies(gm: torch.fx.GraphModule) -> None:
             return False  # functional: its output is its only effect
         return node.is_impure(impure_random=False)
 
-    if gm.graph.eliminate_dead_code(is_impure_node=impure):
-        gm.recompile()
+    return gm.graph.eliminate_dead_code(is_impure_node=impure)
 
 
-def _unaliased_grads(gm: torch.fx.GraphModule) -> None:
+def _unaliased_grads(gm: torch.fx.GraphModule) -> bool:
     """Each gradient the backward graph returns in memory of its own. The graph may return one
     tensor, or views of one, for several inputs (at one sample per microbatch a position embedding's
     gradient is the incoming gradient itself, and the class token's a slice of it), or the incoming
@@ -724,7 +724,7 @@ def _unaliased_grads(gm: torch.fx.GraphModule) -> None:
             seen.add(root)
     if changed:
         output.args = (tuple(returned), *output.args[1:])
-        gm.recompile()
+    return changed
 
 
 def _mark_recomputed(joint: torch.fx.GraphModule) -> None:

@@ -34,7 +34,7 @@ from autopar.runtime.buffers import AveragedBuffers, persistent
 from autopar.runtime.comm_count import CollectiveBytes
 from autopar.runtime.compression import Compressed
 from autopar.runtime.delayed import DelayedSync
-from autopar.runtime.export import export_as_planned, export_standing_in
+from autopar.runtime.export import export_as_planned, export_standing_in, same_on_every_rank
 from autopar.runtime.failures import guarded
 from autopar.runtime.grad_sync import EmulatedLink, GradSync
 from autopar.runtime.loop import clip, evaluating, gather_batch_dim, squared_grad_norm
@@ -380,6 +380,7 @@ class ParallelModel(nn.Module):
         if self.tp > 1 or plan.stages[0].recompute or sharded:  # the graph: placements, layers (to recompute, to shard)
             micro = _split(_split(example_inputs, self.dp, 0), plan.num_microbatches, 0)
             ep = export_as_planned(self.model, tuple(micro), tuple(example_inputs))  # before sharding: plain tensors
+            same_on_every_rank(ep.graph, self.model)
             self._form, self._constants = ep.output_form, ep.constants
             self._shapes = tuple(tuple(x.shape) for x in micro if isinstance(x, torch.Tensor))
             graph = ShardedGraph(self.model, plan.stages[0], mesh["tp"] if self.tp > 1 else None, ep,

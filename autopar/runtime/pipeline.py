@@ -43,7 +43,7 @@ from autopar.runtime.breakdown import phase
 from autopar.runtime.buffers import AveragedBuffers
 from autopar.runtime.comm_count import CollectiveBytes
 from autopar.runtime.cross_mesh import batch_dims
-from autopar.runtime.export import export_as_planned
+from autopar.runtime.export import export_as_planned, same_on_every_rank
 from autopar.runtime.failures import guarded
 from autopar.runtime.fan_out import FanOutSchedule, peers, receive, send
 from autopar.runtime.grad_sync import GradSync
@@ -306,6 +306,7 @@ class PipelineModel:
         self.data_parallel_rank, self.data_parallel_size = self.dp_rank, self.dp  # this stage's
         micro = tuple(_split(_split(example_inputs, self.dp, 0), self.m, 0))
         ep = export_as_planned(model.to(device), micro, tuple(example_inputs))
+        same_on_every_rank(ep.graph, model)
         user = [n.name for n in ep.graph.nodes if n.op == "placeholder" and n.name in ep.graph_signature.user_inputs]
         parts = cut(ep.graph, plan, user, ep.graph_signature.user_outputs[0])
         part = parts[self.stage_index]
