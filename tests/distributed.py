@@ -57,8 +57,22 @@ def _serve(rank: int, world: int, pipe: Any) -> None:
             dist.barrier()  # no rank tears down while another still reads from it (gloo aborts then)
         finally:
             dist.destroy_process_group()
+        _forget_meshes()
         gc.collect()
         pipe.send(None)
+
+
+def _forget_meshes() -> None:
+    """Empty DTensor's caches once a case list's groups are gone: they key on meshes by value and
+    keep the mesh objects, so the next list's equal mesh would be handed one whose groups no longer
+    exist ("could not resolve the process group registered under the name ...")."""
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # torch's own way, the Python and the C++ fast path's caches
+    _gen_transform_infos.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 class _Ranks:
