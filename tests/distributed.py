@@ -156,8 +156,8 @@ def _spawn(jobs: list[tuple[Callable, tuple]], world: int, tmp: Path) -> list[li
 
 def _unwrap(results: list[tuple[bool, Any]]) -> list[Any]:
     failed = [value for ok, value in results if not ok]
-    if failed:
-        pytest.fail(failed[0], pytrace=False)
+    if failed:  # the rank that raised, before those ended because it did
+        pytest.fail(min(failed, key=lambda why: why.startswith("not run")), pytrace=False)
     return [value for _, value in results]
 
 
