@@ -273,7 +273,7 @@ def _plan_on_rank0(request: _Request, args: tuple, job: _JobMesh, world: int) ->
     the plan against the graph; every rank gets its plan and the scope of this model's failures,
     rank 0 the graph too (None elsewhere). The other ranks do not capture: each exports the model
     again at the shape it runs, and the runtime checks those exports are rank 0's
-    (`runtime.export.export_as_planned`)."""
+    (`runtime.export.same_on_every_rank`)."""
     model, plan, precision = request.model, request.plan, request.precision
     size = next(a.shape[0] for a in args if isinstance(a, torch.Tensor))
     chosen: list[Any] = [None, uuid.uuid4().hex[:12]]
