@@ -30,27 +30,36 @@ def export_as_planned(model: nn.Module, micro: tuple, whole: tuple) -> Any:
 
 
 def same_on_every_rank(graph: fx.Graph, model: nn.Module) -> None:
-    """Every rank of the job exported `graph` as rank 0 did (ops, names, shapes), else every rank
-    raises the same error: a forward that depends on something differing between processes would
-    run another program than the plan's on some ranks. (Rank 0 alone captured the graph it
-    planned with; the runtime's builds call this, every rank together, on their own exports.)"""
+    """Every rank of the job exported `graph` as the first rank that exported at the same input
+    shapes did (ops, names, shapes), else every rank raises the same error: a forward that depends
+    on something differing between processes would run another program than the plan's on some
+    ranks. (Rank 0 alone captured the graph it planned with; the runtime's builds call this, every
+    rank together, on their own exports. Pipeline stages of other data-parallel sizes export at
+    other microbatch shapes, and size-1 dimensions specialise, so only equal shapes compare.)"""
     import torch.distributed as dist
 
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    h = hashlib.sha256()
+    inputs, h = [], hashlib.sha256()
     for n in graph.nodes:
         val = n.meta.get("val")
-        h.update(repr((n.op, n.name, str(n.target), tuple(val.shape) if isinstance(val, torch.Tensor) else None)).encode())
+        shape = tuple(val.shape) if isinstance(val, torch.Tensor) else None
+        if n.op == "placeholder":
+            inputs.append(shape)
+        h.update(repr((n.op, n.name, str(n.target), shape)).encode())
     said: list = [None] * dist.get_world_size()
-    dist.all_gather_object(said, h.hexdigest()[:16])
-    other = [r for r, s in enumerate(said) if s != said[0]]
+    dist.all_gather_object(said, (repr(inputs), h.hexdigest()[:16]))
+    first = {}
+    for r, (shapes, _) in enumerate(said):
+        first.setdefault(shapes, r)
+    other = [(r, first[shapes]) for r, (shapes, digest) in enumerate(said) if digest != said[first[shapes]][1]]
     if other:
+        r, like = other[0]
         raise AutoparError(
-            f"rank {other[0]} exported another graph of {type(model).__name__} than rank 0 did ({said[other[0]]} "
-            f"against {said[0]}): its forward depends on something that differs between processes, most often "
-            "Python's hash order (a set iterated in forward, as transformers' ModernBERT does with its layer types); "
-            "start every rank with the same PYTHONHASHSEED, e.g. PYTHONHASHSEED=0 torchrun ...")
+            f"rank {r} exported another graph of {type(model).__name__} than rank {like} did, at the same input "
+            f"shapes ({said[r][1]} against {said[like][1]}): its forward depends on something that differs between "
+            "processes, most often Python's hash order (a set iterated in forward, as transformers' ModernBERT does "
+            "with its layer types); start every rank with the same PYTHONHASHSEED, e.g. PYTHONHASHSEED=0 torchrun ...")
 
 
 def export_standing_in(model: nn.Module, args: tuple, like: fx.Graph) -> Any:
