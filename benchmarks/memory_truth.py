@@ -70,10 +70,13 @@ def main() -> None:
     parser.add_argument("--nproc", type=int, default=4)
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--json", action="store_true")
+    parser.add_argument("--layouts", default="", help="only the layouts whose name matches this regular expression "
+                        "(their table goes to the terminal, not the docs)")
     args = parser.parse_args()
     started = stamp()
     cluster = get_cluster("cpu-local").with_ranks(args.nproc)
-    plans = candidate_plans(args.model, args.nproc, cluster, args.batch)
+    plans = [p for p in candidate_plans(args.model, args.nproc, cluster, args.batch)
+             if re.search(args.layouts, f"{p.name} {p.schedule}")]
     with tempfile.TemporaryDirectory() as tmp, local_store() as port:
         out = os.path.join(tmp, "rows.pt")
         mp.spawn(_rank, args=(args.nproc, port, args.model, args.batch, [p.to_json() for p in plans], out),
@@ -89,6 +92,8 @@ def main() -> None:
         return
     body = table(HEADER, [_row(r) for r in rows], right=(2, 3, 4, 5, 6, 7))
     print(body)
+    if args.layouts:  # a subset: not the record
+        return
     name = "memory_truth-" + re.sub(r"[^a-z0-9]+", "-", Path(args.model).stem.lower() if ":" not in args.model
                                      else args.model.rsplit(":", 1)[1].lower())  # a fragment per model
     against(picture(name), {"layouts": ([r["predicted"] / 1e6 for r in rows],

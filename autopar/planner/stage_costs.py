@@ -729,6 +729,9 @@ class StageCosts:
                 return np.where(np.isfinite(time[at]), _at(fwd, at) + bwd_at + _at(send, at)
                                 + (exposed_at + _at(optimizer, at)) / m, np.inf)
             partial["key_at"] = key_at
+        # under a split backward torch's first stage runs nothing in "I" (its input needs no gradient)
+        # and its whole backward in "W" (`PipelineStage.backward_weight_one_chunk`)
+        weight = np.where((bounds == 0)[:, None], bwd, weight)
         return {"time": time, "forward": fwd, "backward": bwd, "send": send, "sync": exposed, "unhidden": unhidden,
                 "states": states, "acts": acts, "transient": transient, "grads": grads,
                 "averaged": flat_held(averaged, self.largest_grad), "optimizer": optimizer, "weight": weight, **partial}
