@@ -51,6 +51,7 @@ class StageSharding:
     collectives: list[dict[str, Any]]
     needs: dict[str, list[str | None]] = field(default_factory=dict)  # see StagePlan.needs
     param_states: dict[str, float] = field(default_factory=dict)  # fqn -> its part of memory["model_states"]
+    param_grads: dict[str, float] = field(default_factory=dict)  # fqn -> its gradient's part of that
     strategies: dict[str, Strategy] = field(default_factory=dict)  # anchor -> the strategy chosen for it
     # (size at the whole batch, dp × tp) of each batch dimension the tensor axis splits: a microbatch
     # count m holds only where every such size leaves ≥ 2 per rank (`StageCosts.splits_microbatch`)
@@ -264,6 +265,7 @@ def _result(stage: StageGraph, logical, chosen: dict[str, Evaluation], zero: dic
         reads=reads(stage, chosen),
         outs={n: list(chosen[stage.group(n)].out[stage.canon(n)]) for n in stage.names if stage.root.get(n)},
         param_states={f: b for e in per_anchor for f, b in e.param_states.items()},
+        param_grads={f: b for e in per_anchor for f, b in e.param_grads.items()},
     )
 
 

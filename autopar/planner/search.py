@@ -303,6 +303,30 @@ def plan_dp(search: Search, *, stages: int | None = None, num_microbatches: int 
             raise AutoparError(f"--schedule {schedule} runs a pipeline; --stages 1 has none")
     if stages == 1 and not num_microbatches:
         return plan_single_stage(search)
+    best, best_chosen, counts = _stage_dp_plans(search, stages, num_microbatches, progress)
+    unbounded = best is None and around and np.isfinite(search.memory_limit)
+    if unbounded:
+        # the other schedules hold memory otherwise (a V's first group keeps the weight its first and
+        # last stages tie once): they are weighed around the 1F1B plan of no limit, priced again under
+        # this one, and only a plan that fits is the answer
+        free, best_chosen, _ = _stage_dp_plans(dataclasses.replace(search, memory_limit=INF), stages,
+                                               num_microbatches, progress)
+        best = None if free is None else assemble(search, best_chosen, free.num_microbatches, name="auto")
+    if best is None:
+        raise _nothing_fits(search, stages, num_microbatches)
+    best.search.update({"ilp_solves": search.costs.solves, "cache_hits": search.costs.hits,
+                        "microbatch_counts": len(counts)})
+    if around:
+        best = _other_schedules(search, best, best_chosen, progress, None if schedule == "auto" else schedule)
+        if unbounded and not best.estimate.fits:
+            raise _nothing_fits(search, stages, num_microbatches)
+    return best
+
+
+def _stage_dp_plans(search: Search, stages: int | None, num_microbatches: int | None,
+                    progress: Callable[[str], None] | None) -> tuple[Plan | None, list, list[int]]:
+    """The stage DP's fastest plan over the microbatch counts (None: none found), its stages
+    (layers, submesh, option) and the counts tried."""
     hosts, per_host = search.mesh
     shapes = submesh_shapes(hosts, per_host)
     sizes = [h * d for h, d in shapes]
@@ -310,6 +334,7 @@ def plan_dp(search: Search, *, stages: int | None = None, num_microbatches: int 
     n = len(search.layers)
     depth = min(n, devices, stages or n)
     best: Plan | None = None
+    best_chosen: list = []
     # many microbatches first (small bubbles): the best simulated step so far rules out most others
     counts = [num_microbatches] if num_microbatches else microbatch_counts(search.workload.batch)[::-1]
     bound = INF  # the fastest simulated step that fits so far (`stage_dp`: why it bounds every count)
@@ -340,13 +365,7 @@ def plan_dp(search: Search, *, stages: int | None = None, num_microbatches: int 
                 bound = min(bound, plan.estimate.step_time_s)
             if best is None or plan.estimate.step_time_s < best.estimate.step_time_s:
                 best, best_chosen = plan, chosen
-    if best is None:
-        raise _nothing_fits(search, stages, num_microbatches)
-    best.search.update({"ilp_solves": search.costs.solves, "cache_hits": search.costs.hits,
-                        "microbatch_counts": len(counts)})
-    if around:
-        best = _other_schedules(search, best, best_chosen, progress, None if schedule == "auto" else schedule)
-    return best
+    return best, best_chosen, counts
 
 
 def dp_prices(schedule: str) -> bool:
@@ -642,6 +661,15 @@ def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int]
     averaging is priced with nothing hidden."""
     unhidden = schedules.splits_backward(search.schedule) or search.virtual > 1
     stages, times, limited = [], [], []
+    shared = [(0.0, 0.0)] * len(chosen)  # a weight a group's stages tie, held once (`shared_in_group`)
+    if search.virtual > 1:
+        where = schedules.stage_ranks(search.schedule, len(chosen) // search.virtual, search.virtual)
+        for group in set(where):
+            mine = [k for k, g in enumerate(where) if g == group]
+            for k, excess in zip(mine, search.costs.shared_in_group(
+                    [(search.atoms(*chosen[k][0]), chosen[k][1], chosen[k][2].logical_mesh, chosen[k][2].lean)
+                     for k in mine])):
+                shared[k] = excess
     for idx, ((i, j), shape, opt) in enumerate(chosen):
         params: dict[str, list[str]] = {}
         ops: dict[str, list[str]] = {}
@@ -660,8 +688,9 @@ def assemble(search: Search, chosen: list[tuple[tuple[int, int], tuple[int, int]
                                                opt.recompute, opt.recompute_layers),
             cost={"forward_s": opt.forward_s, "backward_s": opt.backward_s, "weight_s": opt.weight_s, "send_s": opt.send_s,
                   "grad_sync_s": opt.unhidden_sync_s if unhidden else opt.grad_sync_s, "optimizer_s": opt.optimizer_s,
-                  "state_bytes": opt.state_bytes,
-                  **_memory_costs(opt.activation_bytes, opt.transient_bytes, opt.grad_bytes, opt.sync_bytes)}))
+                  "state_bytes": opt.state_bytes - shared[idx][0],
+                  **_memory_costs(opt.activation_bytes, opt.transient_bytes, opt.grad_bytes - shared[idx][1],
+                                  opt.sync_bytes)}))
         times.append(stage_times(stages[-1].cost))
         gap = search.costs.gap(search.atoms(i, j), shape, opt.logical_mesh, opt.lean)
         if gap is not None:

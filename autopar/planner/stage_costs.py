@@ -846,6 +846,26 @@ class StageCosts:
                                          if rc == SELECTIVE else 0.0)
         return gathered_peak(per_layer[:, Col.gathered], self.graph.precision, loss, held / m)
 
+    def shared_in_group(self, stages: list[tuple[tuple[int, int], tuple[int, int], tuple[int, int], int]]
+                        ) -> list[tuple[float, float]]:
+        """(state bytes, of them gradient bytes) each of a device group's stages (atoms, submesh,
+        logical mesh, sharding) counts of a tied weight an earlier stage of the group holds: the
+        runtime keeps one parameter for the rank's stages (`LocalStages`), with one gradient and one
+        optimizer state (GPT's embedding and output layer on a V's first group)."""
+        out, held = [], set()
+        for atoms, submesh, lm, lean in stages:
+            states = grads = 0.0
+            for f, ks in self.tied.items():
+                inside = [self._cache.get((self.hashes[k], submesh, lm, lean)) for k in ks if atoms[0] <= k < atoms[1]]
+                inside = [s for s in inside if s is not None and f in s.param_states]
+                if inside and f in held:
+                    top = max(inside, key=lambda s: s.param_states[f])
+                    states, grads = states + top.param_states[f], grads + top.param_grads.get(f, 0.0)
+                if inside:
+                    held.add(f)
+            out.append((states, grads))
+        return out
+
     def tied_excess(self, bounds: np.ndarray, submesh: tuple[int, int], lm: tuple[int, int], lean: bool) -> np.ndarray:
         """[i, j]: the state bytes counted more than once in atoms [bounds[i], bounds[j]) (tied
         weights: all their atoms' shares but the largest)."""

@@ -72,6 +72,7 @@ class Evaluation:
     zero_scatter: float = 0.0  # ZeRO-3's gradient reduce-scatter, again for every microbatch
     tp_grad: float = 0.0  # partial weight gradients all-reduced on the tensor axis, once per step after backward
     param_states: dict[str, float] = field(default_factory=dict)  # fqn -> its share of state_memory
+    param_grads: dict[str, float] = field(default_factory=dict)  # fqn -> its gradient's part of that
     grad_memory: float = 0.0  # the gradients' part of state_memory (allocated by the step's first backward)
     # selective recomputation (`autopar.contract.attention`): what backward saves of the attention
     # cores' ops, the inputs a checkpoint of them keeps beyond that, and the cores' forward it runs again
@@ -320,6 +321,7 @@ class StrategyCosts:
                 stage, over = 2, mesh.tp
             states = model_state_memory(numel, DTYPE_BYTES.get(info.dtype, 4), zero_stage=stage, dp=over)
             ev.param_states[fqn] = states.total if trainable else states.params
+            ev.param_grads[fqn] = states.grads if trainable else 0.0
             ev.grad_memory += states.grads if trainable else 0.0
             ev.state_memory += ev.param_states[fqn]
             if trainable and mesh.dp > 1 and zero:
