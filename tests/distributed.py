@@ -1,17 +1,21 @@
 """Run functions on N gloo ranks in fresh processes and collect what each rank returns.
 
-Starting N processes that import torch and transformers costs seconds on two cores, so a family
-of parametrized cases can share one start (`shared_ranks`): the first case asked for runs every
-case of its family, one after another, in the same processes and process group; the others read
-the cached results. A case that raises fails only its own test.
+Starting N processes that import torch and transformers costs seconds on two cores, so the ranks
+are started once per world size and kept (`_Ranks`), and a family of parametrized cases shares one
+process group (`shared_ranks`): the first case asked for runs every case of its family, one after
+another, in the same processes and process group; the others read the cached results. A case that
+raises fails only its own test (and ends the ranks: the next case list starts new ones).
 """
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import tempfile
 import traceback
 from collections.abc import Callable
+from multiprocessing import connection
 from pathlib import Path
 from typing import Any
 
@@ -25,30 +29,110 @@ from autopar.runtime.backend import same_hash_order
 _CACHE: dict[tuple, list[list[tuple[bool, Any]]]] = {}
 
 
-def _entry(rank: int, jobs: list[tuple[Callable, tuple]], world: int, store: str, out: str) -> None:
+def _serve(rank: int, world: int, pipe: Any) -> None:
+    """A rank of `_Ranks`: for each case list it is sent, join a new process group, run the cases,
+    save what each returned, leave the group, say so; until the pipe closes."""
     # one thread per rank: N ranks with a thread per core each would fight over the 2 cores
     torch.set_num_threads(1)
-    tempfile.tempdir = os.path.dirname(out)  # a case's temporary files go where pytest cleans up
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
-    results: list[tuple[bool, Any]] = []
-    for fn, args in jobs:
-        torch.manual_seed(0)
+    while True:
         try:
-            results.append((True, fn(rank, world, *args)))
-        except Exception:  # noqa: BLE001 - reported by the case's own test
-            # the other ranks may still wait in this case's collectives: running the next case would
-            # pair theirs with ours, so this rank stops here (the spawn then ends the others)
-            results.append((False, traceback.format_exc()))
-            torch.save(results, os.path.join(out, f"{rank}.pt"))
-            os._exit(1)
-        torch.save(results, os.path.join(out, f"{rank}.pt"))  # kept if another rank's failure ends this one
-    try:
-        dist.barrier()  # no rank tears down while another still reads from it (gloo aborts then)
-    finally:
-        dist.destroy_process_group()
-    # the results are saved: skip interpreter teardown, where a gloo/FSDP thread still joinable at
-    # exit sometimes aborts the process ("terminate called without an active exception")
-    os._exit(0)
+            jobs, store, out = pipe.recv()
+        except EOFError:  # the session is over
+            os._exit(0)
+        tempfile.tempdir = os.path.dirname(out)  # a case's temporary files go where pytest cleans up
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+        results: list[tuple[bool, Any]] = []
+        for fn, args in jobs:
+            torch.manual_seed(0)
+            try:
+                results.append((True, fn(rank, world, *args)))
+            except Exception:  # noqa: BLE001 - reported by the case's own test
+                # the other ranks may still wait in this case's collectives: running the next case would
+                # pair theirs with ours, so this rank ends here (and `_Ranks` ends the others)
+                results.append((False, traceback.format_exc()))
+                torch.save(results, os.path.join(out, f"{rank}.pt"))
+                os._exit(1)
+            torch.save(results, os.path.join(out, f"{rank}.pt"))  # kept if another rank's failure ends this one
+        try:
+            dist.barrier()  # no rank tears down while another still reads from it (gloo aborts then)
+        finally:
+            dist.destroy_process_group()
+        _forget_meshes()
+        gc.collect()
+        pipe.send(None)
+
+
+def _forget_meshes() -> None:
+    """Empty DTensor's caches once a case list's groups are gone: they key on meshes by value and
+    keep the mesh objects, so the next list's equal mesh would be handed one whose groups no longer
+    exist ("could not resolve the process group registered under the name ...")."""
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()  # torch's own way, the Python and the C++ fast path's caches
+    _gen_transform_infos.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()
+
+
+class _Ranks:
+    """`world` rank processes kept through the session: starting them (importing torch, autopar and
+    transformers) costs 10 s for 2 ranks and 23 s for 4 on 2 cores, more than most case lists run.
+    Each case list gets a process group of its own (`_serve`); a rank that dies or fails ends them
+    all (the others may wait on it in a collective), and the next case list starts new ones."""
+
+    def __init__(self, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.pipes, self.procs = [], []
+        for rank in range(world):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_serve, args=(rank, world, theirs), daemon=True)
+            proc.start()
+            theirs.close()
+            self.pipes.append(ours)
+            self.procs.append(proc)
+
+    def run(self, jobs: list[tuple[Callable, tuple]], store: str, out: str) -> str | None:
+        """Run the case list on every rank: None when every rank finished it, else why not (the
+        ranks are ended then)."""
+        for pipe in self.pipes:
+            pipe.send((jobs, store, out))
+        pending = set(range(len(self.pipes)))
+        while pending:
+            connection.wait([*(self.pipes[r] for r in pending), *(p.sentinel for p in self.procs)])
+            for r in list(pending):
+                try:
+                    if self.pipes[r].poll():
+                        self.pipes[r].recv()
+                        pending.discard(r)
+                except EOFError:  # it ended (its exit code follows)
+                    self.procs[r].join()
+            ended = [(r, p.exitcode) for r, p in enumerate(self.procs) if p.exitcode is not None]
+            if ended:
+                self.close()
+                rank, code = ended[0]
+                return f"rank {rank} died: signal {-code}" if code < 0 else f"rank {rank} failed"
+        return None
+
+    def close(self) -> None:
+        for proc in self.procs:
+            if proc.is_alive():
+                proc.kill()
+        for proc in self.procs:
+            proc.join()
+        for pipe in self.pipes:
+            pipe.close()
+
+
+_RANKS: dict[int, _Ranks] = {}
+
+
+def _close_all() -> None:
+    for ranks in _RANKS.values():
+        ranks.close()
+
+
+atexit.register(_close_all)
 
 
 def _spawn(jobs: list[tuple[Callable, tuple]], world: int, tmp: Path) -> list[list[tuple[bool, Any]]]:
@@ -56,11 +140,13 @@ def _spawn(jobs: list[tuple[Callable, tuple]], world: int, tmp: Path) -> list[li
     out = tmp / "ranks"
     out.mkdir(parents=True, exist_ok=True)
     same_hash_order()  # every rank captures a model that iterates a set as one graph
-    try:
-        mp.spawn(_entry, args=(jobs, world, str(tmp / "store"), str(out)), nprocs=world, join=True)
-    except mp.ProcessExitedException as exc:
-        if exc.signal_name:  # died without a Python error: say so for every case
-            return [[(False, f"rank {exc.error_index} died: {exc}")] * world for _ in jobs]
+    if world not in _RANKS:
+        _RANKS[world] = _Ranks(world)
+    why = _RANKS[world].run(jobs, str(tmp / "store"), str(out))
+    if why is not None:
+        del _RANKS[world]
+        if "died" in why:  # without a Python error: say so for every case
+            return [[(False, why)] * world for _ in jobs]
         # else a case failed: its rank saved what it had, with the traceback
     per_rank = [torch.load(out / f"{r}.pt", weights_only=False) if (out / f"{r}.pt").exists() else []
                 for r in range(world)]
@@ -70,8 +156,8 @@ def _spawn(jobs: list[tuple[Callable, tuple]], world: int, tmp: Path) -> list[li
 
 def _unwrap(results: list[tuple[bool, Any]]) -> list[Any]:
     failed = [value for ok, value in results if not ok]
-    if failed:
-        pytest.fail(failed[0], pytrace=False)
+    if failed:  # the rank that raised, before those ended because it did
+        pytest.fail(min(failed, key=lambda why: why.startswith("not run")), pytrace=False)
     return [value for _, value in results]
 
 
