@@ -66,7 +66,7 @@ def test_the_exact_optimum_is_never_slower_than_the_dp_or_a_hand_written_layout(
 
 
 def test_the_dp_may_cut_at_every_module_when_it_can_afford_to(search):
-    """Up to `MAX_LAYERS` modules the DP's layers are the modules (a clustered embedding could not
+    """Up to `EVERY_MODULE_UP_TO` modules the DP's layers are the modules (a clustered embedding could not
     be a stage of its own: the optimality gap's widest misses); beyond, balanced groups of them."""
     modules = search.graph.layer_list
     assert [layer.atoms for layer in search.layers] == [(i, i + 1) for i in range(len(modules))]

@@ -353,6 +353,8 @@ def _stage_dp_plans(search: Search, stages: int | None, num_microbatches: int | 
             if offloaded and not np.any((times < tables[0][0]) & (m * times < bound)):
                 break
             for total, choice in candidates(times, sizes, devices, m, stages, DP_TOLERANCE, bound, EQ2_SLACK):
+                if m * max(times[len(choice) - i, c.layers[0], c.layers[1], c.shape] for i, c in enumerate(choice)) >= bound:
+                    continue  # its slowest stage alone runs longer than the best step so far (`stage_dp`)
                 chosen = []
                 for idx, c in enumerate(choice):
                     variants, pick = picks[(len(choice) - idx, c.shape)]
