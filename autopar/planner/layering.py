@@ -1,11 +1,8 @@
 """Cluster the graph into the layers pipeline stages are cut from (Alpa eq. 6).
 
 The atoms are the module-boundary layers of the capture (`OpGraph.layers()`: `wte`, `h.0`, …):
-cutting inside a module is never better for a pipeline and makes stages hard to read. Up to
-`EVERY_MODULE_UP_TO` of them, each is a layer: the DP affords every cut a person could make
-(grouping them cost `benchmarks/optimality_gap.py` its widest misses, up to 36 %: an embedding, a
-layer of no FLOPs, could not be a stage of its own, nor cut apart from its neighbour). Beyond,
-contiguous atoms are grouped into L layers whose FLOPs stay within ±tolerance of the average while the
+cutting inside a module is never better for a pipeline and makes stages hard to read. Contiguous
+atoms are grouped into L layers whose FLOPs stay within ±tolerance of the average while the
 largest number of bytes crossing a layer boundary is as small as possible (ties: the most even
 FLOPs); a group holding a single module with FLOPs is exempt (a module is never split), and L is
 the largest count for which such a balance exists: 0-FLOP embeddings join their neighbour, and
@@ -28,9 +25,6 @@ class Layer:
 
 
 MAX_LAYERS = 64  # the stage DP is cubic in the layer count: GPT-3's 96 blocks become 48 pairs
-# up to this many modules each is a layer; above it they are grouped even where 64 would do: gpt-39b's
-# 52 modules ungrouped (49 layers grouped) planned in 1.08-1.25x the time, for the same plan
-EVERY_MODULE_UP_TO = 32
 
 
 def cluster_layers(graph: OpGraph, max_layers: int | None = MAX_LAYERS, tolerance: float = 0.25) -> list[Layer]:
@@ -38,8 +32,6 @@ def cluster_layers(graph: OpGraph, max_layers: int | None = MAX_LAYERS, toleranc
     n = len(atoms)
     flops = [a.flops_fwd + a.flops_bwd for a in atoms]
     cut = cut_bytes(graph, atoms)
-    if n <= min(max_layers or n, EVERY_MODULE_UP_TO):
-        return [_layer(graph, atoms, i, i + 1) for i in range(n)]
     total = sum(flops)
     for count in range(min(n, max_layers or n), 0, -1):
         avg = total / count
