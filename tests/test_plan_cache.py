@@ -66,3 +66,28 @@ def test_off_plans_every_time(capsys, monkeypatch, tmp_path):
     for _ in range(2):
         assert "cached" not in _plan(capsys, "--mesh", "1x4")["search"]
     assert not any(tmp_path.iterdir())
+
+
+def test_writers_of_one_file_at_once_each_leave_a_whole_one(tmp_path):
+    """Two launches filling the cache at once write the same file: each through its own temporary
+    file, so every rename succeeds, the file is one writer's whole, and nothing is left beside it."""
+    import multiprocessing
+
+    from autopar.contract.jsonio import read_json
+
+    target = tmp_path / "plan.json"
+    procs = [multiprocessing.get_context("fork").Process(target=_write_many, args=(target, i)) for i in range(4)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    assert [p.exitcode for p in procs] == [0] * 4
+    assert read_json(target, "plan file")["writer"] in range(4)
+    assert [f.name for f in tmp_path.iterdir()] == ["plan.json"]
+
+
+def _write_many(target, writer):
+    from autopar.contract.jsonio import write_json
+
+    for i in range(200):
+        write_json(target, {"writer": writer, "i": i, "pad": "x" * 4096})

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import os
 import stat
-import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -21,21 +21,13 @@ def write_json(path: str | Path, data: Any) -> None:
     """Written to a temporary file of this writer's own beside it, then renamed into place: two
     processes writing one file (two launches filling the plan cache) each rename a whole one."""
     path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{uuid.uuid4().hex}.tmp")
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(data, indent=2, sort_keys=True) + "\n")
-        os.chmod(tmp, 0o666 & ~_umask())  # (mkstemp makes it private; the file it replaces was not)
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
-
-
-def _umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
 
 
 def read_json(path: str | Path, what: str) -> Any:
