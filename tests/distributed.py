@@ -1,7 +1,8 @@
 """Run functions on N gloo ranks in fresh processes and collect what each rank returns.
 
 Starting N processes that import torch and transformers costs seconds on two cores, so the ranks
-are started once per world size and kept (`_Ranks`), and a family of parametrized cases shares one
+are started once per world size and kept (`_Ranks`; per pytest-xdist worker, each running whole
+files: `--dist loadfile`), and a family of parametrized cases shares one
 process group (`shared_ranks`): the first case asked for runs every case of its family, one after
 another, in the same processes and process group; the others read the cached results. A case that
 raises fails only its own test (and ends the ranks: the next case list starts new ones).
