@@ -153,6 +153,24 @@ def test_blame_names_the_killed_rank_when_the_ranks_it_took_down_are_seen_gone_i
     assert blame({1: killed}, seen, 5).startswith("rank 0 died at step 2 of 5")
 
 
+def test_blame_never_names_a_rank_stopped_for_another_ranks_error():
+    """Rank 1 raised and recorded its error; on a loaded machine the launcher is slow to notice, so
+    `reaping` kills rank 0 (waiting in a collective) itself, and it is seen gone first, without a
+    word. Rank 1's error is the cause."""
+    import signal as signals
+    from types import SimpleNamespace
+
+    from autopar.runtime.failures import Watched, blame
+
+    where = {"pid": 1, "step": 2, "phase": "step"}
+    killed = SimpleNamespace(exitcode=-signals.SIGKILL, signal_name=lambda: "SIGKILL")
+    raised = SimpleNamespace(exitcode=1, signal_name=lambda: "")
+    seen = {0: Watched(where=where, died_at=6, reaped=True),
+            1: Watched(where={**where, "error": "ValueError: the data loader broke"}, died_at=7)}
+    assert blame({0: killed, 1: raised}, seen, 5).startswith(
+        "rank 1 failed (ValueError: the data loader broke) at step 2 of 5")
+
+
 def _failing(rank, world, out, where):
     """Rank 0 fails while planning, or rank 1 while building or at its second step; each rank writes
     what it raised. Ranks leave with status 0 (the spawn would stop the others at once otherwise)."""

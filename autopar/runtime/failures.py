@@ -244,11 +244,13 @@ def _process_state(pid: int) -> str:
 class Watched:
     """What `reaping` saw of one rank: its last progress, the poll in which its process was first
     seen gone (a poll, not a time: ranks noted gone in one poll went together, in no known order),
-    whether it was seen stopped."""
+    whether it was seen stopped, whether `reaping` killed it itself (stopped for another rank's
+    failure: never its cause)."""
 
     where: dict[str, Any] | None = None
     died_at: int | None = None
     stopped: bool = False
+    reaped: bool = False
 
 
 @contextlib.contextmanager
@@ -281,6 +283,7 @@ def reaping(directory: str | Path, nproc: int, grace_s: float, seen: dict[int, W
                 for w in seen.values():
                     if w.died_at is None and w.where and not w.where.get("error") \
                             and descends(w.where["pid"], os.getpid()):
+                        w.reaped = True
                         with contextlib.suppress(ProcessLookupError):
                             os.kill(w.where["pid"], signal.SIGKILL)
                 failed_at = float("inf")
@@ -300,14 +303,18 @@ def blame(failed: dict[int, Any], seen: dict[int, Watched], steps: int) -> str:
     stopped itself; the causes come first: a frozen rank, the first rank gone without a word, a
     signalled one, a rank's own error, before ranks that only lost a peer. Of ranks seen gone in the
     same poll, one the launcher saw killed by a signal goes first: the others are the ranks it
-    stopped after it."""
+    stopped after it. A rank `reaping` killed itself is never a cause (on a loaded machine it may
+    go before the launcher notices the failed rank)."""
     def error(r: int) -> str | None:
         return (seen[r].where or {}).get("error") if r in seen else None
 
+    def reaped(r: int) -> bool:
+        return r in seen and seen[r].reaped
+
     frozen = [r for r, w in seen.items() if w.stopped]
-    signalled = [r for r, f in failed.items() if f.exitcode < 0 and not error(r)]
+    signalled = [r for r, f in failed.items() if f.exitcode < 0 and not error(r) and not reaped(r)]
     silent = sorted((w.died_at, r not in signalled, r) for r, w in seen.items()
-                    if w.died_at is not None and not error(r))
+                    if w.died_at is not None and not error(r) and not w.reaped)
     own = [r for r in failed if error(r) and not (seen[r].where or {}).get("peer")]
     rank = (frozen or [r for *_, r in silent[:1]] or signalled or own or sorted(failed))[0]
     w = seen[rank].where if rank in seen else None
