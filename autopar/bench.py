@@ -224,16 +224,21 @@ def tune_locally(search: Search, model: str, k: int, batch: int | None, steps: i
         raise AutoparError(f"--tune runs the candidates on this machine's ranks; the mesh {hosts}x{per_host} spans "
                            f"{hosts} hosts: tune inside the job with parallelize(..., tune={k})")
     plans = candidates(search, k)
-    measured = []
-    for i, plan in enumerate(plans):  # one start of the ranks each: a plan the runtime refuses costs only itself
-        if progress:
-            progress(f"measuring plan {i + 1} of {len(plans)} on {per_host} ranks")
-        try:
-            measured.append(measure(model, per_host, batch, [plan], warmup=1, steps=steps)[0][0])
-        except Exception as exc:  # noqa: BLE001 - the ranks' error, reported with the plan
-            log.warning("tune: %s (%d microbatches) did not run: %s", plan.name, plan.num_microbatches,
-                        str(exc).strip().splitlines()[-1])
-            measured.append(float("inf"))
+    if progress:
+        progress(f"measuring {len(plans)} plans on {per_host} ranks")
+    try:  # one start of the ranks for all of them
+        measured = [m[0] for m in measure(model, per_host, batch, plans, warmup=1, steps=steps)]
+    except Exception:  # noqa: BLE001 - one failed: each again in a start of its own, so that it costs only itself
+        measured = []
+        for i, plan in enumerate(plans):
+            if progress:
+                progress(f"measuring plan {i + 1} of {len(plans)} alone on {per_host} ranks")
+            try:
+                measured.append(measure(model, per_host, batch, [plan], warmup=1, steps=steps)[0][0])
+            except Exception as exc:  # noqa: BLE001 - the ranks' error, reported with the plan
+                log.warning("tune: %s (%d microbatches) did not run: %s", plan.name, plan.num_microbatches,
+                            str(exc).strip().splitlines()[-1])
+                measured.append(float("inf"))
     if all(t == float("inf") for t in measured):
         raise AutoparError(f"--tune {k}: none of the {len(plans)} best predicted plans ran on this machine's ranks")
     return choose(plans, measured)

@@ -23,7 +23,7 @@ from autopar.contract.limits import MAX_MEMORY_BYTES, MAX_SECONDS, check_counts
 from autopar.models import load_workload
 from autopar.runtime import checkpoint, failures, local_device
 from autopar.runtime.backend import LOOPBACK, local_store, register_loopback_rendezvous, same_hash_order
-from autopar.runtime.checkpoint import is_step, latest, verify
+from autopar.runtime.checkpoint import is_step, latest, step_of, verify
 from autopar.runtime.memory import measured_step
 
 # after a rank fails, the others get SIGTERM, and SIGKILL this much later (torch's default is 30 s;
@@ -71,6 +71,14 @@ class TrainJob:
                        "not a step-N folder `autopar train` wrote" if not is_step(path) else verify(path))
             if problem:
                 raise AutoparError(f"--resume-from {self.resume_from}: {problem}")
+        if self.plan is not None and not self.plan.endswith(".json"):  # a layout: its size said before ranks start
+            from autopar.planner.manual import Layout
+
+            layout = Layout.parse(self.plan)
+            if layout.dp * layout.tp * layout.pp != self.nproc:
+                raise AutoparError(f"--plan {self.plan}: dp × tp × pp = {layout.dp * layout.tp * layout.pp}, the job "
+                                   f"has {self.nproc} ranks: pass --nproc {layout.dp * layout.tp * layout.pp}, or a "
+                                   f"layout of {self.nproc} devices")
         if self.memory_limit is not None and not 0 < self.memory_limit <= MAX_MEMORY_BYTES:
             raise AutoparError(f"--memory-limit must be a positive number of GiB, got {self.memory_limit / 2**30:g}")
         if not 0 < self.timeout_s <= MAX_SECONDS:
@@ -81,6 +89,16 @@ class TrainJob:
             if found is not None:
                 raise AutoparError(f"{self.checkpoint_dir} already holds checkpoints (up to {found.name}): pass "
                                    "--resume to continue from them, or another --checkpoint-dir")
+        elif self.checkpoint_dir or self.resume_from is not None:  # resuming: from a step within --steps
+            found = self.resume_path() if self.resume_from is not None else latest(self.checkpoint_dir, warn=False)
+            if found is not None:
+                within_steps(found, step_of(found), self.steps)
+
+
+def within_steps(found: Path, step: int, steps: int) -> None:
+    """A checkpoint at `step` resumes a job of `steps` steps only if it is not past them."""
+    if step > steps:
+        raise AutoparError(f"{found} is at step {step}, beyond --steps {steps}: ask for at least {step} steps")
 
 
 def _check_writable_dir(path: Path) -> None:
@@ -127,9 +145,7 @@ def worker(job: TrainJob, progress_dir: str) -> dict[str, Any]:
             if "losses" not in saved or "data" not in saved:
                 raise AutoparError(f"{found} was not written by `autopar train` (no losses or data order in it): "
                                    "resume it from Python with runtime.checkpoint.load")
-            if saved["step"] > job.steps:
-                raise AutoparError(f"{found} is at step {saved['step']}, beyond --steps {job.steps}: "
-                                   f"ask for at least {saved['step']} steps")
+            within_steps(found, saved["step"], job.steps)
             start, losses, resumed_from, exact = saved["step"], saved["losses"], str(found), saved["exact"]
             gen.set_state(saved["data"])
         if (job.resume or job.resume_from) and rank == 0:  # said now: a job killed later has said where it started

@@ -1,8 +1,7 @@
 """Run functions on N gloo ranks in fresh processes and collect what each rank returns.
 
 Starting N processes that import torch and transformers costs seconds on two cores, so the ranks
-are started once per world size and kept (`_Ranks`; per pytest-xdist worker, each running whole
-files: `--dist loadfile`), and a family of parametrized cases shares one
+are started once per world size and kept (`_Ranks`), and a family of parametrized cases shares one
 process group (`shared_ranks`): the first case asked for runs every case of its family, one after
 another, in the same processes and process group; the others read the cached results. A case that
 raises fails only its own test (and ends the ranks: the next case list starts new ones).
@@ -160,6 +159,16 @@ def _unwrap(results: list[tuple[bool, Any]]) -> list[Any]:
     if failed:  # the rank that raised, before those ended because it did
         pytest.fail(min(failed, key=lambda why: why.startswith("not run")), pytrace=False)
     return [value for _, value in results]
+
+
+def on_rank0(make: Callable[[], Any]) -> Any:
+    """`make()` run on rank 0 and its result sent to every rank, as `parallelize` does with the plans
+    it makes (planning on every rank of a job sharing 2 cores costs the job that many times over)."""
+    if not dist.is_initialized():
+        return make()
+    box = [make() if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
 
 
 def run_ranks(fn: Callable, world: int, tmp: Path, *args: Any) -> list[Any]:

@@ -259,15 +259,32 @@ def _set_dropout(config, rate: float) -> None:
             _set_dropout(value, rate)
 
 
-def workload(name: str, batch: int = BATCH, dropout: float = 0.0) -> autopar.Workload:
+# The tests' depth (`layers=`): capture, planning, export and lowering scale with the graph, and two
+# blocks already put a block on either side of every cut a 2-stage pipeline makes. The sweep
+# (`benchmarks/families.py`) and the schedules of 4 stages or virtual chunks keep the catalogue's 4.
+TEST_LAYERS = 2
+_DEPTH = ("num_hidden_layers", "n_layer", "num_layers", "n_layers")
+
+
+def with_layers(fields: dict, layers: int | None) -> dict:
+    """A config's fields with `layers` blocks where the catalogue gives it 4 (None: as given)."""
+    if layers is None:
+        return fields
+    out = {k: layers if k in _DEPTH and v == 4 else v for k, v in fields.items()}
+    if "attention_types" in fields:  # GPT-Neo: a [pattern, repeats] list whose repeats cover every layer
+        out["attention_types"] = [[pattern, layers // len(pattern)] for pattern, _ in fields["attention_types"]]
+    return out
+
+
+def workload(name: str, batch: int = BATCH, dropout: float = 0.0, layers: int | None = None) -> autopar.Workload:
     """The family's model (seeded by the caller) with a batch maker and the loss of its task, every
-    dropout rate of its config set to `dropout`.
+    dropout rate of its config set to `dropout`, with `layers` blocks (None: the catalogue's).
 
     The loss receives the logits under every layout (`autopar.parallelize`'s loss contract)."""
     import transformers
 
     family = FAMILIES[name]
-    config = getattr(transformers, family.config)(**family.fields)
+    config = getattr(transformers, family.config)(**with_layers(family.fields, layers))
     _set_dropout(config, dropout)
     if family.eager:
         config._attn_implementation = "eager"
@@ -303,10 +320,12 @@ def to_device(inputs, device):
     return tuple(x.to(device) for x in inputs)
 
 
-def setup(name: str, seed: int = 0, steps: int = STEPS, device: str = "cpu", dropout: float = 0.0):
-    """The family's model (built from `seed`) on `device` and `steps` batches of its task there."""
+def setup(name: str, seed: int = 0, steps: int = STEPS, device: str = "cpu", dropout: float = 0.0,
+          layers: int | None = None):
+    """The family's model (built from `seed`, `layers` blocks) on `device` and `steps` batches of its
+    task there."""
     torch.manual_seed(seed)
-    w = workload(name, dropout=dropout)
+    w = workload(name, dropout=dropout, layers=layers)
     w.model.to(device)
     w.example_inputs = to_device(w.example_inputs, device)
     g = torch.Generator().manual_seed(5)
@@ -320,7 +339,8 @@ def _cut(inputs, parts: int, index: int):
     return tuple(x.tensor_split(parts)[index] for x in inputs)
 
 
-def single(name: str, steps: int = STEPS, device: str = "cpu", slices: int = 1, dropout: float = 0.0):
+def single(name: str, steps: int = STEPS, device: str = "cpu", slices: int = 1, dropout: float = 0.0,
+           layers: int | None = None):
     """Losses and final parameters of one process training the family. `slices` > 1 (families whose
     forward couples samples): each step's batch is cut into that many equal slices, in order, and
     the mean of their losses trained, as data-parallel replicas and microbatches compute it. One
@@ -329,13 +349,13 @@ def single(name: str, steps: int = STEPS, device: str = "cpu", slices: int = 1, 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _single(name, steps, device, slices, dropout)
+        return _single(name, steps, device, slices, dropout, layers)
     finally:
         torch.set_num_threads(threads)
 
 
-def _single(name: str, steps: int, device: str, slices: int, dropout: float):
-    w, batches = setup(name, steps=steps, device=device, dropout=dropout)
+def _single(name: str, steps: int, device: str, slices: int, dropout: float, layers: int | None):
+    w, batches = setup(name, steps=steps, device=device, dropout=dropout, layers=layers)
     opt = optimizer(list(w.model.parameters()))
     losses = []
     for inputs, target in batches:
@@ -384,10 +404,11 @@ def differences(got_losses, got_params, losses, params, rel: float = 1e-5, atol:
 
 
 def train_parallel(rank: int, world: int, name: str, layout: str | None, steps: int = STEPS,
-                   seed: int = 0) -> dict:
-    """One rank of a job training the family under `layout` ("DP,TP,PP[,MB][+...]", None: the search).
-    A plan `parallelize` refuses comes back as {"refused": message}; a failure later raises."""
-    w, batches = setup(name, seed=seed, steps=steps)
+                   seed: int = 0, layers: int | None = None) -> dict:
+    """One rank of a job training the family (`layers` blocks) under `layout` ("DP,TP,PP[,MB][+...]",
+    None: the search). A plan `parallelize` refuses comes back as {"refused": message}; a failure
+    later raises."""
+    w, batches = setup(name, seed=seed, steps=steps, layers=layers)
     try:
         pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=optimizer,
                                  plan=layout)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import autopar
-from tests.distributed import shared_ranks
+from tests.distributed import on_rank0, shared_ranks
 from tests.test_parallelize import _optimizer, train_one_process
 
 BATCH, CHANNELS, SIZE, STEPS = 8, 8, 8, 2
@@ -64,21 +64,16 @@ def _plan(w, layout):
     """The layout under its schedule, made on rank 0 and sent to the other (as `parallelize` does)."""
     import dataclasses
 
-    import torch.distributed as dist
-
     from autopar.cost_models import get_cluster
     from autopar.planner.manual import Layout, manual_plan, manual_search
     from autopar.planner.search import Search
 
     if LAYOUTS[layout] is None:
         return None
-    plan = [None]
-    if dist.get_rank() == 0:
-        schedule, text = LAYOUTS[layout]
-        cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=2)
-        plan = [manual_plan(manual_search(Search.start(w, cluster, (1, 2), schedule=schedule)), Layout.parse(text))]
-    dist.broadcast_object_list(plan, src=0)
-    return plan[0]
+    schedule, text = LAYOUTS[layout]
+    cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=2)
+    return on_rank0(lambda: manual_plan(manual_search(Search.start(w, cluster, (1, 2), schedule=schedule)),
+                                        Layout.parse(text)))
 
 
 def _parallel(rank, world, layout):

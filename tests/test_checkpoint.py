@@ -10,7 +10,7 @@ import torch.distributed as dist
 import autopar
 from autopar.contract.placements import Shard
 from autopar.runtime import checkpoint
-from tests.distributed import run_ranks, shared_ranks
+from tests.distributed import on_rank0, run_ranks, shared_ranks
 from tests.test_parallelize import _layout, _workload
 
 WORLD = 4
@@ -22,9 +22,7 @@ def _adam(params):
 
 def _directory() -> str:
     """One new directory every rank of the job writes to."""
-    name = [tempfile.mkdtemp(prefix="autopar-ckpt-") if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(name, src=0)
-    return name[0]
+    return on_rank0(lambda: tempfile.mkdtemp(prefix="autopar-ckpt-"))
 
 
 def _plan(w, layout: str):

@@ -339,7 +339,7 @@ def test_train_on_two_ranks_follows_the_one_rank_losses(capsys):
     tp = run_json(capsys, "train", "gpt-tiny", "--nproc", "2", "--plan", "1,2,1", "--steps", "2")
     assert tp["losses"] == pytest.approx(one["losses"], rel=1e-5)
     assert main(["train", "gpt-tiny", "--nproc", "2", "--plan", "1,4,1", "--steps", "1"]) == 2
-    assert "dp × tp × pp = 4, the mesh has 2 devices" in capsys.readouterr().err
+    assert "--plan 1,4,1: dp × tp × pp = 4, the job has 2 ranks: pass --nproc 4" in capsys.readouterr().err
 
 
 def test_plan_compression_auto_compresses_only_over_slow_links(capsys, tmp_path):

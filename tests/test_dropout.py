@@ -11,7 +11,7 @@ from torch.distributed.tensor import DTensor
 
 import autopar
 from tests.distributed import shared_ranks
-from tests.families import optimizer, setup, single
+from tests.families import TEST_LAYERS, optimizer, setup, single
 
 WORLD, STEPS, RATE = 4, 4, 0.1
 LAYOUTS = {"tp": "1,4,1", "dp-tp": "2,2,1", "tp-pp": "1,2,2,2"}
@@ -28,7 +28,7 @@ def _replicated(pm) -> dict[str, torch.Tensor]:
 
 
 def _train(rank, world, layout):
-    w, batches = setup("gpt2", steps=STEPS, dropout=RATE)
+    w, batches = setup("gpt2", steps=STEPS, dropout=RATE, layers=TEST_LAYERS)
     torch.manual_seed(100 + rank)  # every rank's own stream, as scripts seeding by rank have
     pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=optimizer,
                              plan=LAYOUTS[layout])
@@ -46,7 +46,7 @@ def _train(rank, world, layout):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_dropout_masks_agree_across_a_tensor_group_and_training_stays_close_to_one_process(tmp_path, layout):
     torch.manual_seed(0)
-    reference, _ = single("gpt2", steps=STEPS, dropout=RATE)
+    reference, _ = single("gpt2", steps=STEPS, dropout=RATE, layers=TEST_LAYERS)
     ranks = shared_ranks(_train, WORLD, CASES, (layout,), tmp_path)
     groups: dict[tuple, list[dict]] = {}
     for r in ranks:

@@ -1,5 +1,6 @@
 """A slice of the catalogue (tests/families.py) under every layout, against one process: losses
-and final parameters equal (rel 1e-5; `benchmarks/families.py` sweeps all of it).
+and final parameters equal (rel 1e-5; `benchmarks/families.py` sweeps all of it, at the
+catalogue's 4 blocks; here each family has 2, `TEST_LAYERS`).
 
 The families whose blocks differ most under the table's layouts (a data axis mixed with another,
 and the searched plan, on two of them: `SOME`; and sequence parallelism, ZeRO, replicas seeded
@@ -26,8 +27,8 @@ import torch
 
 import autopar
 from autopar.contract.placements import Shard
-from tests.distributed import shared_ranks
-from tests.families import FAMILIES, differences, optimizer, setup, single, train_parallel, workload
+from tests.distributed import on_rank0, shared_ranks
+from tests.families import FAMILIES, TEST_LAYERS, differences, optimizer, setup, single, train_parallel, workload
 
 WORLD = 4
 # DP, TP, PP, DP×TP, DP×PP, TP×PP, TP and TP×PP with Megatron's sequence parallelism (norms and
@@ -45,12 +46,14 @@ TABLE = ["dp", "tp", "pp", "dp-tp", "dp-pp", "tp-pp", "searched"]
 FOUR = ["gpt2", "llama", "mixtral", "bert", "t5"]
 # Where a layout runs on some of FOUR only (a CI run has 25 minutes; the sweep runs every family
 # under every layout): a data axis beside a tensor or pipeline axis changes no stage's program (it
-# averages gradients outside it), so dp-tp and dp-pp run on Mixtral's experts, and Llama's dp-pp
-# seeded apart (APART); the searched plan (on 4 ranks one of the table's layouts with microbatches)
-# on Llama; T5's tensor axis with sequence parallelism (SEQUENCE_PARALLEL) and in a pipeline
-# (tp-pp), not also alone (its 15 s the slowest case here); TP×PP on GPT-2, Mixtral and T5 (Llama's
-# with sequence parallelism, BERT's axes one at a time)
-SOME = {"dp-tp": ["mixtral"], "dp-pp": ["mixtral"], "searched": ["llama"],
+# averages gradients outside it), so dp-tp runs as Mixtral's experts under ZeRO-2 (`ZERO`), dp-pp
+# as Llama's seeded apart (APART) and under ZeRO-1, and T5's under ZeRO-1 offloaded; the searched
+# plan (on 4 ranks one of the table's layouts with microbatches) on Llama; T5's tensor axis with
+# sequence parallelism (SEQUENCE_PARALLEL) and in a pipeline (tp-pp), not also alone; TP×PP on
+# GPT-2, Mixtral and T5 (Llama's with sequence parallelism, BERT's axes one at a time); plain data
+# parallelism, which runs the model itself as DDP does (the families whose forward couples samples
+# run it below, ON_DATA_AXIS), on GPT-2 and T5's two token inputs
+SOME = {"dp": ["gpt2", "t5"], "dp-tp": [], "dp-pp": [], "searched": ["llama"],
         "tp": ["gpt2", "llama", "mixtral", "bert"], "tp-pp": ["gpt2", "mixtral", "t5"]}
 # sequence parallelism on the families whose blocks differ most (a CI run has 25 minutes): GPT-2's
 # Conv1D and LayerNorm and Llama's hand-written RMSNorm, in one stage and in a pipeline; T5's
@@ -84,26 +87,23 @@ def _plan(w, world, layout):
     """The layout's plan; ZeRO-3: every parameter sharded over the data axis."""
     if layout != "zero3":
         return _layout(layout)
-    import torch.distributed as dist
-
     from autopar.cost_models import get_cluster
     from autopar.planner.manual import Layout, manual_plan, manual_search
     from autopar.planner.search import Search
 
-    plan = None
-    if dist.get_rank() == 0:  # made once and sent, as `parallelize` does with the plans it makes
+    def planned():
         cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)
         plan = manual_plan(manual_search(Search.start(w, cluster, (1, world))), Layout.parse(LAYOUTS[layout]))
         for stage in plan.stages:
             stage.params = {f: [Shard(0), p[1]] for f, p in stage.params.items()}
-    box = [plan]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+        return plan
+
+    return on_rank0(planned)
 
 
 def _parallel(rank, world, name, layout, seeded_apart=False):
     # seeded apart: every rank builds its model from another seed, as scripts without a shared one do
-    w, batches = setup(name, seed=rank * 1000 if seeded_apart else 0)
+    w, batches = setup(name, seed=rank * 1000 if seeded_apart else 0, layers=TEST_LAYERS)
     pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=optimizer,
                              plan=_plan(w, world, layout))
     losses = [pm.step(inputs, target) for inputs, target in batches]
@@ -172,7 +172,7 @@ def _shared(name: str, layout: str, apart: bool, tmp_path) -> list:
 
 @pytest.mark.parametrize("name, layout", [c[:2] for c in CASES if not c[2] and c[:2] not in ZERO])
 def test_family_trains_like_one_process_under_every_layout(tmp_path, name, layout):
-    losses, params = single(name)
+    losses, params = single(name, layers=TEST_LAYERS)
     got = _shared(name, layout, False, tmp_path)
     for got_losses, got_params, _ in got:
         assert_same_training(got_losses, got_params, losses, params)
@@ -184,7 +184,7 @@ def test_zero_shards_the_optimizer_states_and_trains_like_one_process(tmp_path, 
     """ZeRO-1/2 (FSDP2 keeping the weights gathered through the step): each rank keeps 1/dp of the
     momentum (a weight whose dim 0 does not split evenly aside: within 10 %), every unit offloads
     its shards where the plan says so, and trains as one process does."""
-    losses, params = single(name)
+    losses, params = single(name, layers=TEST_LAYERS)
     dp = int(_layout(layout).split(",")[0])
     got = _shared(name, layout, False, tmp_path)
     for got_losses, got_params, (held, offloaded, _) in got:
@@ -196,7 +196,7 @@ def test_zero_shards_the_optimizer_states_and_trains_like_one_process(tmp_path, 
 
 @pytest.mark.parametrize("layout", [c[1] for c in APART])
 def test_replicas_built_from_other_seeds_start_from_rank_0(tmp_path, layout):
-    losses, params = single("llama")
+    losses, params = single("llama", layers=TEST_LAYERS)
     for got_losses, got_params, _ in _shared("llama", layout, True, tmp_path):
         assert_same_training(got_losses, got_params, losses, params)
 
@@ -219,7 +219,7 @@ def test_a_tensor_axis_splits_the_experts_of_a_mixture():
 
 
 def _two(rank, world, name, layout):
-    return train_parallel(rank, world, name, TWO_LAYOUTS[layout])
+    return train_parallel(rank, world, name, TWO_LAYOUTS[layout], layers=TEST_LAYERS)
 
 
 # and the tensor axis where the lowered program once issued collectives its plan did not price:
@@ -240,7 +240,7 @@ def test_a_family_of_each_construct_trains_like_one_process_or_is_refused_saying
         assert all(TWO_REFUSED[name, layout] in r.get("refused", "") for r in got)
         return
     assert "refused" not in got[0], got[0]["refused"]
-    losses, params = single(name, slices=got[0]["slices"] if FAMILIES[name].coupled else 1)
+    losses, params = single(name, slices=got[0]["slices"] if FAMILIES[name].coupled else 1, layers=TEST_LAYERS)
     for r in got:
         assert_same_training(r["losses"], r["params"], losses, params)
     assert_as_planned([r["programs"] for r in got], (name, layout))

@@ -15,7 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import autopar
 from tests.distributed import shared_ranks
-from tests.families import optimizer, setup
+from tests.families import TEST_LAYERS, optimizer, setup
 
 WORLD = 2
 
@@ -36,7 +36,7 @@ class _DTensorOps(TorchDispatchMode):
 
 def _model(name: str):
     if name == "gpt2":
-        return setup("gpt2", steps=2)
+        return setup("gpt2", steps=2, layers=TEST_LAYERS)
     torch.manual_seed(0)
     w = autopar.load_workload(name, batch=8, device="cpu")
     g = torch.Generator().manual_seed(5)

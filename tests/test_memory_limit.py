@@ -12,7 +12,7 @@ import torch
 
 import autopar
 from autopar.contract.placements import Shard
-from tests.distributed import shared_ranks
+from tests.distributed import on_rank0, shared_ranks
 
 CASES = [("shards",), ("recomputes",), ("selective",), ("overflows",)]
 # of the fastest plan's peak without ZeRO: under this much the planner shards (4 ranks: ZeRO-2; on
@@ -28,7 +28,8 @@ SELECTIVE = 0.99
 
 def _plan(world, case):
     """One stage of 4 microbatches, data parallelism only (the tensor axis off: the layout whose
-    memory ZeRO and recomputation are there to save), under a fraction of what it takes without a limit."""
+    memory ZeRO and recomputation are there to save), under a fraction of what it takes without a
+    limit (planned on rank 0)."""
     from autopar.cost_models import get_cluster
     from autopar.planner.auto import plan_auto
     from autopar.planner.search import Search
@@ -42,11 +43,14 @@ def _plan(world, case):
     # are several microbatches (as priced), which outweighs the 4.5 MiB selective recomputation frees
     shape = {"stages": 1, "num_microbatches": 1 if case == "selective" else 4}
     unsharded = dataclasses.replace(data_only, zero=False)  # no ZeRO: the peak the limits are fractions of
-    free = plan_auto(Search.start(w, cluster, (1, world), rule=unsharded), **shape).estimate.peak_memory_bytes
-    limit = SELECTIVE * free if case == "selective" else (RECOMPUTES if case == "recomputes" else SHARDS)[world] * free
-    rule = unsharded if case == "selective" else data_only
-    plan = plan_auto(Search.start(w, cluster, (1, world), rule=rule, memory_limit=limit), **shape)
-    return w, plan, limit
+
+    def planned():
+        free = plan_auto(Search.start(w, cluster, (1, world), rule=unsharded), **shape).estimate.peak_memory_bytes
+        limit = SELECTIVE * free if case == "selective" else (RECOMPUTES if case == "recomputes" else SHARDS)[world] * free
+        rule = unsharded if case == "selective" else data_only
+        return plan_auto(Search.start(w, cluster, (1, world), rule=rule, memory_limit=limit), **shape), limit
+
+    return w, *on_rank0(planned)
 
 
 def _steps(w, world, plan, limit):
@@ -109,9 +113,12 @@ def _zero_bubble(rank, world, schedule):
     torch.manual_seed(0)
     w = autopar.load_workload("gpt-small", batch=32, device="cpu")
     cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)
-    free = plan_auto(Search.start(w, cluster, (1, world), schedule=schedule), stages=world)
-    limit = free.estimate.peak_memory_bytes
-    plan = plan_auto(Search.start(w, cluster, (1, world), schedule=schedule, memory_limit=limit), stages=world)
+
+    def planned():
+        limit = plan_auto(Search.start(w, cluster, (1, world), schedule=schedule), stages=world).estimate.peak_memory_bytes
+        return plan_auto(Search.start(w, cluster, (1, world), schedule=schedule, memory_limit=limit), stages=world), limit
+
+    plan, limit = on_rank0(planned)
     ran = _steps(w, world, plan, limit)
     return ran if isinstance(ran, str) else (plan.schedule, *ran, limit)
 

@@ -10,7 +10,7 @@ from torch import nn
 import autopar
 from autopar import AutoparError
 from autopar.contract.placements import Partial, Shard
-from tests.distributed import run_ranks, shared_ranks
+from tests.distributed import on_rank0, run_ranks, shared_ranks
 
 STEPS, BATCH = 3, 8
 
@@ -77,7 +77,8 @@ def _assert_same_training(got_losses, got_params, losses, params):
 
 
 def _layout(w, world, layout):
-    """The hand-written layout's plan for `world` local ranks (sharing this machine's cores)."""
+    """The hand-written layout's plan for `world` local ranks (sharing this machine's cores), made
+    on rank 0."""
     import dataclasses
 
     from autopar.cost_models import get_cluster
@@ -85,7 +86,7 @@ def _layout(w, world, layout):
     from autopar.planner.search import Search
 
     cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)
-    return manual_plan(manual_search(Search.start(w, cluster, (1, world))), Layout.parse(layout))
+    return on_rank0(lambda: manual_plan(manual_search(Search.start(w, cluster, (1, world))), Layout.parse(layout)))
 
 
 def _parallel(rank, world, name, layout, zero3):
@@ -173,17 +174,30 @@ def test_zero3_with_a_tensor_or_pipeline_axis_equals_single_process(tmp_path, na
 
 
 def _pipelined(rank, world, name, layout, compile=False):
+    """Losses, final parameters and what the run issued; one stage on a tensor axis also returns
+    the second step's collectives (the first may lower the stage), all and in forward, by kind
+    (`_issued`), and what its program issued that the plan did not price."""
     w, batches = _workload(name)
     pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
                              plan=layout, compile=compile)
-    losses = [pm.step(inputs, target) for inputs, target in batches]
+    losses = [pm.step(*batches[0])]
+    tensor = not compile and getattr(pm, "graph", None) is not None and pm.graph.program is not None
+    with _comm_mode() if tensor else contextlib.nullcontext() as mode:
+        losses.append(pm.step(*batches[1]))
+    losses += [pm.step(inputs, target) for inputs, target in batches[2:]]
     overlapped = getattr(pm, "overlapped", None)
-    return losses, pm.full_state_dict(), (overlapped, pm.sync is not None and len(pm.sync.buckets), pm.comm_stats())
+    issued = None
+    if tensor:
+        issued = (_issued(mode.get_comm_counts()), _issued(mode.comm_module_counts["Global"]["forward"]),
+                  pm.graph.program.lowered, sorted(pm.graph.unplanned))
+    return losses, pm.full_state_dict(), (overlapped, pm.sync is not None and len(pm.sync.buckets), pm.comm_stats(),
+                                          issued)
 
 
-# pipelines (moe-tiny: below, its one MoE block has no even split) and the tensor axis, by world size
+# pipelines (moe-tiny: below, its one MoE block has no even split) and the tensor axis, with and
+# without Megatron's sequence parallelism, by world size
 PIPELINED = {2: [(n, "1,1,2,4") for n in ("mlp-tiny", "gpt-tiny", "hf-gpt2")] + [(n, "1,2,1") for n in MODELS]
-             + [("hf-gpt2", "1,2,1", True), ("hf-gpt2", "2,1,1", True)],
+             + [("hf-gpt2", "1,2,1", True), ("hf-gpt2", "2,1,1", True)] + [(n, "1,2,1+sp") for n in ("gpt-tiny", "hf-gpt2")],
              4: [(n, lay) for n in ("mlp-tiny", "gpt-tiny", "hf-gpt2") for lay in ("2,1,2,2", "1,2,2,2")]
              + [(n, "2,2,1,2") for n in MODELS]}
 
@@ -199,7 +213,7 @@ def test_pipeline_training_equals_single_process(tmp_path, name, layout):
     losses, params = _single(name)
     world = _world(layout)
     runs = shared_ranks(_pipelined, world, PIPELINED[world], (name, layout), tmp_path)
-    for got_losses, got_params, (overlapped, buckets, stats) in runs:
+    for got_losses, got_params, (overlapped, buckets, stats, _) in runs:
         if layout.startswith("2,"):  # every gradient bucket launched while the last backward ran
             assert overlapped == buckets >= 1
         _assert_same_training(got_losses, got_params, losses, params)
@@ -215,7 +229,7 @@ def _two_stages(rank, world, name):
     from autopar.planner.search import Search
 
     w, batches = _workload(name)
-    plan = plan_auto(Search.start(w, get_cluster("cpu-local"), (1, world)), stages=2, num_microbatches=4)
+    plan = on_rank0(lambda: plan_auto(Search.start(w, get_cluster("cpu-local"), (1, world)), stages=2, num_microbatches=4))
     pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer, plan=plan)
     return [pm.step(inputs, target) for inputs, target in batches], pm.full_state_dict(), len(pm.plan.stages)
 
@@ -229,18 +243,21 @@ def test_a_two_stage_plan_cuts_a_moe_model_between_layers(tmp_path):
 
 def _staged(w, world, meshes, schedule, m):
     """A plan cutting the searched layers into len(meshes) stages (the last takes the rest), stage i
-    with logical mesh meshes[i] and the intra-op pass's placements for it."""
+    with logical mesh meshes[i] and the intra-op pass's placements for it; made on rank 0."""
     import dataclasses
 
     from autopar.cost_models import get_cluster
     from autopar.planner.search import Search, assemble
 
-    search = Search.start(w, dataclasses.replace(get_cluster("cpu-local"), devices_per_host=4), (1, 4))
-    n, k = len(search.layers), len(meshes)
-    bounds = [i * (n // k) for i in range(k)] + [n]
-    chosen = [((i, j), (1, dp * tp), search.option(i, j, (1, dp * tp), m, ((dp, tp), False, False, 0)))
-              for (i, j), (dp, tp) in zip(itertools.pairwise(bounds), meshes)]
-    return dataclasses.replace(assemble(search, chosen, m, "staged"), mesh=(1, world), schedule=schedule)
+    def planned():
+        search = Search.start(w, dataclasses.replace(get_cluster("cpu-local"), devices_per_host=4), (1, 4))
+        n, k = len(search.layers), len(meshes)
+        bounds = [i * (n // k) for i in range(k)] + [n]
+        chosen = [((i, j), (1, dp * tp), search.option(i, j, (1, dp * tp), m, ((dp, tp), False, False, 0)))
+                  for (i, j), (dp, tp) in zip(itertools.pairwise(bounds), meshes)]
+        return dataclasses.replace(assemble(search, chosen, m, "staged"), mesh=(1, world), schedule=schedule)
+
+    return on_rank0(planned)
 
 
 def _run_staged(rank, world, name, meshes, schedule):
@@ -417,8 +434,8 @@ def test_a_data_parallel_step_issues_what_the_plan_predicts(tmp_path, name):
 def test_tensor_parallel_training_equals_single_process(tmp_path, name, layout):
     losses, params = _single(name)
     world = _world(layout)
-    for got_losses, got_params, (_, _, stats) in shared_ranks(_pipelined, world, PIPELINED[world], (name, layout),
-                                                              tmp_path):
+    for got_losses, got_params, (_, _, stats, _) in shared_ranks(_pipelined, world, PIPELINED[world], (name, layout),
+                                                                 tmp_path):
         _assert_same_training(got_losses, got_params, losses, params)
         assert stats["tp"]["bytes_raw"] > 0
 
@@ -451,19 +468,9 @@ def _comm_mode():
     return CommDebugMode()
 
 
-def _tp_collectives(rank, world, name):
-    """What one TP step issues on the tensor axis (functional collectives), by kind: the second step,
-    the first lowers the stage (tracing dispatches collectives on fake tensors)."""
-    w, batches = _workload(name)
-    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
-                             plan="1,2,1")
-    pm.step(*batches[0])
-    assert pm.graph.program.lowered
-    with _comm_mode() as mode:
-        pm.step(*batches[1])
-    counts = {str(op): n for op, n in mode.get_comm_counts().items()}
-    issued = {_FUNCOL[k.split(".")[-1]]: n for k, n in counts.items() if k.startswith("c10d_functional.")}
-    return issued, sorted(pm.graph.unplanned), pm.comm_stats()
+def _issued(counts) -> dict[str, int]:
+    """CommDebugMode's counts of functional collectives, by kind."""
+    return {_FUNCOL[str(k).split(".")[-1]]: n for k, n in counts.items() if str(k).startswith("c10d_functional.")}
 
 
 @pytest.mark.parametrize("name", ["mlp-tiny", "gpt-tiny", "hf-gpt2"])
@@ -478,26 +485,15 @@ def test_a_tensor_parallel_step_issues_what_the_plan_predicts(tmp_path, name):
     predicted = shard_stage(autopar.capture(w.model, w.example_inputs), get_cluster("cpu-local").with_mesh(1, 2),
                             (1, 2), (1, 2), rule=MEGATRON).collectives
     expected = Counter(c["kind"] for c in predicted if c["axis"] == "tp")
-    cases = [("mlp-tiny",), ("gpt-tiny",), ("hf-gpt2",)]
-    for issued, unplanned, stats in shared_ranks(_tp_collectives, 2, cases, (name,), tmp_path):
+    for *_, (_, _, stats, (issued, _, lowered, unplanned)) in shared_ranks(_pipelined, 2, PIPELINED[2], (name, "1,2,1"),
+                                                                           tmp_path):
+        assert lowered
         assert unplanned == []  # every op's output landed where the plan put it
         assert issued == dict(expected)  # no hidden gathers, no missing reductions
         # the bytes handed to them are the planned ones (an all-gather is handed its shard; the plan counts the whole)
         assert stats["tp"]["bytes_raw"] == sum(c["bytes"] / (2 if c["kind"] == "all_gather" else 1)
                                                for c in predicted if c["axis"] == "tp")
         assert stats["dp"]["bytes_raw"] == stats["pp"]["bytes_raw"] == 0
-
-
-def _forward_collectives(rank, world, name, layout):
-    """What one step's forward issues on the tensor axis, by kind (the second step: the first lowers)."""
-    w, batches = _workload(name)
-    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, optimizer=_optimizer,
-                             plan=layout)
-    pm.step(*batches[0])
-    with _comm_mode() as mode:
-        pm.step(*batches[1])
-    counts = mode.comm_module_counts["Global"]["forward"]
-    return {_FUNCOL[str(k).split(".")[-1]]: n for k, n in counts.items() if str(k).startswith("c10d_functional.")}
 
 
 @pytest.mark.parametrize("name", ["gpt-tiny", "hf-gpt2"])
@@ -525,9 +521,8 @@ def test_sequence_parallelism_reduce_scatters_and_gathers_where_megatron_all_red
         # backward (outside autograd, so CommDebugMode counts them with the forward)
         norm_grads[sp] = sum(1 for c in planned if c.get("param"))
     blocks = sum(1 for layer in search.graph.layer_list if layer.name.startswith(("h.", "transformer.h.")))
-    cases = [(n, lay) for n in ("gpt-tiny", "hf-gpt2") for lay in ("1,2,1", "1,2,1+sp")]
-    megatron = shared_ranks(_forward_collectives, 2, cases, (name, "1,2,1"), tmp_path)[0]
-    sp = shared_ranks(_forward_collectives, 2, cases, (name, "1,2,1+sp"), tmp_path)[0]
+    megatron, sp = (shared_ranks(_pipelined, 2, PIPELINED[2], (name, layout), tmp_path)[0][2][3][1]
+                    for layout in ("1,2,1", "1,2,1+sp"))
     assert megatron == dict(predicted[False]) and "reduce_scatter" not in megatron and norm_grads[False] == 0
     assert sp["reduce_scatter"] == predicted[True]["reduce_scatter"] == 2 * blocks  # each row-parallel linear's
     assert norm_grads[True] == 2 * (2 * blocks + 1)  # weight and bias of each block's two norms and the final one

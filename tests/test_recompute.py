@@ -1,7 +1,8 @@
 """Activation recomputation as planned, on 2 and 4 gloo ranks: a plan whose stages recompute trains
-exactly as the same plan without (losses and parameters, rel 1e-6), and each recomputing stage
-really runs each of its layers' forward twice per microbatch (once more in backward) — under
-selective recomputation each attention core only."""
+as one process does (losses and parameters, rel 1e-5; the same plans without recomputation are
+`tests/test_parallelize.py`'s), and each recomputing stage really runs each of its layers' forward
+twice per microbatch (once more in backward) — under selective recomputation each attention core
+only."""
 
 import dataclasses
 
@@ -13,9 +14,10 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar.contract.placements import Shard
-from tests.distributed import shared_ranks
+from tests.distributed import on_rank0, shared_ranks
+from tests.families import TEST_LAYERS, single
 from tests.families import workload as family
-from tests.test_parallelize import _layout, _staged
+from tests.test_parallelize import _assert_same_training, _layout, _staged, train_one_process
 
 STEPS = 2
 # on 4 ranks what needs them: an MoE's DP×TP, ZeRO-3 in a pipeline, the fan-out executor (stages of
@@ -28,39 +30,52 @@ CASES = {4: [("moe-tiny", "2,2,1"), ("gpt-tiny", "zero3:2,1,2,2"), ("gpt-tiny", 
              ("t5", "selective:1,2,1,2"), ("llama", "selective:1,1,2,2")]}
 
 
-def _setup(name, layout):
+def _setup(name, layout, layers=TEST_LAYERS):
     torch.manual_seed(0)
     batch = 32 if layout == "searched" else 8  # activations that outweigh the weights
-    w = family(name) if name in ("llama", "t5") else autopar.load_workload(name, batch=batch, device="cpu")
+    w = family(name, layers=layers) if name in ("llama", "t5") else autopar.load_workload(name, batch=batch, device="cpu")
     gen = torch.Generator().manual_seed(5)
     return w, [w.make_batch(w.batch, gen) for _ in range(STEPS)]
 
 
-def _plan(w, world, layout, recompute):
-    """The layout's plan with every stage recomputing or none; "searched": the planner's two-stage
-    plan of 8 microbatches under a memory limit (80 % of its peak without one) that makes a
-    stage recompute."""
+def _reference(name, layout):
+    """Losses and final parameters of one process training the case's model on its batches."""
+    if name in ("llama", "t5"):
+        return single(name, layers=TEST_LAYERS)
+    return train_one_process(*_setup(name, layout))
+
+
+def _searched(w, world):
+    """The planner's two-stage plan of 8 microbatches under a memory limit (80 % of its peak
+    without one) that makes a stage recompute; made on rank 0."""
     from autopar.cost_models import get_cluster
     from autopar.planner.auto import plan_auto
     from autopar.planner.search import Search
 
-    cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)
-    if layout == "searched":
+    def planned():
+        cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=world)
         shape = {"stages": 2, "num_microbatches": 8}
         free = plan_auto(Search.start(w, cluster, (1, world)), **shape).estimate.peak_memory_bytes
-        plan = plan_auto(Search.start(w, cluster, (1, world), memory_limit=0.8 * free), **shape)
-        assert any(s.recompute for s in plan.stages), "the limit should force recomputation"
-        return plan if recompute else dataclasses.replace(
-            plan, stages=[dataclasses.replace(s, recompute=False, recompute_layers=None) for s in plan.stages])
+        return plan_auto(Search.start(w, cluster, (1, world), memory_limit=0.8 * free), **shape)
+
+    plan = on_rank0(planned)
+    assert any(s.recompute for s in plan.stages), "the limit should force recomputation"
+    return plan
+
+
+def _plan(w, world, layout):
+    """The layout's plan with every stage recomputing; "searched": `_searched`."""
+    if layout == "searched":
+        return _searched(w, world)
     if layout == "2+1+1":
         plan = _staged(w, world, ((1, 2), (1, 1), (1, 1)), "1f1b", 4)
     else:
         plan = _layout(w, world, layout.removeprefix("zero3:").removeprefix("first:").removeprefix("selective:"))
     for stage in plan.stages:
-        stage.recompute = recompute
-        stage.recompute_granularity = "selective" if recompute and layout.startswith("selective:") else None
+        stage.recompute = True
+        stage.recompute_granularity = "selective" if layout.startswith("selective:") else None
         several = stage.layers[1] - stage.layers[0] > 1
-        stage.recompute_layers = 1 if recompute and layout.startswith("first:") and several else None
+        stage.recompute_layers = 1 if layout.startswith("first:") and several else None
         if layout.startswith("zero3:"):
             stage.params = {f: [Shard(0), p[1]] for f, p in stage.params.items()}
     return plan
@@ -73,7 +88,7 @@ def test_a_stage_recomputes_only_the_layers_its_memory_needs():
     from autopar.planner.auto import plan_auto
     from autopar.planner.search import Search
 
-    w, _ = _setup("llama", "1,1,2,2")
+    w, _ = _setup("llama", "1,1,2,2", layers=None)  # the catalogue's 4 blocks: 2 layers a stage
     cluster = dataclasses.replace(get_cluster("cpu-local"), devices_per_host=2)
     shape = {"stages": 2, "num_microbatches": 4}
     free = plan_auto(Search.start(w, cluster, (1, 2)), **shape)
@@ -126,38 +141,33 @@ def _counting(module):
 
 
 def _train(rank, world, name, layout):
-    runs = []
-    for recompute in (False, True):
-        w, batches = _setup(name, layout)
-        plan = _plan(w, world, layout, recompute)
-        pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn,
-                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), plan=plan)
-        module = getattr(pm, "graph", None) or getattr(pm, "module", None)
-        calls = _counting(module) if module is not None else [0]
-        losses = [pm.step(*b) for b in batches]
-        mine = plan.stages[getattr(pm, "stage_index", 0)]
-        program = getattr(module, "program", None)
-        lowered = program is not None and program.lowered
-        per_step = plan.num_microbatches * STEPS
-        again = sum(seg.recomputes(mine.recompute, mine.recompute_layers) for seg in module.segments) * per_step \
-            if module is not None else 0
-        if mine.recompute_granularity:  # each attention core runs as a segment of its own, in forward and backward
-            again = 2 * sum(len(seg.cores) for seg in module.segments) * per_step
-        # a lowered stage runs its segments only while it is traced (and its partitioner recomputes:
-        # `tests/test_lower.py` checks what its forward keeps for the backward)
-        runs.append((losses, pm.full_state_dict(), None if lowered else calls[0],
-                     len(module.segments) * per_step if module is not None else 0, again, mine.recompute_layers))
-    return runs
+    w, batches = _setup(name, layout)
+    plan = _plan(w, world, layout)
+    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn,
+                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9), plan=plan)
+    module = getattr(pm, "graph", None) or getattr(pm, "module", None)
+    calls = _counting(module) if module is not None else [0]
+    losses = [pm.step(*b) for b in batches]
+    mine = plan.stages[getattr(pm, "stage_index", 0)]
+    program = getattr(module, "program", None)
+    lowered = program is not None and program.lowered
+    per_step = plan.num_microbatches * STEPS
+    again = sum(seg.recomputes(mine.recompute, mine.recompute_layers) for seg in module.segments) * per_step \
+        if module is not None else 0
+    if mine.recompute_granularity:  # each attention core runs as a segment of its own, in forward and backward
+        again = 2 * sum(len(seg.cores) for seg in module.segments) * per_step
+    # a lowered stage runs its segments only while it is traced (and its partitioner recomputes:
+    # `tests/test_lower.py` checks what its forward keeps for the backward)
+    return (losses, pm.full_state_dict(), None if lowered else calls[0],
+            len(module.segments) * per_step if module is not None else 0, again, mine.recompute_layers)
 
 
 @pytest.mark.parametrize("world, name, layout", [(world, *case) for world, cases in CASES.items() for case in cases])
-def test_recomputing_trains_as_keeping_activations(tmp_path, world, name, layout):
-    for (losses, params, calls, segments, *_), (r_losses, r_params, r_calls, r_segments, again, depth) in shared_ranks(
+def test_recomputing_trains_as_one_process(tmp_path, world, name, layout):
+    losses, params = _reference(name, layout)
+    for r_losses, r_params, r_calls, r_segments, again, depth in shared_ranks(
             _train, world, CASES[world], (name, layout), tmp_path):
-        assert calls in (segments, None)  # without recomputation each layer runs once per microbatch
-        assert r_losses == pytest.approx(losses, rel=1e-6)
-        for key, value in params.items():
-            torch.testing.assert_close(r_params[key], value, rtol=1e-6, atol=1e-7)
+        _assert_same_training(r_losses, r_params, losses, params)
         # each recomputed layer's forward once more in backward (not those nothing differentiates: a
         # rotary table); with `recompute_layers` only the stage's first layers
         if r_calls is not None:  # interpreted: the checkpoints' calls

@@ -55,15 +55,17 @@ MANIFEST = "manifest.json"  # written last: every other file's size and SHA-256
 _MANIFEST_LIMIT = 16 * 2**20  # bytes: a manifest larger than this is not one of ours
 
 
-def latest(directory: str | Path) -> Path | None:
+def latest(directory: str | Path, warn: bool = True) -> Path | None:
     """The newest checkpoint in `directory` whose files match its manifest, or None; each newer
-    one that does not is skipped with a warning naming the file. Call it on one rank and share the
-    answer (`agreed_latest`): ranks reading a file system apart may disagree."""
+    one that does not is skipped, with a warning naming the file (`warn`: a launcher looking ahead
+    leaves the warning to the ranks). Call it on one rank and share the answer (`agreed_latest`):
+    ranks reading a file system apart may disagree."""
     for _, path in reversed(_complete(directory)):
         problem = verify(path)
         if problem is None:
             return path
-        log.warning("skipping checkpoint %s: %s", path, problem)
+        if warn:
+            log.warning("skipping checkpoint %s: %s", path, problem)
     return None
 
 
