@@ -148,10 +148,17 @@ def _spawn(jobs: list[tuple[Callable, tuple]], world: int, tmp: Path) -> list[li
         if "died" in why:  # without a Python error: say so for every case
             return [[(False, why)] * world for _ in jobs]
         # else a case failed: its rank saved what it had, with the traceback
-    per_rank = [torch.load(out / f"{r}.pt", weights_only=False) if (out / f"{r}.pt").exists() else []
-                for r in range(world)]
+    per_rank = [_saved(out / f"{r}.pt") for r in range(world)]
     missing = (False, "not run: an earlier case failed in these ranks")
     return [[per_rank[r][j] if j < len(per_rank[r]) else missing for r in range(world)] for j in range(len(jobs))]
+
+
+def _saved(path: Path) -> list[tuple[bool, Any]]:
+    """What a rank saved of its cases: none where it saved nothing, or was ended while saving."""
+    try:
+        return torch.load(path, weights_only=False)
+    except (FileNotFoundError, EOFError, RuntimeError):
+        return []
 
 
 def _unwrap(results: list[tuple[bool, Any]]) -> list[Any]:
