@@ -21,6 +21,7 @@ from autopar.api import parallelize
 from autopar.contract.errors import AutoparError
 from autopar.contract.limits import MAX_MEMORY_BYTES, MAX_SECONDS, check_counts
 from autopar.models import load_workload
+from autopar.planner.manual import Layout
 from autopar.runtime import checkpoint, failures, local_device
 from autopar.runtime.backend import LOOPBACK, local_store, register_loopback_rendezvous, same_hash_order
 from autopar.runtime.checkpoint import is_step, latest, step_of, verify
@@ -72,8 +73,6 @@ class TrainJob:
             if problem:
                 raise AutoparError(f"--resume-from {self.resume_from}: {problem}")
         if self.plan is not None and not self.plan.endswith(".json"):  # a layout: its size said before ranks start
-            from autopar.planner.manual import Layout
-
             layout = Layout.parse(self.plan)
             if layout.dp * layout.tp * layout.pp != self.nproc:
                 raise AutoparError(f"--plan {self.plan}: dp × tp × pp = {layout.dp * layout.tp * layout.pp}, the job "
