@@ -5,6 +5,11 @@ are started once per world size and kept (`_Ranks`), and a family of parametrize
 process group (`shared_ranks`): the first case asked for runs every case of its family, one after
 another, in the same processes and process group; the others read the cached results. A case that
 raises fails only its own test (and ends the ranks: the next case list starts new ones).
+
+Ranks that have worked a while are replaced at the next case list (`FRESH_AFTER_S`): the same
+12 pipeline-schedule cases ran 1.32x slower in every phase (export, lowering, steps) on 4 ranks that
+had first run test_parallelize's cases (about 300 s of work) than on 4 new ones (196 against 148 s
+of rank 0's time, 2026-11-29), more than a 4-rank start costs.
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ import atexit
 import gc
 import os
 import tempfile
+import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from multiprocessing import connection
 from pathlib import Path
 from typing import Any
@@ -76,14 +82,16 @@ def _forget_meshes() -> None:
 
 
 class _Ranks:
-    """`world` rank processes kept through the session: starting them (importing torch, autopar and
-    transformers) costs 10 s for 2 ranks and 23 s for 4 on 2 cores, more than most case lists run.
+    """`world` rank processes kept through the session (replaced after `FRESH_AFTER_S` of cases):
+    starting them (importing torch, autopar and transformers) costs 10 s for 2 ranks and 23 s for 4
+    on 2 cores, more than most case lists run.
     Each case list gets a process group of its own (`_serve`); a rank that dies or fails ends them
     all (the others may wait on it in a collective), and the next case list starts new ones."""
 
     def __init__(self, world: int) -> None:
         ctx = mp.get_context("spawn")
         self.pipes, self.procs = [], []
+        self.busy = 0.0  # seconds spent running case lists
         for rank in range(world):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=_serve, args=(rank, world, theirs), daemon=True)
@@ -95,6 +103,13 @@ class _Ranks:
     def run(self, jobs: list[tuple[Callable, tuple]], store: str, out: str) -> str | None:
         """Run the case list on every rank: None when every rank finished it, else why not (the
         ranks are ended then)."""
+        began = time.perf_counter()
+        try:
+            return self._run(jobs, store, out)
+        finally:
+            self.busy += time.perf_counter() - began
+
+    def _run(self, jobs: list[tuple[Callable, tuple]], store: str, out: str) -> str | None:
         for pipe in self.pipes:
             pipe.send((jobs, store, out))
         pending = set(range(len(self.pipes)))
@@ -125,6 +140,7 @@ class _Ranks:
 
 
 _RANKS: dict[int, _Ranks] = {}
+FRESH_AFTER_S = 200.0  # seconds of cases after which a world's ranks are replaced (see the module's docstring)
 
 
 def _close_all() -> None:
@@ -140,6 +156,8 @@ def _spawn(jobs: list[tuple[Callable, tuple]], world: int, tmp: Path) -> list[li
     out = tmp / "ranks"
     out.mkdir(parents=True, exist_ok=True)
     same_hash_order()  # every rank captures a model that iterates a set as one graph
+    if world in _RANKS and _RANKS[world].busy >= FRESH_AFTER_S:
+        _RANKS.pop(world).close()
     if world not in _RANKS:
         _RANKS[world] = _Ranks(world)
     why = _RANKS[world].run(jobs, str(tmp / "store"), str(out))
@@ -183,9 +201,20 @@ def run_ranks(fn: Callable, world: int, tmp: Path, *args: Any) -> list[Any]:
     return _unwrap(_spawn([(fn, args)], world, tmp)[0])
 
 
-def shared_ranks(fn: Callable, world: int, cases: list[tuple], case: tuple, tmp: Path) -> list[Any]:
+SWEEP = pytest.mark.sweep  # a case of a matrix beyond CI's slice: `pytest -m sweep tests` runs them
+
+
+def tiered(cases: list[tuple], sweep: Collection[tuple]) -> list[Any]:
+    """`cases` as parametrize values, those in `sweep` marked `SWEEP` (deselected unless asked for)."""
+    return [pytest.param(*c, marks=SWEEP) if c in sweep else c for c in cases]
+
+
+def shared_ranks(fn: Callable, world: int, cases: list[tuple], case: tuple, tmp: Path,
+                 sweep: Collection[tuple] = ()) -> list[Any]:
     """fn(rank, world, *case) per rank, with every case of `cases` run in the same `world`
-    processes the first time one of them is asked for."""
+    processes the first time one of them is asked for; the cases in `sweep` (`tiered`) share a
+    start of their own, so CI's slice never runs them."""
+    cases = [c for c in cases if (c in sweep) == (case in sweep)]
     key = (fn.__module__, fn.__qualname__, world, tuple(cases))
     if key not in _CACHE:
         _CACHE[key] = _spawn([(fn, c) for c in cases], world, tmp)

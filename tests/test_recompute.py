@@ -1,5 +1,5 @@
 """Activation recomputation as planned, on 2 and 4 gloo ranks: a plan whose stages recompute trains
-as one process does (losses and parameters, rel 1e-5; the same plans without recomputation are
+as one process does (losses and parameters, rel 1e-6, absolute 1e-7; the same plans without recomputation are
 `tests/test_parallelize.py`'s), and each recomputing stage really runs each of its layers' forward
 twice per microbatch (once more in backward) — under selective recomputation each attention core
 only."""
@@ -167,7 +167,7 @@ def test_recomputing_trains_as_one_process(tmp_path, world, name, layout):
     losses, params = _reference(name, layout)
     for r_losses, r_params, r_calls, r_segments, again, depth in shared_ranks(
             _train, world, CASES[world], (name, layout), tmp_path):
-        _assert_same_training(r_losses, r_params, losses, params)
+        _assert_same_training(r_losses, r_params, losses, params, rel=1e-6, atol=1e-7)
         # each recomputed layer's forward once more in backward (not those nothing differentiates: a
         # rotary table); with `recompute_layers` only the stage's first layers
         if r_calls is not None:  # interpreted: the checkpoints' calls
