@@ -50,8 +50,12 @@ def _serve(rank: int, world: int, pipe: Any) -> None:
         results: list[tuple[bool, Any]] = []
         for fn, args in jobs:
             torch.manual_seed(0)
+            began = time.perf_counter()
             try:
                 results.append((True, fn(rank, world, *args)))
+                if rank == 0 and os.environ.get("AUTOPAR_TEST_TIMES"):
+                    with open(os.environ["AUTOPAR_TEST_TIMES"], "a") as log:
+                        log.write(f"{time.perf_counter() - began:.2f}\t{world}\t{fn.__module__}.{fn.__qualname__}\t{args!r:.120}\n")
             except Exception:  # noqa: BLE001 - reported by the case's own test
                 # the other ranks may still wait in this case's collectives: running the next case would
                 # pair theirs with ours, so this rank ends here (and `_Ranks` ends the others)
