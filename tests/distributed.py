@@ -85,15 +85,28 @@ def _forget_meshes() -> None:
     MeshTopoInfo.build_from_mesh.cache_clear()
 
 
+# What every rank imports, imported once by the server the ranks are forked from (`forkserver`):
+# a spawned rank imported torch, autopar and transformers anew, 10 s for 2 ranks and 23 s for 4 on
+# 2 cores (2026-11-29), paid again each time ranks are replaced. The server imports no more than
+# modules (no thread, no process group), so forking it is safe.
+PRELOAD = ["pytest", "tests.distributed", "autopar.api", "tests.families", "transformers.modeling_utils",
+           "transformers.models.gpt2.modeling_gpt2", "transformers.models.llama.modeling_llama"]
+
+
+def _context() -> Any:
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    return ctx
+
+
 class _Ranks:
-    """`world` rank processes kept through the session (replaced after `FRESH_AFTER_S` of cases):
-    starting them (importing torch, autopar and transformers) costs 10 s for 2 ranks and 23 s for 4
-    on 2 cores, more than most case lists run.
+    """`world` rank processes kept through the session (replaced after `FRESH_AFTER_S` of cases),
+    forked from a server that has imported what they need (`PRELOAD`).
     Each case list gets a process group of its own (`_serve`); a rank that dies or fails ends them
     all (the others may wait on it in a collective), and the next case list starts new ones."""
 
     def __init__(self, world: int) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = _context()
         self.pipes, self.procs = [], []
         self.busy = 0.0  # seconds spent running case lists
         for rank in range(world):
