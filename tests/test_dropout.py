@@ -12,6 +12,7 @@ from torch.distributed.tensor import DTensor
 import autopar
 from tests.distributed import shared_ranks
 from tests.families import TEST_LAYERS, optimizer, setup, single
+from tests.test_parallelize import _world
 
 STEPS, RATE = 4, 0.1
 LAYOUTS = {"tp": "1,2,1", "dp-tp": "2,2,1", "tp-pp": "1,2,2,2"}
@@ -20,16 +21,11 @@ RECOMPUTED = {"tp-recompute": "1,2,1+recompute", "tp-selective": "1,2,1+selectiv
 LAYOUTS |= RECOMPUTED
 
 
-def _world(layout: str) -> int:
-    dp, tp, *pp = (int(x) for x in LAYOUTS[layout].split("+")[0].split(","))
-    return dp * tp * (pp[0] if pp else 1)
-
-
 def _ranks(layout: str, tmp_path) -> list[dict]:
     """The layout's results from the start of the ranks its world shares (a 4-rank case costs about 3
     times a 2-rank one on 2 cores)."""
-    world = _world(layout)
-    return shared_ranks(_train, world, [(k,) for k in LAYOUTS if _world(k) == world], (layout,), tmp_path)
+    world = _world(LAYOUTS[layout])
+    return shared_ranks(_train, world, [(k,) for k in LAYOUTS if _world(LAYOUTS[k]) == world], (layout,), tmp_path)
 
 
 def _replicated(pm) -> dict[str, torch.Tensor]:

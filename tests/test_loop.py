@@ -12,14 +12,13 @@ import autopar
 from autopar import AutoparError
 from autopar.contract.placements import Shard
 from tests.distributed import run_ranks, shared_ranks
-from tests.test_parallelize import _layout, _workload
+from tests.test_parallelize import _layout, _workload, _world
 
-WORLD, MAX_NORM = 4, 0.5
-LAYOUTS = {"dp": "4,1,1", "tp": "1,4,1", "pp": "2,1,2,2", "zero3": "4,1,1", "dp-tp": "2,2,1",
+MAX_NORM = 0.5
+# a layout of one axis on 2 ranks (its program is the same code on 2 or 4; a 4-rank case costs about
+# 3 times a 2-rank one on 2 cores), the layouts mixing axes on 4
+LAYOUTS = {"dp": "2,1,1", "tp": "1,2,1", "pp": "2,1,2,2", "zero3": "2,1,1", "dp-tp": "2,2,1",
            "tp-pp": "1,2,2,2", "zero3-tp": "2,2,1"}
-# a layout of one axis runs on 2 ranks (its program is the same code on 2 or 4; a 4-rank case costs
-# about 3 times a 2-rank one on 2 cores): only layouts mixing axes on 4
-ON_TWO = {"dp": "2,1,1", "tp": "1,2,1", "zero3": "2,1,1"}
 # one-stage layouts in a loop of the user's own (pm(x), backward, torch's clipping): tests/test_module.py;
 # here `step` with max_grad_norm, local slices and predict, on the ones that differ most
 CASES = [("gpt-tiny", layout) for layout in LAYOUTS if layout not in ("tp", "dp-tp")] + [("hf-gpt2", "pp"),
@@ -54,15 +53,10 @@ def _single(name):
     return losses, norms, {n: p.detach().clone() for n, p in w.model.named_parameters()}, out
 
 
-def _world(layout):
-    return 2 if layout in ON_TWO else WORLD
-
-
 def _plan(w, layout):
-    given = ON_TWO.get(layout, LAYOUTS[layout])
     if not layout.startswith("zero3"):
-        return given
-    plan = _layout(w, _world(layout), given)
+        return LAYOUTS[layout]
+    plan = _layout(w, _world(LAYOUTS[layout]), LAYOUTS[layout])
     for stage in plan.stages:
         stage.params = {f: [Shard(0), p[1]] for f, p in stage.params.items()}
     return plan
@@ -95,15 +89,16 @@ def _loop(rank, world, name, layout):
 def test_a_training_loop_gives_single_process_results(tmp_path, name, layout):
     losses, norms, params, out = _single(name)
     assert min(norms) > MAX_NORM  # every step clips
-    world = _world(layout)
-    results = shared_ranks(_loop, world, [c for c in CASES if _world(c[1]) == world], (name, layout), tmp_path)
+    world = _world(LAYOUTS[layout])
+    results = shared_ranks(_loop, world, [c for c in CASES if _world(LAYOUTS[c[1]]) == world], (name, layout),
+                           tmp_path)
     for got_losses, got_norms, got_params, got_out, _ in results:
         assert got_losses == pytest.approx(losses, rel=1e-5)
         assert got_norms == pytest.approx(norms, rel=1e-5)
         for key, value in params.items():
             torch.testing.assert_close(got_params[key], value, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(got_out, out, rtol=1e-5, atol=1e-6)  # the same on every rank
-    dp = int(ON_TWO.get(layout, LAYOUTS[layout]).split(",")[0])
+    dp = int(LAYOUTS[layout].split(",")[0])
     assert sorted({r[-1] for r in results}) == [(r, dp) for r in range(dp)]
 
 

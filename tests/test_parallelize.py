@@ -208,7 +208,8 @@ PIPELINED = {2: [(n, "1,1,2,4") for n in ("mlp-tiny", "gpt-tiny", "hf-gpt2")] + 
 
 
 def _world(layout):
-    dp, tp, *rest = (int(x) for x in layout.split(","))
+    """The ranks a layout "DP,TP[,PP[,MB]][+...]" runs on."""
+    dp, tp, *rest = (int(x) for x in layout.split("+")[0].split(","))
     return dp * tp * (rest[0] if rest else 1)
 
 
