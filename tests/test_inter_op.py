@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from autopar.planner.inter_op import brute_force, microbatch_counts, stage_dp, submesh_shapes
+from autopar.planner.inter_op import brute_force, candidates, microbatch_counts, stage_dp, submesh_shapes
 
 
 def test_submesh_shapes_follow_alpa():
@@ -46,6 +46,27 @@ def test_stage_dp_on_a_t_max_grid_is_within_its_tolerance_and_skips_stages_slowe
 def _slowest(times, plan):
     """The per-microbatch time of the plan's slowest stage (`times` counts stages from the end)."""
     return max(times[len(plan) - i, c.layers[0], c.layers[1], c.shape] for i, c in enumerate(plan))
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_candidates_are_the_sweeps_plans_within_the_slack_best_first(seed):
+    """The runner-ups the simulator judges: each a whole plan priced by its own eq. 2 total, the
+    first the DP's answer, none beyond the slack."""
+    times, sizes, devices, micro = _instance(np.random.default_rng(200 + seed))
+    found = candidates(times, sizes, devices, micro, slack=0.2)
+    best = stage_dp(times, sizes, devices, micro)
+    if not found:
+        assert best[0] == np.inf
+        return
+    assert found[0][0] == pytest.approx(best[0]) and found[0][1] == best[1]
+    totals = [total for total, _ in found]
+    assert totals == sorted(totals) and totals[-1] <= totals[0] * 1.2
+    assert len({tuple(plan) for _, plan in found}) == len(found)
+    for total, plan in found:
+        stage = [times[len(plan) - i, c.layers[0], c.layers[1], c.shape] for i, c in enumerate(plan)]
+        assert total == pytest.approx(sum(stage) + (micro - 1) * max(stage))
+        assert sum(sizes[c.shape] for c in plan) == devices
+    assert all(total == pytest.approx(best[0]) for total, _ in candidates(times, sizes, devices, micro))  # no slack: ties
 
 
 def test_devices_are_counted_in_units_of_the_smallest_submesh():

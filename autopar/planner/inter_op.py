@@ -49,8 +49,18 @@ def stage_dp(times: np.ndarray, sizes: list[int], devices: int, num_microbatches
              stages: int | None = None, tolerance: float = 0.0, bound: float = INF,
              ) -> tuple[float, list[StageChoice]]:
     """times[s, i, j, k]: per-microbatch time of layers [i, j) as the s-th stage from the end on
-    submesh shape k (inf where it does not fit). Returns (eq. 2 total, stages in order);
-    `stages` fixes how many.
+    submesh shape k (inf where it does not fit). Returns (eq. 2 total, stages in order), the best
+    of `candidates`; `stages` fixes how many."""
+    found = candidates(times, sizes, devices, num_microbatches, stages, tolerance, bound)
+    return found[0] if found else (INF, [])
+
+
+def candidates(times: np.ndarray, sizes: list[int], devices: int, num_microbatches: int,
+               stages: int | None = None, tolerance: float = 0.0, bound: float = INF, slack: float = 0.0,
+               ) -> list[tuple[float, list[StageChoice]]]:
+    """Every plan the t_max sweep finds (the least Σ t_i under each t_max tried) with an eq. 2
+    total within (1 + `slack`) of the best, best first: eq. 2 leaves out transfers and gradient
+    sync, so a runner-up by eq. 2 may be the faster step, and the simulator can judge them.
 
     With `tolerance` ε > 0, t_max is tried on a grid: one DP stands for every candidate within
     a factor (1 + ε) below it, so the total is within (1 + ε) of the optimum (a plan whose
@@ -69,36 +79,38 @@ def stage_dp(times: np.ndarray, sizes: list[int], devices: int, num_microbatches
     sizes, devices = [s // unit for s in sizes], devices // unit
     _, n_layers, _, n_shapes = times.shape
     n_layers -= 1
-    candidates = np.unique(times[np.isfinite(times)])
-    candidates = candidates[num_microbatches * candidates < bound]
-    if not len(candidates):
-        return INF, []
+    t_maxes = np.unique(times[np.isfinite(times)])
+    t_maxes = t_maxes[num_microbatches * t_maxes < bound]
+    if not len(t_maxes):
+        return []
 
     def dp(t_max: float) -> tuple[float, list[StageChoice]]:
         return _dp_for(times, sizes, devices, n_layers, n_shapes, t_max)
 
     # feasibility only grows with t_max: find the smallest feasible one by bisection
-    lo, hi = 0, len(candidates) - 1
-    if not dp(candidates[hi])[1]:
-        return INF, []
+    lo, hi = 0, len(t_maxes) - 1
+    if not dp(t_maxes[hi])[1]:
+        return []
     while lo < hi:
         mid = (lo + hi) // 2
-        if dp(candidates[mid])[1]:
+        if dp(t_maxes[mid])[1]:
             hi = mid
         else:
             lo = mid + 1
-    best_total, best_plan = INF, []
-    while lo < len(candidates):
-        if num_microbatches * candidates[lo] >= best_total:
+    found: dict[tuple, float] = {}
+    best_total = INF
+    while lo < len(t_maxes):
+        if num_microbatches * t_maxes[lo] >= best_total * (1 + slack):
             break  # Alpa's early stop: every later t_max only adds to (M-1)·t_max
-        top = int(np.searchsorted(candidates, candidates[lo] * (1 + tolerance), side="right")) - 1
-        total, plan = dp(candidates[top])
+        top = int(np.searchsorted(t_maxes, t_maxes[lo] * (1 + tolerance), side="right")) - 1
+        total, plan = dp(t_maxes[top])
         if plan:
             slowest = max(times[len(plan) - i, c.layers[0], c.layers[1], c.shape] for i, c in enumerate(plan))
-            if total + (num_microbatches - 1) * slowest < best_total:
-                best_total, best_plan = total + (num_microbatches - 1) * slowest, plan
+            found[tuple(plan)] = float(total + (num_microbatches - 1) * slowest)
+            best_total = min(best_total, found[tuple(plan)])
         lo = top + 1
-    return (float(best_total), best_plan) if best_plan else (INF, [])
+    return sorted(((total, list(plan)) for plan, total in found.items() if total <= best_total * (1 + slack)),
+                  key=lambda x: x[0])
 
 
 def _dp_for(times, sizes, devices, n_layers, n_shapes, t_max) -> tuple[float, list[StageChoice]]:
