@@ -195,11 +195,15 @@ def _stacked(tables: list[dict], m: int) -> dict[str, np.ndarray]:
     out = {k: np.stack([t[k] for t in tables]) for k in ("states", "acts", "transient", "averaged")}
     out["key"] = np.stack([t["time"] + (t["sync"] + t["optimizer"]) / m for t in tables])  # sync, optimizer: per step
     ks = [k for k, t in enumerate(tables) if "depth" in t]  # recomputing variants: `_recompute_fewer`
+    # where a partial recomputation may end (a layer start: `variant_table`'s `ends`), its depth; inf elsewhere
+    reach = [np.where(tables[k]["ends"], tables[k]["depth"], np.inf) for k in ks]
     out["partial"] = {"k": np.array(ks, dtype=int),
                       **({"again": np.stack([tables[k]["again"] for k in ks]),
                           "plain": np.stack([tables[k]["plain_acts"] for k in ks]),
                           "depth": np.stack([tables[k]["depth"] for k in ks]),
-                          "start": np.array([_rises_until(tables[k]["depth"]) for k in ks]),
+                          "reach": np.stack(reach),
+                          "start": np.array([_rises_until(r) if tables[k]["ends"].all() else len(r)
+                                             for k, r in zip(ks, reach)]),
                           "key_at": [tables[k]["key_at"] for k in ks]} if ks else {})}
     return out
 
@@ -218,7 +222,7 @@ def _recompute_fewer(stacked: dict, v: np.ndarray, in_flight: int, limit: float,
     states, transient, averaged = (stacked[name][at] for name in ("states", "transient", "averaged"))
     plain, depth = p["plain"][v, rows, cols], p["depth"]
     rhs = (limit - states - transient) / in_flight - plain + depth[v, rows]
-    end = _first_within(depth, p["start"], v, rows, rhs)
+    end = _first_within(p["reach"], p["start"], v, rows, rhs)
     inside = end < cols  # fewer layers than the range's
     end = np.where(inside, end, rows)
     memory = states + np.maximum(in_flight * (plain + depth[v, end] - depth[v, rows]) + transient, averaged)
@@ -244,7 +248,8 @@ def _first_within(depth: np.ndarray, start: np.ndarray, v: np.ndarray, rows: np.
     activations: everywhere from `start[v]` on (`_rises_until`; before, an embedding's output is
     larger than what it keeps). There one `searchsorted` answers every query of every variant (the
     variants' negated rows laid end to end, each lifted above the last); the rows before `start`
-    search their own running minimum."""
+    search their own running minimum (all of them where some bounds are no layer start: `_stacked`
+    gives those an infinite depth, which a running minimum passes over)."""
     n = depth.shape[1]
     finite = np.isfinite(depth)
     big = float(np.abs(depth[finite]).max(initial=0.0)) + 1.0

@@ -647,8 +647,16 @@ class StageCosts:
         (inf time where an atom has no sharding on this mesh). The one formula: `option_for` reads
         an entry (the DP ranks by the whole table, the plan is priced by the entry). With `depth`
         (recomputing variants): each range [i, j) recomputes only its first `depth` layers, those
-        between bounds i and i + depth."""
+        between bounds i and i + depth.
+
+        What a recomputing stage checkpoints (a layer's input kept, one layer recomputed at a time;
+        ZeRO's units; selective recomputation's attention, a layer's at a time) follows
+        `layer_starts`, not `bounds`: the bounds may cut finer (a range may begin or end inside a
+        layer, whose part in the range is then a layer of its own), and every range is priced as
+        `option_for` prices it over its own layers. Partial recomputation (`depth`) ends at a layer
+        start: `ends` marks the bounds where it may."""
         lm, lean, rc, z = variant
+        starts = self._starts(bounds)
         b = self._base(bounds, submesh, lm, lean, m)
         q, prefix, inbound, loss = b["q"], b["prefix"], b["inbound"], b["loss"]
         states, sync, weight, fwd, bwd, acts, transient = (
@@ -660,18 +668,21 @@ class StageCosts:
         if rc == SELECTIVE:  # the attention cores' activations recomputed, one layer's at a time
             bwd = bwd + q.attention_s / m
             acts = acts - (q.attention - q.attention_kept) / m + inbound[:, None]
-            transient = transient + self._largest(prefix, bounds, Col.attention) / m
+            transient = transient + self._largest(prefix, starts, Col.attention) / m
         elif rc:  # keep each layer's input; one layer's activations (and the weight copies) at a time
             plain = acts + inbound[:, None]  # without recomputation
-            # [k]: the inputs of layers 1 … k kept, the activations of layers 0 … k - 1 not
-            kept = np.cumsum(inbound) - np.concatenate(
+            checkpointed = np.where(starts, inbound, 0.0)  # the inputs kept where a layer starts
+            # [k]: the inputs of the layers starting at bounds 1 … k kept, the activations before bound k not
+            kept = np.cumsum(checkpointed) - np.concatenate(
                 [[0.0], np.cumsum(np.diff(prefix[:, Col.acts]) / m + np.diff(prefix[:, Col.copies]))])
-            held = self._largest(prefix, bounds, Col.acts) / m + q.copies  # one layer's, recomputed
+            held = self._largest(prefix, starts, Col.acts) / m + q.copies  # one layer's, recomputed
             if depth is None:
-                # a range's first d layers only (`search._fastest`): plain + kept[i + d] - kept[i]
-                partial = {"again": fwd, "plain_acts": plain, "depth": kept}
-                inputs = np.concatenate([[0.0], np.cumsum(inbound[:-1])])
-                bwd, transient, acts = bwd + fwd, transient + held, inputs[None, :] - inputs[:, None]
+                # a range's first layers only, to a layer start k (`search._fastest`): plain + kept[k] - kept[i]
+                partial = {"again": fwd, "plain_acts": plain, "depth": kept, "ends": starts}
+                # the range's own input and the inputs of the layers starting inside it
+                inputs = np.concatenate([[0.0], np.cumsum(checkpointed[:-1])])
+                acts = inputs[None, :] - inputs[:, None] + (inbound - checkpointed)[:, None]
+                bwd, transient = bwd + fwd, transient + held
             else:  # the first `depth` layers of each range as above, the rest as without recomputation
                 rows = np.arange(len(bounds))
                 head = np.minimum(rows + depth, len(bounds) - 1)
@@ -692,7 +703,7 @@ class StageCosts:
         transient = transient + np.where(self.graph_backward(whole, lm, rc, z, m), grads, 0.0)
         zq_in = {"states": states, "grads": grads, "averaged": averaged, "trainable": q.trainable, "elements": elements,
                  "tensors": q.tensors, "sync": sync, "fwd": fwd, "bwd": bwd,
-                 "unit": self._largest(prefix, bounds, Col.grads) if z else 0.0}  # the largest layer's gradient bytes
+                 "unit": self._largest(prefix, starts, Col.grads) if z else 0.0}  # the largest layer's gradient bytes
 
         compute_bwd = bwd  # (before ZeRO's terms: `bwd` is rebound below to the backward with them)
 
@@ -796,12 +807,23 @@ class StageCosts:
             "weight", "unhidden")]
         return StageOption(lm, lean, rc, *v, depth, abs(zero), zero < 0)
 
-    def _largest(self, prefix: np.ndarray, bounds: np.ndarray, column: int) -> np.ndarray:
-        """[i, j]: the largest layer's `column` among the layers of [bounds[i], bounds[j]) (the prefix
-        sums' rows at `bounds`, one layer between consecutive bounds)."""
-        layer = np.diff(prefix[:, column])
-        rows = np.where(np.arange(len(layer))[None, :] >= np.arange(len(bounds))[:, None], layer[None, :], 0.0)
-        return np.concatenate([np.zeros((len(bounds), 1)), np.maximum.accumulate(rows, axis=1)], axis=1)
+    def _starts(self, bounds: np.ndarray) -> np.ndarray:
+        """Which of `bounds` a layer starts at (`layer_starts`; all where it is None)."""
+        if self.layer_starts is None:
+            return np.ones(len(bounds), dtype=bool)
+        return np.isin(bounds, self.layer_starts)
+
+    @staticmethod
+    def _largest(prefix: np.ndarray, starts: np.ndarray, column: int) -> np.ndarray:
+        """[i, j]: the largest layer's `column` among the layers of [bounds[i], bounds[j]) (`prefix`:
+        the prefix sums' rows at the bounds; `starts`: the bounds a layer starts at; a range's first
+        and last layers are their parts inside it). A layer's part grows to the layer as the range's
+        end passes through it, so a running maximum over the ends sees every whole layer once."""
+        at = np.arange(len(starts))
+        last = np.maximum.accumulate(np.where(starts, at, 0))  # the layer start at or before each bound
+        begun = np.maximum(at[:, None], np.concatenate([[0], last[:-1]])[None, :])  # [i, k]: of the layer ending at k
+        part = prefix[None, :, column] - prefix[begun, column]
+        return np.maximum.accumulate(np.where(at[None, :] > at[:, None], part, 0.0), axis=1)
 
     def optimizer_s(self, elements, tensors, dtensors):
         """The optimizer's step on a stage's shard of the weights, and the all-reduce of the loss
