@@ -164,7 +164,7 @@ def exact_search(search: Search, seed: Plan | None = None, counts: list[int] | N
     try:
         return _exact(view, seed, counts or microbatch_counts(search.workload.batch), boundaries)
     finally:
-        search.costs.layer_starts = [layer.atoms[0] for layer in search.layers]
+        search.costs.layer_starts = search.unit_starts
 
 
 def _exact(view: Search, seed: Plan | None, counts: list[int], boundaries: list[int] | None) -> Exact:

@@ -35,7 +35,7 @@ def test_the_floor_replaces_a_slower_plan_and_says_so():
     assert best.search["dp_step_time_s"] == slow.estimate.step_time_s and best.name == slow.name
     assert runs(best) and Plan.from_json(best.to_json()).estimate == best.estimate
     # the search's own layers are back: a plan the DP prices next is priced as before
-    assert search.costs.layer_starts == [layer.atoms[0] for layer in search.layers]
+    assert search.costs.layer_starts == search.unit_starts
     assert plan_dp(search, stages=1, num_microbatches=16).estimate == slow.estimate
     # where the DP's plan is the fastest, it stands untouched
     auto = plan_dp(search)

@@ -79,7 +79,7 @@ UNCAPTURABLE = textwrap.dedent('''
         (["inspect", "gpt-tiny", "--batch", "-2"], "--batch must be a positive integer"),
         (["plan", "gpt-tiny", "--mesh", "8"], "malformed mesh '8'"),
         (["plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x16"], "at most 8 devices per host"),
-        (["plan", "gpt-tiny", "--mesh", "1x2", "--stages", "9"], "--stages 9: gpt-tiny has 3 layers and the mesh 2 devices"),
+        (["plan", "gpt-tiny", "--mesh", "1x2", "--stages", "9"], "--stages 9: gpt-tiny has 6 layers and the mesh 2 devices"),
         (["plan", "gpt-tiny", "--cluster", "v100-p3", "--mesh", "1x2", "--memory-limit", "0.0001"],
          "fits on no layout of 1x2 v100-p3: even spread over every device"),
         (["plan", "gpt-tiny", "--cluster", "v100-p3", "--mesh", "1x4", "--manual", "2,2"], "malformed layout '2,2'"),
@@ -118,7 +118,7 @@ def test_plan_json_out_file_and_show(capsys, tmp_path):
     plan = run_json(capsys, "plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x4", "--out", str(out))
     saved = json.loads(out.read_text())
     assert saved == {k: v for k, v in plan.items() if k != "planning_time_s"} and plan["planning_time_s"] > 0
-    assert saved["schema"] == "autopar.plan/2"
+    assert saved["schema"] == "autopar.plan/3"
     stage = saved["stages"][0]
     assert stage["layers"][0] == 0 and saved["stages"][-1]["layers"][1] == len(saved["layers"])
     assert sum(s["submesh"][0] * s["submesh"][1] for s in saved["stages"]) == 4

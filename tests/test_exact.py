@@ -38,7 +38,7 @@ def test_the_exact_optimum_is_never_slower_than_the_dp_or_a_hand_written_layout(
     step = exact.plan.estimate.step_time_s
     assert step <= dp.estimate.step_time_s * (1 + 1e-9)
     # the search's own layers are back: the DP prices as before
-    assert search.costs.layer_starts == [layer.atoms[0] for layer in search.layers]
+    assert search.costs.layer_starts == search.unit_starts
     view = manual_search(search)
     for layout in layout_grid(view):
         plan = manual_plan(view, layout)
@@ -56,4 +56,4 @@ def test_the_exact_optimum_is_never_slower_than_the_dp_or_a_hand_written_layout(
                 least = min(o.forward_s + o.backward_s for o in options if np.isfinite(o.time))
                 assert np.isclose(work[i, j], least, rtol=1e-12), (shape, m, i, j)
     finally:
-        search.costs.layer_starts = [layer.atoms[0] for layer in search.layers]
+        search.costs.layer_starts = search.unit_starts

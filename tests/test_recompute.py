@@ -27,7 +27,7 @@ STEPS = 2
 # of Llama's fused attention in a pipeline
 CASES = {4: [("moe-tiny", "2,2,1"), ("gpt-tiny", "zero3:2,1,2,2"), ("gpt-tiny", "2+1+1"), ("gpt-tiny", "searched")],
          2: [("gpt-tiny", "2,1,1"), ("gpt-tiny", "1,2,1"), ("llama", "1,1,2,2"), ("llama", "first:1,1,2,2"),
-             ("t5", "selective:1,2,1,2"), ("llama", "selective:1,1,2,2")]}
+             ("t5", "selective:1,2,1,2"), ("llama", "selective:1,1,2,2"), ("llama", "units:1,1,2,2")]}
 
 
 def _setup(name, layout, layers=TEST_LAYERS):
@@ -64,18 +64,21 @@ def _searched(w, world):
 
 
 def _plan(w, world, layout):
-    """The layout's plan with every stage recomputing; "searched": `_searched`."""
+    """The layout's plan with every stage recomputing; "searched": `_searched`; "units:": units of two
+    layers each (`Plan.units`: stages cut inside one begin one of their own), the first one recomputed."""
     if layout == "searched":
         return _searched(w, world)
     if layout == "2+1+1":
         plan = _staged(w, world, ((1, 2), (1, 1), (1, 1)), "1f1b", 4)
     else:
-        plan = _layout(w, world, layout.removeprefix("zero3:").removeprefix("first:").removeprefix("selective:"))
+        plan = _layout(w, world, layout.split(":")[-1])
+    if layout.startswith("units:"):
+        plan.units = list(range(0, len(plan.layers), 2))
     for stage in plan.stages:
         stage.recompute = True
         stage.recompute_granularity = "selective" if layout.startswith("selective:") else None
-        several = stage.layers[1] - stage.layers[0] > 1
-        stage.recompute_layers = 1 if layout.startswith("first:") and several else None
+        several = len(plan.stage_units(stage)) > 1
+        stage.recompute_layers = 1 if layout.startswith(("first:", "units:")) and several else None
         if layout.startswith("zero3:"):
             stage.params = {f: [Shard(0), p[1]] for f, p in stage.params.items()}
     return plan
@@ -104,7 +107,7 @@ def test_a_stage_recomputes_only_the_layers_its_memory_needs():
     every = costs.option_for(atoms, stage.submesh, stage.logical_mesh, False, True, plan.num_microbatches)
     assert stage.cost["backward_s"] < every.backward_s  # fewer layers' forwards again
     assert stage.cost["activation_bytes_per_microbatch"] > every.activation_bytes  # the rest keep theirs
-    assert f"first {stage.recompute_layers} layer(s)" in plan.summary()
+    assert f"first {stage.recompute_layers} unit(s)" in plan.summary()
     again = autopar.Plan.from_json(plan.to_json())
     assert [s.recompute_layers for s in again.stages] == [s.recompute_layers for s in plan.stages]
 
@@ -123,7 +126,7 @@ def test_a_recompute_depth_beyond_the_stage_is_refused(edit):
     layers = data["stages"][0]["layers"][1] - data["stages"][0]["layers"][0]
     data["stages"][0] |= edit
     with pytest.raises(autopar.AutoparError, match=r"stages\[0\]\.recompute_layers must be, with recompute true, a "
-                                                   rf"number of the stage's first layers from 1 to {layers - 1}"):
+                                                   rf"number of the stage's first units from 1 to {layers - 1}"):
         autopar.Plan.from_json(json.dumps(data))
 
 
@@ -158,6 +161,10 @@ def _train(rank, world, name, layout):
         again = 2 * sum(len(seg.cores) for seg in module.segments) * per_step
     # a lowered stage runs its segments only while it is traced (and its partitioner recomputes:
     # `tests/test_lower.py` checks what its forward keeps for the backward)
+    if module is not None:  # the runtime's segments are the plan's units (under "units:" fewer than its layers)
+        units = plan.stage_units(mine)
+        assert {seg.layer for seg in module.segments if seg.layer is not None} == set(range(len(units)))
+        assert len(units) < mine.layers[1] - mine.layers[0] or not layout.startswith("units:")
     return (losses, pm.full_state_dict(), None if lowered else calls[0],
             len(module.segments) * per_step if module is not None else 0, again, mine.recompute_layers)
 
@@ -216,3 +223,20 @@ def test_the_depth_search_finds_the_first_boundary_that_fits(steps, data):
     both = np.stack([depth[::-1].copy(), depth])
     starts = np.array([_rises_until(both[0]), _rises_until(depth)])
     assert list(_first_within(both, starts, 0 * rows + 1, rows, rhs)) == want
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-5, 5), min_size=2, max_size=12), st.data())
+def test_a_partial_recomputation_ends_only_where_a_unit_starts(steps, data):
+    """`_first_within` over a table cut finer than the units (`search._stacked`'s reach: infinite
+    where no unit starts): the first unit start k > i within the bound, as a scan finds it."""
+    from autopar.planner.search import _first_within
+
+    depth = np.cumsum(np.array(steps, dtype=float))
+    ends = np.array(data.draw(st.lists(st.booleans(), min_size=len(depth), max_size=len(depth))))
+    rows = np.array(data.draw(st.lists(st.integers(0, len(depth) - 2), min_size=1, max_size=8)))
+    rhs = np.array(data.draw(st.lists(st.integers(-30, 30), min_size=len(rows), max_size=len(rows))), dtype=float)
+    want = [next((k for k in range(i + 1, len(depth)) if ends[k] and depth[k] <= b), len(depth))
+            for i, b in zip(rows, rhs)]
+    reach = np.where(ends, depth, np.inf)
+    assert list(_first_within(reach[None], np.array([len(depth)]), 0 * rows, rows, rhs)) == want

@@ -9,7 +9,7 @@ from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe
 
 from autopar.cli import main
 from autopar.contract import schedules
-from autopar.contract.plan import Plan
+from autopar.contract.plan import Plan, PlanError
 from autopar.cost_models import get_cluster
 from autopar.cost_models.simulator import StageTimes, simulate
 from autopar.models import load_workload
@@ -133,14 +133,37 @@ def _two_stages() -> Plan:
     return manual_plan(manual_search(search), Layout(1, 1, 2, 4))
 
 
-def test_schema_1_plans_load_with_one_stage_per_group_and_schema_2_round_trips(tmp_path):
+def test_schema_1_and_2_plans_load_with_one_stage_per_group_and_every_layer_a_unit(tmp_path):
     plan = _two_stages()
     data = plan.to_dict()
-    assert data["schema"] == "autopar.plan/2" and data["virtual"] == 1
-    old = {k: v for k, v in data.items() if k != "virtual"} | {"schema": "autopar.plan/1"}
+    assert data["schema"] == "autopar.plan/3" and data["virtual"] == 1 and data["units"] is None
+    old = {k: v for k, v in data.items() if k not in ("virtual", "units")} | {"schema": "autopar.plan/1"}
     loaded = Plan.from_json(json.dumps(old))
-    assert loaded.virtual == 1 and loaded.stage_ranks == [0, 1]
+    assert loaded.virtual == 1 and loaded.stage_ranks == [0, 1] and loaded.units is None
+    two = Plan.from_json(json.dumps({k: v for k, v in data.items() if k != "units"} | {"schema": "autopar.plan/2"}))
+    assert two.units is None and two.stage_units(two.stages[1]) == [layer["nodes"] for layer in
+                                                                   two.layers[slice(*two.stages[1].layers)]]
     assert Plan.from_json(plan.to_json()).to_json() == plan.to_json()
+
+
+def test_units_group_layers_and_a_stage_cut_inside_one_begins_its_own():
+    plan = _two_stages()
+    first, second = plan.stages
+    assert first.layers[1] - first.layers[0] >= 2
+    plan.units = [0, first.layers[0] + 1]  # the second unit starts inside stage 0 and runs into stage 1
+    again = Plan.from_json(plan.to_json())
+    assert again.units == plan.units
+    nodes = [layer["nodes"] for layer in plan.layers]
+    assert again.stage_units(first) == [nodes[0], [n for k in range(1, first.layers[1]) for n in nodes[k]]]
+    assert again.stage_units(second) == [[n for k in range(*second.layers) for n in nodes[k]]]
+    assert len(again.stage_units(second)) == 1 < second.layers[1] - second.layers[0]
+
+
+@pytest.mark.parametrize("units", [[1], [0, 0], [0, 99], [2, 0], "0", [0, True]])
+def test_units_that_are_not_layer_starts_in_order_are_refused(units):
+    data = _two_stages().to_dict() | {"units": units}
+    with pytest.raises(PlanError, match="units must be the layers a unit begins at"):
+        Plan.from_json(json.dumps(data))
 
 
 @pytest.mark.parametrize("edit, message", [

@@ -1,9 +1,11 @@
-"""The Plan: the one contract between the planner and the runtime (`"schema": "autopar.plan/2"`).
+"""The Plan: the one contract between the planner and the runtime (`"schema": "autopar.plan/3"`).
 
 Schema 2 adds `virtual`, the stages each device group holds (interleaved and V-shaped schedules):
 `stages` lists all p·v stages in model order and the schedule says which group holds each
 (`schedules.stage_ranks`); a stage's submesh is its group's. Schema 1 files (one stage per group)
-load as plans with `virtual` 1.
+load as plans with `virtual` 1. Schema 3 adds `units`: the layers where a unit of recomputation
+and of ZeRO-3 begins, so that stages may be cut at finer layers than a recomputing stage
+checkpoints at; schema 1 and 2 files load with every layer a unit of its own.
 
 Keyed by stable strings only (parameter FQNs, exported node names, layer names), so a plan
 written by the planner, by the hand-written 3D generator or by a person runs the same way, and
@@ -31,8 +33,8 @@ from autopar.contract.limits import MAX_BATCH, MAX_DEVICES, MAX_MICROBATCHES
 from autopar.contract.placements import Partial, Placement, Shard, is_placement, placed, spelled
 from autopar.contract.units import human_time, printable, span
 
-SCHEMA = "autopar.plan/2"
-SCHEMAS = ("autopar.plan/1", SCHEMA)  # what loads
+SCHEMA = "autopar.plan/3"
+SCHEMAS = ("autopar.plan/1", "autopar.plan/2", SCHEMA)  # what loads
 # a stage's fields written only when set (older plans read the same)
 _UNSET_LEFT_OUT = ("recompute_layers", "recompute_granularity", "zero", "offload", "collectives", "collectives_key")
 
@@ -55,8 +57,8 @@ class StagePlan:
     # op runs (None: not a tensor the op splits); the runtime redistributes to it. Stages with tp > 1
     needs: dict[str, list[Placement | None]] = field(default_factory=dict)
     recompute: bool = False
-    # with `recompute`: only the stage's first this many layers recompute, the later ones keep their
-    # activations (as many as memory needs: Mist, AdaPipe); None: every layer
+    # with `recompute`: only the stage's first this many units (`Plan.units`) recompute, the later
+    # ones keep their activations (as many as memory needs: Mist, AdaPipe); None: every unit
     recompute_layers: int | None = None
     # with `recompute`: "selective" recomputes only each layer's attention cores (QKᵀ, softmax,
     # dropout, the product with V: `contract.attention`), Megatron-LM's --recompute-granularity
@@ -116,11 +118,27 @@ class Plan:
     estimate: Estimate | None = None
     search: dict[str, Any] = field(default_factory=dict)  # how it was found: "auto" / "manual", solves, hits
     name: str = "auto"
+    # the layers a unit begins at: what a recomputing stage checkpoints (each unit's input kept, one
+    # unit recomputed at a time) and ZeRO-3 gathers at once; a stage starting inside a unit begins a
+    # unit of its own there. None: every layer is a unit
+    units: list[int] | None = None
+
+    def stage_units(self, stage: StagePlan) -> list[list[str]]:
+        """The exported node names of each unit of `stage`, in order (its parts of the units it cuts)."""
+        first, end = stage.layers
+        starts = {first, *(u for u in (self.units if self.units is not None else range(first, end)) if first < u < end)}
+        out: list[list[str]] = []
+        for k in range(first, end):
+            if k in starts:
+                out.append([])
+            out[-1].extend(self.layers[k]["nodes"])
+        return out
 
     def record_key(self, stage: StagePlan) -> str:
         """A digest of what a stage's record of collectives depends on: its placements, precision,
-        recomputation, ZeRO level and the microbatch's size."""
+        recomputation (and the units it recomputes), ZeRO level and the microbatch's size."""
         what = {"precision": self.precision, "batch": self.batch, "microbatches": self.num_microbatches,
+                "units": [len(unit) for unit in self.stage_units(stage)],
                 "params": spelled(stage.params), "ops": spelled(stage.ops), "needs": spelled(stage.needs),
                 **{k: getattr(stage, k) for k in ("layers", "logical_mesh", "recompute", "recompute_layers",
                                                   "recompute_granularity", "zero")}}
@@ -260,7 +278,7 @@ class Plan:
             group = f" (device group {self.stage_ranks[i]})" if self.virtual > 1 else ""
             lines.append(f"  stage {i}: layers {s.layers[0]}–{s.layers[1] - 1} ({span(names)}) on {s.submesh[0]}x{s.submesh[1]} "
                          f"devices{group} as dp {s.logical_mesh[0]} × tp {s.logical_mesh[1]}"
-                         + (f", recomputing the activations of its first {s.recompute_layers} layer(s)"
+                         + (f", recomputing the activations of its first {s.recompute_layers} unit(s)"
                             if s.recompute and s.recompute_layers else ", recomputing attention (selective)"
                             if s.recompute and s.recompute_granularity else ", recomputing activations" if s.recompute else "")
                          + (f", ZeRO-{s.zero} over dp" if s.zero else "")
@@ -336,11 +354,6 @@ def _parse(data: Any, source: str) -> Plan:
                 stage.recompute_granularity == SELECTIVE and stage.recompute and stage.recompute_layers is None):
             raise PlanError(f"{source}: {where}recompute_granularity must be \"selective\" (null: whole layers), with "
                             f"recompute true and recompute_layers null, got {stage.recompute_granularity!r}")
-        if stage.recompute_layers is not None and not (stage.recompute and 1 <= stage.recompute_layers
-                                                       < stage.layers[1] - stage.layers[0]):
-            raise PlanError(f"{source}: {where}recompute_layers must be, with recompute true, a number of the stage's "
-                            f"first layers from 1 to {stage.layers[1] - stage.layers[0] - 1} (null: all of them), "
-                            f"got {stage.recompute_layers!r}")
         for key, value in stage.cost.items():
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value):
                 raise PlanError(f"{source}: {where}cost.{key} must be a finite number, got {value!r}")
@@ -371,6 +384,17 @@ def _parse(data: Any, source: str) -> Plan:
         expected = s.layers[1]
     if expected != len(layers):
         raise PlanError(f"{source}: the stages cover {expected} of {len(layers)} layers")
+    units = data.get("units")
+    if units is not None and not (isinstance(units, list) and units[:1] == [0] and all(
+            isinstance(u, int) and not isinstance(u, bool) for u in units) and units == sorted(set(units))
+            and units[-1] < len(layers)):
+        raise PlanError(f"{source}: units must be the layers a unit begins at, in order from 0 (below "
+                        f"{len(layers)}), or null (every layer a unit), got {units!r}")
+    for i, s in enumerate(stages):
+        count = sum(1 for k in range(*s.layers) if k == s.layers[0] or units is None or k in units)
+        if s.recompute_layers is not None and not (s.recompute and 1 <= s.recompute_layers < count):
+            raise PlanError(f"{source}: stages[{i}].recompute_layers must be, with recompute true, a number of the "
+                            f"stage's first units from 1 to {count - 1} (null: all of them), got {s.recompute_layers!r}")
     schedule = need(data, "schedule", str)
     if schedule not in schedules.SCHEDULES:
         raise PlanError(f"{source}: schedule must be one of {', '.join(schedules.SCHEDULES)}, got {schedule!r}")
@@ -431,7 +455,7 @@ def _parse(data: Any, source: str) -> Plan:
         model=need(data, "model", str), graph_hash=need(data, "graph_hash", str), batch=batch,
         cluster=need(data, "cluster", str), mesh=mesh, layers=layers, stages=stages,
         num_microbatches=mb, schedule=schedule, virtual=virtual, precision=precision, dp_gradient=gradient, estimate=estimate,
-        search=data.get("search") or {}, name=str(data.get("name", "auto")))
+        search=data.get("search") or {}, name=str(data.get("name", "auto")), units=units)
 
 
 def _within(placements: list[Placement], ndim: int, where: str) -> None:

@@ -86,7 +86,7 @@ def _hand_written_floor(search: Search, auto: Plan, stages: int | None = None,
                 if plan.estimate.fits and plan.estimate.step_time_s < best.estimate.step_time_s * (1 - 1e-9):
                     best, found = plan, name
     finally:
-        search.costs.layer_starts = [layer.atoms[0] for layer in search.layers]
+        search.costs.layer_starts = search.unit_starts
     if found is None:
         return auto
     best.search.update({k: v for k, v in auto.search.items() if k not in best.search}, floor=found,

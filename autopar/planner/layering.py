@@ -7,6 +7,11 @@ largest number of bytes crossing a layer boundary is as small as possible (ties:
 FLOPs); a group holding a single module with FLOPs is exempt (a module is never split), and L is
 the largest count for which such a balance exists: 0-FLOP embeddings join their neighbour, and
 each transformer block can be a layer of its own.
+
+Those groups are what a recomputing stage checkpoints (and ZeRO-3 gathers at once). Where the
+stage DP can afford it (`EVERY_MODULE_UP_TO` modules), it cuts stages at every module instead
+(`dp_layers`): grouped, an embedding, a layer of no FLOPs, could be neither a stage of its own nor
+cut from its neighbour, the widest misses `benchmarks/optimality_gap.py` found (up to 36 %).
 """
 
 from __future__ import annotations
@@ -25,6 +30,20 @@ class Layer:
 
 
 MAX_LAYERS = 64  # the stage DP is cubic in the layer count: GPT-3's 96 blocks become 48 pairs
+# up to this many modules the DP cuts at every one; above, at the groups: gpt-39b's 52 modules
+# ungrouped (49 layers grouped) planned in 1.08-1.25x the time, for the same plan (2026-11-29)
+EVERY_MODULE_UP_TO = 32
+
+
+def modules(graph: OpGraph) -> list[Layer]:
+    """Each module a layer: where a person cuts stages."""
+    return [_layer(graph, graph.layer_list, i, i + 1) for i in range(len(graph.layer_list))]
+
+
+def dp_layers(graph: OpGraph, units: list[Layer]) -> list[Layer]:
+    """The layers the stage DP cuts at: every module where they are few enough, else the groups
+    `units` (`cluster_layers`)."""
+    return modules(graph) if len(graph.layer_list) <= EVERY_MODULE_UP_TO else units
 
 
 def cluster_layers(graph: OpGraph, max_layers: int | None = MAX_LAYERS, tolerance: float = 0.25) -> list[Layer]:

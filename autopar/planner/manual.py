@@ -21,7 +21,7 @@ from autopar.contract.plan import SELECTIVE, Plan, StagePlan
 from autopar.planner import rules as L
 from autopar.planner.graph import OpNode
 from autopar.planner.inter_op import microbatch_counts
-from autopar.planner.layering import Layer
+from autopar.planner.layering import Layer, modules
 from autopar.planner.search import Search, assemble
 from autopar.planner.stage_costs import StageCosts
 from autopar.planner.strategy_costs import Rule
@@ -144,8 +144,8 @@ def manual_search(search: Search, zero3: bool = False, sequence_parallel: bool =
 
 
 def module_layers(search: Search) -> list[Layer]:
-    """The graph's modules as layers, where a person cuts stages (the DP's layers cluster them)."""
-    return [Layer(a.name, (i, i + 1), a.nodes, a.flops_fwd + a.flops_bwd) for i, a in enumerate(search.graph.layer_list)]
+    """The graph's modules as layers, where a person cuts stages."""
+    return modules(search.graph)
 
 
 def blocks(search: Search, stages: int) -> list[int]:
@@ -334,7 +334,7 @@ def deepspeed_moe_plan(search: Search) -> Plan:
     devices = hosts * per_host
     costs = StageCosts(search.graph, search.cluster, DEEPSPEED_MOE, search.costs.time_limit_s, world=search.costs.world)
     view = Search(search.workload, search.cluster, search.mesh, search.graph, search.layers, costs,
-                  search.memory_limit)  # one stage: no pipeline schedule
+                  search.memory_limit, units=search.units)  # one stage: no pipeline schedule
     n, batch = len(view.layers), search.workload.batch
     best = None
     for m in (m for m in microbatch_counts(batch) if (batch // m) % devices == 0):

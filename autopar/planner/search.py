@@ -26,7 +26,7 @@ from autopar.planner.graph import OpGraph
 from autopar.planner.ilp import InfeasibleError
 from autopar.planner.inter_op import INF, candidates, microbatch_counts, submesh_shapes
 from autopar.planner.intra_op import best_sharding, logical_meshes, program_collectives
-from autopar.planner.layering import Layer, cluster_layers
+from autopar.planner.layering import Layer, cluster_layers, dp_layers
 from autopar.planner.placement import shard_dim
 from autopar.planner.precision import with_precision
 from autopar.planner.stage_costs import StageCosts, StageOption, gathered_peak
@@ -68,9 +68,16 @@ class Search:
     memory_limit: float
     schedule: str = "1f1b"
     virtual: int = 1  # stages per device group
+    # the atoms a unit of recomputation (and of ZeRO-3) starts at, which the stages may cut finer
+    # than (`StageCosts.variant_table`, `Plan.units`); None: each layer is a unit
+    units: list[int] | None = None
 
     def __post_init__(self) -> None:
-        self.costs.layer_starts = [layer.atoms[0] for layer in self.layers]  # what a recomputing stage checkpoints
+        self.costs.layer_starts = self.unit_starts  # what a recomputing stage checkpoints
+
+    @property
+    def unit_starts(self) -> list[int]:
+        return list(self.units) if self.units is not None else [layer.atoms[0] for layer in self.layers]
 
     @staticmethod
     def start(workload: Workload, cluster: ClusterSpec, mesh: tuple[int, int], *, memory_limit: float | None = None,
@@ -91,9 +98,10 @@ class Search:
         if precision is not None and graph.precision != precision:
             graph = with_precision(graph, workload.model, precision)
         limit = cluster.device.memory_bytes * (1 - RESERVE) if memory_limit is None else memory_limit
-        return Search(workload, cluster, mesh, graph, cluster_layers(graph),
+        units = cluster_layers(graph)  # what a recomputing stage checkpoints; the DP may cut finer
+        return Search(workload, cluster, mesh, graph, dp_layers(graph, units),
                       StageCosts(graph, cluster, rule, time_limit_s, spec, world=mesh[0] * mesh[1], choices=choices,
-                                 pin=pin), limit, schedule, virtual)
+                                 pin=pin), limit, schedule, virtual, units=[u.atoms[0] for u in units])
 
     def compressed(self, compression: str | None) -> Search:
         """The same search with the data axis priced through `compression` (None: dense)."""
@@ -771,6 +779,8 @@ def _plan(search: Search, stages: list[StagePlan], sim, m: int, name: str, info:
         step_time_s=sim.step_time_s, tflops_per_device=model_flops / sim.step_time_s / devices / 1e12,
         peak_memory_bytes=peak, bubble_fraction=sim.bubble_fraction, fits=peak <= search.memory_limit)
     zero = any(p[0] == Shard(0) for s in stages for p in s.params.values())
+    starts = set(search.costs.layer_starts or ())
+    units = [k for k, layer in enumerate(search.layers) if layer.atoms[0] in starts]
     plan = Plan(
         model=search.workload.name, graph_hash=search.costs.fingerprint, batch=search.workload.batch,
         cluster=search.cluster.name, mesh=search.mesh,
@@ -779,7 +789,7 @@ def _plan(search: Search, stages: list[StagePlan], sim, m: int, name: str, info:
         dp_gradient={"zero_stage": 3 if zero else max((s.zero or 0 for s in stages), default=0),
                      "compression": search.costs.compression.canonical() if search.costs.compression else None,
                      "delay": 0},
-        estimate=estimate, name=name,
+        estimate=estimate, name=name, units=None if len(units) == len(search.layers) else units,
         search={"method": name, **info, **({"hosts": [sim.hosts.devices_per_host, sim.hosts.cores_per_host]}
                                             if sim.hosts else {})})
     for stage in stages:

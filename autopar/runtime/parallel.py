@@ -384,7 +384,7 @@ class ParallelModel(nn.Module):
             self._form, self._constants = ep.output_form, ep.constants
             self._shapes = tuple(tuple(x.shape) for x in micro if isinstance(x, torch.Tensor))
             graph = ShardedGraph(self.model, plan.stages[0], mesh["tp"] if self.tp > 1 else None, ep,
-                                 layers=[layer["nodes"] for layer in plan.layers], units=sharded)
+                                 layers=plan.stage_units(plan.stages[0]), units=sharded)
             lower(graph, {"tp": self.tp_group}, compile, plan.priced_collectives(plan.stages[0]))
             with self.precision.autocast():  # as the steps will run it
                 refuse_failing(graph, tuple(micro))
@@ -574,7 +574,7 @@ class ParallelModel(nn.Module):
                                    f"plan's shape, or re-plan for this one")
             ep.constants[name] = self._constants[name]
         stage = self.plan.stages[0]
-        graph = ShardedGraph(self.model, stage, self.graph.mesh, ep, layers=[layer["nodes"] for layer in self.plan.layers])
+        graph = ShardedGraph(self.model, stage, self.graph.mesh, ep, layers=self.plan.stage_units(stage))
         graph.train(self.training)
         if self.graph.units:  # ZeRO: it reads the parameters FSDP2 gathers into the stage's units (`_run_graph`)
             where = {name: home for home, name in self.graph.param_of.values()}

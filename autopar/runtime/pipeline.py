@@ -362,7 +362,7 @@ class PipelineModel:
         local_params = {f: p for t in self.local for f, p in plan.stages[t].params.items()}
         for s in self.local:  # one model: a weight two local stages use is one parameter
             module = ShardedGraph(model, plan.stages[s], g.tp_mesh, ep, parts[s],
-                                  layers=[plan.layers[k]["nodes"] for k in range(*plan.stages[s].layers)], units=sharded,
+                                  layers=plan.stage_units(plan.stages[s]), units=sharded,
                                   keep_unused=s == 0, kept_params=local_params)
             lower(module, {"dp": g.dp_group, **({"tp": g.tp_mesh.get_group()} if g.tp_mesh is not None else {})},
                   compile, plan.priced_collectives(plan.stages[s]))
