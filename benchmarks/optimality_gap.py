@@ -158,13 +158,10 @@ def exact_search(search: Search, seed: Plan | None = None, counts: list[int] | N
     stage at `Search.fastest` within its budget in that pipeline. `seed` (the DP's plan) starts the
     bound; `boundaries` (atoms): cut only there (the DP's clustered layers', to tell what clustering
     costs from what the DP misses in its own layers). Priced on `search.costs` with the module layers
-    as the layers (as the floor prices its layouts), whose layer starts are put back afterwards."""
+    as the layers and the DP's own units (what a recomputing stage checkpoints): the DP's space."""
     view = Search(search.workload, search.cluster, search.mesh, search.graph, module_layers(search), search.costs,
-                  search.memory_limit, "1f1b")  # sets the costs' layer starts: put back below
-    try:
-        return _exact(view, seed, counts or microbatch_counts(search.workload.batch), boundaries)
-    finally:
-        search.costs.layer_starts = search.unit_starts
+                  search.memory_limit, "1f1b", units=search.unit_starts)
+    return _exact(view, seed, counts or microbatch_counts(search.workload.batch), boundaries)
 
 
 def _exact(view: Search, seed: Plan | None, counts: list[int], boundaries: list[int] | None) -> Exact:

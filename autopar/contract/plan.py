@@ -125,14 +125,9 @@ class Plan:
 
     def stage_units(self, stage: StagePlan) -> list[list[str]]:
         """The exported node names of each unit of `stage`, in order (its parts of the units it cuts)."""
-        first, end = stage.layers
-        starts = {first, *(u for u in (self.units if self.units is not None else range(first, end)) if first < u < end)}
-        out: list[list[str]] = []
-        for k in range(first, end):
-            if k in starts:
-                out.append([])
-            out[-1].extend(self.layers[k]["nodes"])
-        return out
+        starts = _unit_starts(self.units, stage.layers)
+        return [[n for k in range(a, b) for n in self.layers[k]["nodes"]]
+                for a, b in zip(starts, [*starts[1:], stage.layers[1]])]
 
     def record_key(self, stage: StagePlan) -> str:
         """A digest of what a stage's record of collectives depends on: its placements, precision,
@@ -391,7 +386,7 @@ def _parse(data: Any, source: str) -> Plan:
         raise PlanError(f"{source}: units must be the layers a unit begins at, in order from 0 (below "
                         f"{len(layers)}), or null (every layer a unit), got {units!r}")
     for i, s in enumerate(stages):
-        count = sum(1 for k in range(*s.layers) if k == s.layers[0] or units is None or k in units)
+        count = len(_unit_starts(units, s.layers))
         if s.recompute_layers is not None and not (s.recompute and 1 <= s.recompute_layers < count):
             raise PlanError(f"{source}: stages[{i}].recompute_layers must be, with recompute true, a number of the "
                             f"stage's first units from 1 to {count - 1} (null: all of them), got {s.recompute_layers!r}")
@@ -456,6 +451,13 @@ def _parse(data: Any, source: str) -> Plan:
         cluster=need(data, "cluster", str), mesh=mesh, layers=layers, stages=stages,
         num_microbatches=mb, schedule=schedule, virtual=virtual, precision=precision, dp_gradient=gradient, estimate=estimate,
         search=data.get("search") or {}, name=str(data.get("name", "auto")), units=units)
+
+
+def _unit_starts(units: list[int] | None, layers: tuple[int, int]) -> list[int]:
+    """The layers of [first, end) that begin a unit of a stage there: its first, and each of `units`
+    inside (None: every layer)."""
+    first, end = layers
+    return [first, *(k for k in (range(first + 1, end) if units is None else units) if first < k < end)]
 
 
 def _within(placements: list[Placement], ndim: int, where: str) -> None:

@@ -169,8 +169,9 @@ class StageCosts:
     solves: int = 0
     hits: int = 0
     _cache: dict = field(default_factory=dict)
-    # the atoms the planner's layers start at: a recomputing stage keeps each layer's input and
-    # recomputes one layer at a time (`runtime.recompute`); None: every atom is a layer
+    # the atoms the planner's units start at (`Search.units`, which the DP's layers may cut finer):
+    # a recomputing stage keeps each unit's input and recomputes one unit at a time, ZeRO-3 gathers
+    # one at a time (`runtime.recompute`); None: every atom is a unit
     layer_starts: list[int] | None = None
     world: int = 1  # ranks of the job: the loss is all-reduced over all of them every step
     # the strategies each solve chose, by (rule, precision, atom structure, submesh, logical mesh,
