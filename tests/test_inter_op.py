@@ -69,6 +69,32 @@ def test_candidates_are_the_sweeps_plans_within_the_slack_best_first(seed):
     assert all(total == pytest.approx(best[0]) for total, _ in candidates(times, sizes, devices, micro))  # no slack: ties
 
 
+@pytest.mark.parametrize("seed", range(25))
+def test_charging_the_tails_once_equals_brute_force(seed):
+    """With each entry's once-per-step tail τ (gradient sync left exposed, optimizer) the sweep
+    minimises Σ f_i + max_i((M − 1)·f_i + τ_i): the tails run at once, the slowest stage's ends the
+    step. Its optimum is brute force's, its totals are that formula, and seeding it with another
+    objective's plans changes nothing but how soon it stops."""
+    rng = np.random.default_rng(300 + seed)
+    times, sizes, devices, micro = _instance(rng)
+    tails = np.where(np.isfinite(times), rng.uniform(0.0, 3.0, times.shape) * micro, 0.0)
+    times = times + tails / micro  # the table spreads each tail over the microbatches
+    expected = brute_force(times, sizes, devices, micro, tails)
+    found = candidates(times, sizes, devices, micro, tails=tails)
+    if not np.isfinite(expected):
+        assert not found
+        return
+    assert found[0][0] == pytest.approx(expected)
+    for total, plan in found:
+        at = [(len(plan) - i, c.layers[0], c.layers[1], c.shape) for i, c in enumerate(plan)]
+        f = [times[a] - tails[a] / micro for a in at]
+        assert total == pytest.approx(sum(f) + max((micro - 1) * x + tails[a] for x, a in zip(f, at)))
+    eq2 = [plan for _, plan in candidates(times, sizes, devices, micro)]
+    assert candidates(times, sizes, devices, micro, tails=tails, seeds=eq2)[0][0] == pytest.approx(expected)
+    # eq. 2 adds every stage's tail: never below the tails charged once
+    assert brute_force(times, sizes, devices, micro) >= expected * (1 - 1e-12)
+
+
 def test_devices_are_counted_in_units_of_the_smallest_submesh():
     times, _, _, micro = _instance(np.random.default_rng(3))
     sizes = [8, 16, 32]

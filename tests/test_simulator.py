@@ -1,9 +1,11 @@
 """The schedule replay against closed forms: Alpa's eq. 2, 1F1B's memory, transfers and gradient sync."""
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from autopar.contract import schedules
-from autopar.cost_models.simulator import Hosts, StageTimes, simulate
+from autopar.cost_models.simulator import Hosts, StageTimes, simulate, step_floor
 
 
 def uniform(n, f=1.0, b=2.0, send=0.0, sync=0.0, act=1.0):
@@ -77,3 +79,17 @@ def test_ranks_sharing_cores_slow_each_other_down():
     # two hosts of 2 ranks and 1 core each: a stage per host runs at half speed whatever the other does
     two = simulate(uniform(2), 4, hosts=Hosts((2, 2), 2, 1)).step_time_s
     assert two == pytest.approx(2 * simulate(uniform(2), 4).step_time_s)
+
+
+_seconds = st.floats(0.0, 4.0, allow_nan=False)
+
+
+@settings(max_examples=300, deadline=None)
+@given(stages=st.lists(st.tuples(_seconds, _seconds, _seconds, _seconds, _seconds), min_size=1, max_size=6),
+       micro=st.integers(1, 12), schedule=st.sampled_from(["1f1b", "gpipe"]), shared=st.booleans())
+def test_the_step_floor_is_never_above_the_replay(stages, micro, schedule, shared):
+    """What lets the planner skip simulating a candidate that cannot beat the best step so far (a deep
+    pipeline's replay takes seconds): the floor is below every replay, ranks sharing cores or not."""
+    times = [StageTimes(f, b, send, sync, optimizer_s=opt) for f, b, send, sync, opt in stages]
+    hosts = Hosts((1,) * len(times), len(times), 1) if shared else None
+    assert step_floor(times, micro) <= simulate(times, micro, schedule, hosts).step_time_s * (1 + 1e-9)

@@ -196,6 +196,24 @@ def simulate(stages: list[StageTimes], num_microbatches: int, schedule: str = "1
     return Simulation(step, max(0.0, bubble), [peak[where[s]] for s in range(n)], events, hosts)
 
 
+def step_floor(stages: list[StageTimes], m: int) -> float:
+    """A step no replay of `stages`, one per group (1F1B, GPipe), can beat, in O(stages²) where a
+    whole simulation of a deep pipeline takes seconds: stage i starts once microbatch 0 has come
+    through the stages before it, runs its m forwards and backwards one after another (slower, not
+    faster, where ranks share cores), and its last input gradient then goes back through the stages
+    before it; every group ends with its tail (exposed gradient synchronisation, optimizer)."""
+    floor, start = 0.0, 0.0
+    for i, st in enumerate(stages):
+        end = start + m * (st.forward_s + st.backward_s)
+        chain = 0.0  # from stage i's last backward to stage j's
+        for j in range(i, -1, -1):
+            if j < i:
+                chain += stages[j].send_s + stages[j].backward_s
+            floor = max(floor, end + chain + stages[j].grad_sync_s + stages[j].optimizer_s)
+        start += st.forward_s + st.send_s
+    return floor
+
+
 def _ready(kind: str, s: int, mb: int, stages: list[StageTimes], where: list[int], done: dict) -> float | None:
     """When the inputs of an action have arrived, or None if they have not been produced yet."""
     if kind == "S":

@@ -5,9 +5,11 @@
 where t_i is the per-microbatch time of stage i (its layers on its submesh with its best logical
 mesh, sharding, and recomputation when memory needs it) and the stages use every device.
 `stage_dp` is a pure function over the cost array; t_max runs over the distinct stage times with
-Alpa's early stop (once M·t_max exceeds the best total, no larger t_max can win). The plan it
-picks is then replayed by the schedule simulator, which adds what eq. 2 leaves out: transfers
-between stages and the data-parallel gradient reduction.
+Alpa's early stop (once M·t_max exceeds the best total, no larger t_max can win). `candidates`
+sweeps the same way a second total that charges each stage's once-per-step tail (gradient
+synchronisation, optimizer) once rather than spread over its microbatches, since the stages run
+theirs at the same time. The plans either finds are then replayed by the schedule simulator, which
+adds what both leave out: transfers between stages, which stage's tail ends the step.
 """
 
 from __future__ import annotations
@@ -57,69 +59,107 @@ def stage_dp(times: np.ndarray, sizes: list[int], devices: int, num_microbatches
 
 def candidates(times: np.ndarray, sizes: list[int], devices: int, num_microbatches: int,
                stages: int | None = None, tolerance: float = 0.0, bound: float = INF, slack: float = 0.0,
-               ) -> list[tuple[float, list[StageChoice]]]:
-    """Every plan the t_max sweep finds (the least Σ t_i under each t_max tried) with an eq. 2
-    total within (1 + `slack`) of the best, best first: eq. 2 leaves out transfers and gradient
-    sync, so a runner-up by eq. 2 may be the faster step, and the simulator can judge them.
+               tails: np.ndarray | None = None, seeds: list[list[StageChoice]] = ()) -> list[tuple[float, list[StageChoice]]]:
+    """Every plan the threshold sweep finds (the least Σ f_i under each threshold on the slowest
+    stage) with a total within (1 + `slack`) of the best, best first: the total leaves out transfers
+    and how stages overlap, so a runner-up may be the faster step, and the simulator judges them.
 
-    With `tolerance` ε > 0, t_max is tried on a grid: one DP stands for every candidate within
-    a factor (1 + ε) below it, so the total is within (1 + ε) of the optimum (a plan whose
-    slowest stage is t ≤ t' ≤ (1 + ε)·t is found by the DP at t' and costs at most
-    (M − 1)·t' + Σ t_i). `bound` is a step time already reached (the simulated step of another
-    microbatch count's plan): a stage of per-microbatch time t runs M of them and then its
-    once-per-step share (spread over the microbatches in `times`) on its own devices, so a plan
-    whose slowest stage takes t ≥ bound / M cannot beat it and those t_max are not searched; often
-    that rules the count out at once. (Eq. 2 totals of different counts do not bound each other:
-    Σ t_i counts every stage's once-per-step share although stages run theirs at the same time.)"""
+    Without `tails` the total is eq. 2 over `times` (each stage's per-microbatch time, its
+    once-per-step share spread over the microbatches). With `tails` (that once-per-step part τ of
+    each entry: gradient synchronisation left exposed, the optimizer) it is the tail charged once:
+
+        Σ_i f_i + max_i ((M − 1)·f_i + τ_i),   f = times − τ/M,
+
+    each stage's own time line (its M microbatches after the pipeline fills, then its tail), the
+    slowest deciding: the stages run their tails at the same time, where eq. 2 adds every stage's.
+    Both are Σ f_i + max_i g_i, swept the same way (eq. 2: f = times, g = (M − 1)·times).
+
+    With `tolerance` ε > 0, the threshold on g is tried on a grid: one DP stands for every
+    threshold within a factor (1 + ε) below it, so the total is within (1 + ε) of the optimum.
+    `bound` is a step time already reached (the simulated step of another microbatch count's
+    plan): a stage runs its M microbatches and its once-per-step share on its own devices (M·times),
+    so a plan with a stage at or above it cannot beat it; often that rules the count out at once.
+    (Totals of different counts do not bound each other.) `seeds`: plans already found (another
+    objective's), priced here too: they bound the sweep from the start."""
+    m = num_microbatches
     if stages is not None:  # only plans of exactly that many stages
         times = times.copy()
         times[stages + 1:] = INF  # no deeper pipeline
         times[1:stages, 0] = INF  # the first layer opens the stage `stages` from the end
+    times = np.where(m * times < bound, times, INF)
+    finite = np.isfinite(times)
+    tails = np.where(finite, 0.0 if tails is None else tails, 0.0)
+    f = np.where(finite, times - tails / m, 0.0)
+    g = np.where(finite, (m - 1) * f + tails, INF)
+    f[~finite] = INF
     unit = math.gcd(devices, *sizes)  # count devices in units of the smallest common submesh
     sizes, devices = [s // unit for s in sizes], devices // unit
     _, n_layers, _, n_shapes = times.shape
     n_layers -= 1
-    t_maxes = np.unique(times[np.isfinite(times)])
-    t_maxes = t_maxes[num_microbatches * t_maxes < bound]
-    if not len(t_maxes):
+    order = np.argsort(g[finite], kind="stable")
+    if not len(order):
         return []
+    ordered = g[finite][order]
+    starts = np.flatnonzero(np.r_[True, ordered[1:] != ordered[:-1]])
+    thresholds = ordered[starts]
+    # a plan whose largest g is thresholds[t] has a stage that alone runs M·times ≥ own[t] (its
+    # microbatches and its tail): no total below that
+    own = np.minimum.reduceat((m * times[finite])[order], starts)
+    later = np.minimum.accumulate(own[::-1])[::-1]  # the least of own[t:]
 
-    def dp(t_max: float) -> tuple[float, list[StageChoice]]:
-        return _dp_for(times, sizes, devices, n_layers, n_shapes, t_max)
+    def dp(g_max: float) -> tuple[float, list[StageChoice]]:
+        return _dp_for(np.where(g <= g_max, f, INF), sizes, devices, n_layers, n_shapes)
 
-    # feasibility only grows with t_max: find the smallest feasible one by bisection
-    lo, hi = 0, len(t_maxes) - 1
-    if not dp(t_maxes[hi])[1]:
+    def total_of(plan: list[StageChoice]) -> float:
+        at = [(len(plan) - i, c.layers[0], c.layers[1], c.shape) for i, c in enumerate(plan)]
+        return float(sum(f[a] for a in at)) + _largest(g, plan)
+
+    # feasibility only grows with the threshold: find the smallest feasible one by bisection (to
+    # within the grid: the sweep's first window then holds it), from the least threshold under
+    # which every layer is in some stage to the largest g of a seed
+    floor, plan = dp(thresholds[-1])  # the least Σ f of any plan: a floor under every total
+    if not plan:
         return []
-    while lo < hi:
+    least = g.min(axis=(0, 3))  # [i, j]
+    covered = max(least[: layer + 1, layer + 1:].min() for layer in range(n_layers))
+    lo = int(np.searchsorted(thresholds, covered))
+    hi = min([len(thresholds) - 1] + [int(np.searchsorted(thresholds, _largest(g, plan))) for plan in seeds])
+    while lo < hi and thresholds[hi] > thresholds[lo] * (1 + tolerance):
         mid = (lo + hi) // 2
-        if dp(t_maxes[mid])[1]:
+        if dp(thresholds[mid])[1]:
             hi = mid
         else:
             lo = mid + 1
-    found: dict[tuple, float] = {}
-    best_total = INF
-    while lo < len(t_maxes):
-        if num_microbatches * t_maxes[lo] >= best_total * (1 + slack):
-            break  # Alpa's early stop: every later t_max only adds to (M-1)·t_max
-        top = int(np.searchsorted(t_maxes, t_maxes[lo] * (1 + tolerance), side="right")) - 1
-        total, plan = dp(t_maxes[top])
+
+    found = {tuple(plan): total_of(plan) for plan in seeds}
+    best_total = min(found.values(), default=INF)
+    while lo < len(thresholds):
+        if max(thresholds[lo] + floor, later[lo]) >= best_total * (1 + slack):
+            break  # no later threshold can win (eq. 2: Alpa's early stop, M·t_max above the best)
+        top = int(np.searchsorted(thresholds, thresholds[lo] * (1 + tolerance), side="right")) - 1
+        if own[lo:top + 1].min() >= best_total * (1 + slack):
+            lo = top + 1
+            continue
+        total, plan = dp(thresholds[top])
         if plan:
-            slowest = max(times[len(plan) - i, c.layers[0], c.layers[1], c.shape] for i, c in enumerate(plan))
-            found[tuple(plan)] = float(total + (num_microbatches - 1) * slowest)
+            found[tuple(plan)] = total_of(plan)
             best_total = min(best_total, found[tuple(plan)])
         lo = top + 1
     return sorted(((total, list(plan)) for plan, total in found.items() if total <= best_total * (1 + slack)),
                   key=lambda x: x[0])
 
 
-def _dp_for(times, sizes, devices, n_layers, n_shapes, t_max) -> tuple[float, list[StageChoice]]:
-    """min Σ t_i with every t_i ≤ t_max and exactly `devices` devices, by stages counted from the end.
+def _largest(g: np.ndarray, plan: list[StageChoice]) -> float:
+    return float(max(g[len(plan) - i, c.layers[0], c.layers[1], c.shape] for i, c in enumerate(plan)))
+
+
+def _dp_for(allowed, sizes, devices, n_layers, n_shapes) -> tuple[float, list[StageChoice]]:
+    """min Σ t_i over the `allowed` entries (inf: not) with exactly `devices` devices, by stages
+    counted from the end.
 
     g[s][i][d]: layers i.. as s stages on d devices. One numpy step per (s, shape, stage length)
-    over all (i, d); lengths with no stage under t_max are skipped."""
-    max_stages = times.shape[0] - 1
-    allowed = np.where(times <= t_max, times, INF)
+    over all (i, d); lengths with no stage allowed are skipped."""
+    max_stages = allowed.shape[0] - 1
     g = np.full((max_stages + 1, n_layers + 1, devices + 1), INF)
     g[0, n_layers, 0] = 0.0
     arg_j = np.zeros((max_stages + 1, n_layers + 1, devices + 1), dtype=np.int32)
@@ -165,8 +205,10 @@ def microbatch_counts(batch: int, limit: int = 4096) -> list[int]:
     return [m for m in range(1, min(batch, limit) + 1) if batch % m == 0]
 
 
-def brute_force(times: np.ndarray, sizes: list[int], devices: int, num_microbatches: int) -> float:
-    """Every contiguous split × shape assignment (for tests on small instances)."""
+def brute_force(times: np.ndarray, sizes: list[int], devices: int, num_microbatches: int,
+                tails: np.ndarray | None = None) -> float:
+    """Every contiguous split × shape assignment, priced as `candidates` prices (for tests on small
+    instances)."""
     _, n_layers, _, n_shapes = times.shape
     n_layers -= 1
     best = INF
@@ -176,10 +218,15 @@ def brute_force(times: np.ndarray, sizes: list[int], devices: int, num_microbatc
         if i == n_layers:
             if sum(sizes[k] for _, _, k in chosen) != devices:
                 return
-            s = len(chosen)
-            ts = [times[s - idx, a, b, k] for idx, (a, b, k) in enumerate(chosen)]
+            s, m = len(chosen), num_microbatches
+            at = [(s - idx, a, b, k) for idx, (a, b, k) in enumerate(chosen)]
+            ts = [times[x] for x in at]
             if all(math.isfinite(t) for t in ts):
-                best = min(best, sum(ts) + (num_microbatches - 1) * max(ts))
+                if tails is None:
+                    best = min(best, sum(ts) + (m - 1) * max(ts))
+                else:  # the tails once: Σ f + max((M − 1)·f + τ)
+                    fs = [times[x] - tails[x] / m for x in at]
+                    best = min(best, sum(fs) + max((m - 1) * f + tails[x] for f, x in zip(fs, at)))
             return
         for j in range(i + 1, n_layers + 1):
             for k in range(n_shapes):

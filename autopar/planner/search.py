@@ -20,7 +20,7 @@ from autopar.contract.units import human_bytes
 from autopar.contract.workload import Workload
 from autopar.cost_models import ClusterSpec
 from autopar.cost_models.compression import AUTO
-from autopar.cost_models.simulator import Hosts, Simulation, StageTimes, simulate
+from autopar.cost_models.simulator import Hosts, Simulation, StageTimes, simulate, step_floor
 from autopar.planner.capture import capture
 from autopar.planner.graph import OpGraph
 from autopar.planner.ilp import InfeasibleError
@@ -36,8 +36,9 @@ RESERVE = 0.1  # of device memory kept for the allocator, workspaces and fragmen
 RECOMPUTES = (False, SELECTIVE, True)  # recompute choices, least recomputed first (ties keep the first)
 DP_TOLERANCE = 0.01  # the stage DP's total is within 1 % of its optimum (stage_dp's t_max grid)
 # the stage DP's runner-ups the simulator judges: eq. 2 adds every stage's once-per-step share (gradient
-# sync, optimizer) although stages run theirs at once, so a plan up to this much behind by eq. 2 can be
-# the faster step (`inter_op.candidates`)
+# sync, optimizer) although stages run theirs at once, and charging it once still leaves out which
+# stage's ends the step, so a plan up to this much behind by either total can be the faster step
+# (`inter_op.candidates`); also how far from the best simulated step a microbatch count's plan is refined
 EQ2_SLACK = 0.1
 
 log = logging.getLogger(__name__)
@@ -152,14 +153,17 @@ class Search:
         may run its fallback, 1F1B GPipe's order, in which every stage holds all of them)."""
         return schedules.in_flight(schedules.runs(self.schedule, depth, m).name, s, 0, m)
 
-    def times(self, shapes: list[tuple[int, int]], m: int, depth: int) -> list[tuple[np.ndarray, dict]]:
-        """times[s, i, j, k] of `stage_table` for every range and shape at once (vectorised), and
-        which (logical mesh, lean, recompute, ZeRO level) each entry uses: with the weights on the
-        device, then, where the cluster can offload, with offloading too (`_fastest`)."""
+    def times(self, shapes: list[tuple[int, int]], m: int, depth: int) -> list[tuple[np.ndarray, np.ndarray, dict]]:
+        """times[s, i, j, k] of `stage_table` for every range and shape at once (vectorised), the
+        once-per-step part of each (exposed gradient synchronisation and optimizer: the tails
+        `candidates` charges once), and which (logical mesh, lean, recompute, ZeRO level) each entry
+        uses: with the weights on the device, then, where the cluster can offload, with offloading
+        too (`_fastest`)."""
         n = len(self.layers)
         bounds = np.array([layer.atoms[0] for layer in self.layers] + [self.layers[-1].atoms[1]])
         offloads = (False, True) if self.cluster.offloads else (False,)
-        out = [(np.full((depth + 1, n + 1, n + 1, len(shapes)), INF), {}) for _ in offloads]
+        out = [(np.full((depth + 1, n + 1, n + 1, len(shapes)), INF), np.zeros((depth + 1, n + 1, n + 1, len(shapes))), {})
+               for _ in offloads]
         valid = np.triu(np.ones((n + 1, n + 1), dtype=bool), k=1)
         for k, shape in enumerate(shapes):
             variants = self.costs.variants(shape, m)
@@ -170,11 +174,13 @@ class Search:
                 in_flight = self.in_flight(s, m, depth)
                 same = s > 1 and in_flight == self.in_flight(s - 1, m, depth)
                 found = None if same else _fastest(stacked, in_flight, self.memory_limit, variants, offloads)
-                for o, (times, picks) in enumerate(out):
+                for o, (times, tails, picks) in enumerate(out):
                     if same:
                         times[s, :, :, k], picks[(s, k)] = times[s - 1, :, :, k], picks[(s - 1, k)]
+                        tails[s, :, :, k] = tails[s - 1, :, :, k]
                     else:
                         times[s, :, :, k], picks[(s, k)] = np.where(valid, found[o][0], INF), (variants, found[o][1])
+                        tails[s, :, :, k] = np.take_along_axis(stacked["tail"], found[o][1][None], axis=0)[0]
         return out
 
     def range_times(self, shape: tuple[int, int], m: int, in_flight: int, limit: float,
@@ -201,7 +207,8 @@ class Search:
 def _stacked(tables: list[dict], m: int) -> dict[str, np.ndarray]:
     """The variants' tables stacked, [variant, i, j], with the key `_fastest` ranks them by."""
     out = {k: np.stack([t[k] for t in tables]) for k in ("states", "acts", "transient", "averaged")}
-    out["key"] = np.stack([t["time"] + (t["sync"] + t["optimizer"]) / m for t in tables])  # sync, optimizer: per step
+    out["tail"] = np.stack([t["sync"] + t["optimizer"] for t in tables])
+    out["key"] = np.stack([t["time"] + out["tail"][k] / m for k, t in enumerate(tables)])  # sync, optimizer: per step
     ks = [k for k, t in enumerate(tables) if "depth" in t]  # recomputing variants: `_recompute_fewer`
     # where a partial recomputation may end (a layer start: `variant_table`'s `ends`), its depth; inf elsewhere
     reach = [np.where(tables[k]["ends"], tables[k]["depth"], np.inf) for k in ks]
@@ -267,9 +274,11 @@ def _first_within(depth: np.ndarray, start: np.ndarray, v: np.ndarray, rows: np.
     lifted += 4 * big * np.arange(len(depth))[:, None]
     found = np.searchsorted(lifted.ravel(), 4 * big * v + np.clip(-rhs, -big + 0.5, big - 0.5), side="left") - n * v
     out = np.maximum(found, rows + 1)
-    for w, i in {(w, i) for w, i in zip(v[rows + 1 < start[v]], rows[rows + 1 < start[v]])}:
-        at = (v == w) & (rows == i)
-        out[at] = i + 1 + np.searchsorted(-np.minimum.accumulate(depth[w, i + 1:]), -rhs[at], side="left")
+    early = np.flatnonzero(rows + 1 < start[v])
+    for at in np.array_split(early, -(-len(early) // 65536)) if len(early) else ():  # a block of rows at a time
+        d = depth[v[at]]
+        hit = ((d <= rhs[at, None]) | np.isnan(d)) & (np.arange(n)[None, :] > rows[at, None])
+        out[at] = np.where(hit.any(axis=1), hit.argmax(axis=1), n)
     return out
 
 
@@ -343,7 +352,10 @@ def plan_dp(search: Search, *, stages: int | None = None, num_microbatches: int 
 def _stage_dp_plans(search: Search, stages: int | None, num_microbatches: int | None,
                     progress: Callable[[str], None] | None) -> tuple[Plan | None, list, list[int]]:
     """The stage DP's fastest plan over the microbatch counts (None: none found), its stages
-    (layers, submesh, option) and the counts tried."""
+    (layers, submesh, option) and the counts tried. At each count the simulator judges the plans
+    of both totals (`inter_op.candidates`: eq. 2, and the tails charged once where they can rank
+    plans otherwise, `_tails_matter`), skipping those whose `step_floor` cannot beat the best step so
+    far; the count's fastest is then `refine`d, cut by cut."""
     hosts, per_host = search.mesh
     shapes = submesh_shapes(hosts, per_host)
     sizes = [h * d for h, d in shapes]
@@ -362,10 +374,16 @@ def _stage_dp_plans(search: Search, stages: int | None, num_microbatches: int | 
         # not: eq. 2 spreads an offloaded stage's host step over the microbatches, too hopeful
         # outside the bottleneck, so only the simulator judges it
         tables = search.times(shapes, m, depth)
-        for offloaded, (times, picks) in enumerate(tables):
+        here = None
+        for offloaded, (times, tails, picks) in enumerate(tables):
             if offloaded and not np.any((times < tables[0][0]) & (m * times < bound)):
                 break
-            for total, choice in candidates(times, sizes, devices, m, stages, DP_TOLERANCE, bound, EQ2_SLACK):
+            pool = candidates(times, sizes, devices, m, stages, DP_TOLERANCE, bound, EQ2_SLACK)
+            if pool and _tails_matter(times, tails, m, depth, pool[0][0]):
+                seen = {tuple(c) for _, c in pool}
+                pool += [x for x in candidates(times, sizes, devices, m, stages, DP_TOLERANCE, bound, EQ2_SLACK, tails,
+                                               seeds=[c for _, c in pool]) if tuple(x[1]) not in seen]
+            for total, choice in pool:
                 if m * max(times[len(choice) - i, c.layers[0], c.layers[1], c.shape] for i, c in enumerate(choice)) >= bound:
                     continue  # its slowest stage alone runs longer than the best step so far (`stage_dp`)
                 chosen = []
@@ -376,13 +394,101 @@ def _stage_dp_plans(search: Search, stages: int | None, num_microbatches: int | 
                 if offloaded and not any(opt.offload for _, _, opt in chosen):
                     continue  # the plan on the device again
                 chosen = recompute_less(search, chosen, m)
+                if step_floor(_pipeline(chosen), m) >= bound:
+                    continue  # cannot beat the best step so far (and simulating a deep pipeline takes seconds)
                 plan = assemble(search, chosen, m, name="auto")
                 plan.search["eq2_total_s"] = float(total)
                 if plan.estimate.fits:
                     bound = min(bound, plan.estimate.step_time_s)
-                if best is None or plan.estimate.step_time_s < best.estimate.step_time_s:
-                    best, best_chosen = plan, chosen
+                if here is None or plan.estimate.step_time_s < here[0].estimate.step_time_s:
+                    here = plan, chosen, (times, picks)
+        if here is not None and here[0].estimate.fits and here[0].estimate.step_time_s <= bound * (1 + EQ2_SLACK):
+            better = refine(search, here[1], m, here[0].estimate.step_time_s, here[2], depth, shapes)
+            if better is not here[1]:
+                plan = assemble(search, better, m, name="auto")
+                if plan.estimate.fits and plan.estimate.step_time_s < here[0].estimate.step_time_s:
+                    plan.search["eq2_total_s"] = here[0].search.get("eq2_total_s")
+                    here = plan, better, here[2]
+                    bound = min(bound, plan.estimate.step_time_s)
+        if here is not None and (best is None or here[0].estimate.step_time_s < best.estimate.step_time_s):
+            best, best_chosen = here[:2]
     return best, best_chosen, counts
+
+
+def _tails_matter(times: np.ndarray, tails: np.ndarray, m: int, depth: int, total: float) -> bool:
+    """Whether charging the tails once (`candidates` with `tails`) can rank plans otherwise than eq. 2
+    by more than the DP's own tolerance: the two totals of a plan of at most `depth` stages differ
+    by at most (depth / m + 1)·τ for its largest tail τ, counted over the entries a plan within the
+    slack of eq. 2's best `total` can use."""
+    in_play = np.isfinite(times) & (m * times < total * (1 + EQ2_SLACK))
+    return bool(in_play.any()) and (depth / m + 1) * float(tails[in_play].max()) > DP_TOLERANCE * total
+
+
+def _simulated(search: Search, chosen: list, m: int, step: float) -> tuple[float, bool]:
+    """(step, fits) of stages `chosen` as the DP's pipeline runs them (one stage per group, whole
+    backward); (inf, False) without simulating where its `step_floor` is already at `step` or above."""
+    times = _pipeline(chosen)
+    if step_floor(times, m) >= step:
+        return INF, False
+    sim = simulate(times, m, search.schedule, hosts(search.cluster, [h * d for _, (h, d), _ in chosen]))
+    return sim.step_time_s, max(sim.peak_memory_bytes) <= search.memory_limit
+
+
+def _pipeline(chosen: list) -> list[StageTimes]:
+    """The simulator's view of stages `chosen` in the DP's pipeline (one stage per group, whole backward)."""
+    return [StageTimes(forward_s=o.forward_s, backward_s=o.backward_s, send_s=o.send_s, grad_sync_s=o.grad_sync_s,
+                       optimizer_s=o.optimizer_s, state_bytes=o.state_bytes, transient_bytes=o.transient_bytes,
+                       grad_bytes=o.grad_bytes, sync_bytes=o.sync_bytes, weight_s=o.weight_s,
+                       activation_bytes=o.activation_bytes) for _, _, o in chosen]
+
+
+def refine(search: Search, chosen: list, m: int, step: float, table: tuple[np.ndarray, dict], depth: int,
+           shapes: list[tuple[int, int]]) -> list:
+    """A local search the simulator judges, from the DP's plan: move one cut by one layer while the
+    simulated step falls. Each stage of a neighbour is at the fastest that fits its place in that
+    pipeline (`Search.budget`: the DP's `table` where the DP assumed that budget, else
+    `range_times`), recomputing as little as fits. Both totals miss which stage's tail ends the step
+    (a stage's last backward ends before those of the stages before it, so its tail hides behind
+    theirs)."""
+    tables: dict[tuple, tuple] = {}
+
+    def option(idx: int, n: int, i: int, j: int, shape: tuple[int, int]):
+        key = (shape, *search.budget(idx, n, m))
+        if key not in tables:
+            s, k = n - idx, shapes.index(shape)
+            tables[key] = ((table[0][s, :, :, k], table[1][(s, k)])
+                           if s <= depth and key[1:] == (search.in_flight(s, m, depth), search.memory_limit)
+                           else search.range_times(shape, m, *key[1:]))
+        times, (variants, pick) = tables[key]
+        return search.option(i, j, shape, m, variants[pick[i, j]]) if np.isfinite(times[i, j]) else None
+
+    def neighbours(chosen: list):
+        """[(range, shape)] of each pipeline one move away."""
+        n = len(chosen)
+        stages = [(r, shape) for r, shape, _ in chosen]
+        for c in range(1, n):
+            (a, b), (_, e) = stages[c - 1][0], stages[c][0]
+            for cut in (b - 1, b + 1):
+                if a < cut < e:
+                    yield stages[:c - 1] + [((a, cut), stages[c - 1][1]), ((cut, e), stages[c][1])] + stages[c + 1:]
+
+    improved = True
+    while improved:
+        improved = False
+        for stages in neighbours(chosen):
+            n = len(stages)
+            # a stage kept where it was keeps its option; every other one is picked again
+            same = {idx for idx, st in enumerate(stages) if n == len(chosen) and st == chosen[idx][:2]}
+            trial = [chosen[idx] if idx in same else (r, shape, option(idx, n, *r, shape))
+                     for idx, (r, shape) in enumerate(stages)]
+            if any(opt is None for _, _, opt in trial):
+                continue
+            trial = recompute_less(search, trial, m)
+            t, fits = _simulated(search, trial, m, step)
+            if fits and t < step * (1 - 1e-9):
+                chosen, step, improved = trial, t, True
+                break
+    return chosen
 
 
 def dp_prices(schedule: str) -> bool:
