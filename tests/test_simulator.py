@@ -93,3 +93,24 @@ def test_the_step_floor_is_never_above_the_replay(stages, micro, schedule, share
     times = [StageTimes(f, b, send, sync, optimizer_s=opt) for f, b, send, sync, opt in stages]
     hosts = Hosts((1,) * len(times), len(times), 1) if shared else None
     assert step_floor(times, micro) <= simulate(times, micro, schedule, hosts).step_time_s * (1 + 1e-9)
+
+
+@settings(max_examples=150, deadline=None)
+@given(stages=st.lists(st.tuples(_seconds, _seconds, _seconds, _seconds, st.floats(0.0, 1.0)), min_size=1, max_size=4),
+       micro=st.integers(1, 9), schedule=st.sampled_from(sorted(schedules.SCHEDULES)), virtual=st.sampled_from([1, 2]))
+def test_the_one_pass_replay_equals_the_event_replay(stages, micro, schedule, virtual):
+    """Without shared cores the replay is one pass over a fixed order of every group's actions (what
+    makes planning's thousands of replays cheap); with as many cores as ranks the event-by-event
+    replay, which shares cores, runs every action at full speed too: the same steps, peaks, events."""
+    times = [StageTimes(f, b, send, sync, optimizer_s=sync / 2, activation_bytes=1.0 + f, transient_bytes=b,
+                        grad_bytes=send, state_bytes=5.0, weight_s=w * b) for f, b, send, sync, w in stages] * virtual
+    p = len(stages)
+    if schedules.problem(schedule, p, micro, virtual):
+        return
+    one = simulate(times, micro, schedule, None, virtual)
+    events = simulate(times, micro, schedule, Hosts((1,) * p, p, p), virtual)
+    assert one.step_time_s == pytest.approx(events.step_time_s, rel=1e-12, abs=1e-12)
+    assert one.peak_memory_bytes == pytest.approx(events.peak_memory_bytes)
+    assert one.bubble_fraction == pytest.approx(events.bubble_fraction, abs=1e-12)
+    key = sorted((e.stage, e.kind, e.microbatch, round(e.start, 9), round(e.end, 9)) for e in one.events)
+    assert key == sorted((e.stage, e.kind, e.microbatch, round(e.start, 9), round(e.end, 9)) for e in events.events)

@@ -15,7 +15,7 @@ pipeline fill and drain, and also waiting caused by unequal stages.
 
 from __future__ import annotations
 
-import heapq
+import functools
 from dataclasses import dataclass, field
 
 from autopar.contract import schedules
@@ -92,38 +92,71 @@ def simulate(stages: list[StageTimes], num_microbatches: int, schedule: str = "1
     where = schedules.stage_ranks(schedule, p, virtual)
     # every group ends with its exposed gradient synchronisation (what `overlap` of it does not hide
     # behind its last backward: grad_sync_s holds that share) and its optimizer step, on its cores too
-    orders = [schedules.order(schedule, p, r, m, virtual) + [("S", -1, -1)] for r in range(p)]
     mine = [[s for s in range(n) if where[s] == r] for r in range(p)]
     durations = [{"F": st.forward_s, "B": st.backward_s, "I": st.backward_s - st.weight_s, "W": st.weight_s}
                  for st in stages]
     finish = [sum(stages[k].grad_sync_s + stages[k].optimizer_s for k in group) for group in mine]
-    done: dict[tuple[str, int, int], float] = {}  # ("F" | "G" (input gradient) | "W", stage, microbatch) -> end
-    pos = [0] * p
-    events: list[Event] = []
-    backward_done = [False] * n  # gradients exist from the end of a stage's first backward on
-    held = [sum(stages[s].state_bytes - stages[s].grad_bytes for s in group) for group in mine]  # bytes now
-    peak = list(held)
-    running: dict[int, list] = {}  # group -> [kind, stage, microbatch, start, work left]
-    now = 0.0
+    memory = _Memory(stages, mine)
+    if hosts is None:  # every action at full speed: its start is a recurrence over a fixed order
+        events, step = _replay(stages, where, mine, durations, finish, memory, _topology(schedule, p, m, virtual))
+    else:
+        events, step = _shared(stages, m, schedule, virtual, where, mine, durations, finish, memory, hosts)
+    compute = [e for e in events if e.kind in ("F", "B", "I", "W")]
+    pipeline_end = max(e.end for e in compute)
+    busy = sum(e.end - e.start for e in compute)
+    bubble = 1.0 - busy / (p * pipeline_end) if pipeline_end > 0 else 0.0
+    peak = memory.peaks()
+    return Simulation(step, max(0.0, bubble), [peak[where[s]] for s in range(n)], events, hosts)
 
-    def begin(r: int, now: float) -> float:
-        """Start the group's next action (its inputs are in); its work."""
-        kind, s, mb = orders[r][pos[r]]
-        running[r] = [kind, s, mb, now, finish[r] if kind == "S" else durations[s][kind]]
-        st = stages[s]
+
+class _Memory:
+    """What each group holds as it starts its actions (it depends only on each group's order):
+    activations from a forward to its backward (or "W"), gradients from a stage's first backward on,
+    a backward's transient; at the end of the step the synchroniser's buffer."""
+
+    def __init__(self, stages: list[StageTimes], mine: list[list[int]]) -> None:
+        self.stages, self.mine = stages, mine
+        self.held = [sum(stages[s].state_bytes - stages[s].grad_bytes for s in group) for group in mine]
+        self.peak = list(self.held)
+        self.backward_done = [False] * len(stages)
+
+    def start(self, r: int, kind: str, s: int) -> None:
+        st, held, peak = self.stages[s] if s >= 0 else None, self.held, self.peak
         if kind == "F":
             held[r] += st.activation_bytes
             peak[r] = max(peak[r], held[r])
         elif kind == "B" or kind == "I":
             peak[r] = max(peak[r], held[r] + st.transient_bytes)
-            if not backward_done[s]:  # its gradients, from here on
+            if not self.backward_done[s]:  # its gradients, from here on
                 held[r] += st.grad_bytes
-                backward_done[s] = True
+                self.backward_done[s] = True
             if kind == "B":
                 held[r] -= st.activation_bytes
         elif kind == "W":
             held[r] -= st.activation_bytes
-        return running[r][4]
+
+    def peaks(self) -> list[float]:
+        return [max(self.peak[r], sum(self.stages[s].state_bytes + self.stages[s].sync_bytes for s in group))
+                for r, group in enumerate(self.mine)]
+
+
+def _shared(stages: list[StageTimes], m: int, schedule: str, virtual: int, where: list[int], mine: list[list[int]],
+            durations: list[dict], finish: list[float], memory: _Memory, hosts: Hosts) -> tuple[list[Event], float]:
+    """The replay where groups computing at once share cores: event by event, each running action's
+    work left shrinking at its rate (`Hosts.rates`). (events, step)."""
+    n, p = len(stages), len(mine)
+    orders = [schedules.order(schedule, p, r, m, virtual) + [("S", -1, -1)] for r in range(p)]
+    done: dict[tuple[str, int, int], float] = {}  # ("F" | "G" (input gradient) | "W", stage, microbatch) -> end
+    pos = [0] * p
+    events: list[Event] = []
+    running: dict[int, list] = {}  # group -> [kind, stage, microbatch, start, work left]
+    now = 0.0
+
+    def begin(r: int, now: float) -> None:
+        """Start the group's next action (its inputs are in)."""
+        kind, s, mb = orders[r][pos[r]]
+        running[r] = [kind, s, mb, now, finish[r] if kind == "S" else durations[s][kind]]
+        memory.start(r, kind, s)
 
     def end(r: int, now: float) -> None:
         kind, s, mb, start, _ = running.pop(r)
@@ -141,59 +174,33 @@ def simulate(stages: list[StageTimes], num_microbatches: int, schedule: str = "1
         kind, s, mb = orders[r][pos[r]]
         return _ready(kind, s, mb, stages, where, done)
 
-    if hosts is None:  # every action runs at full speed: its end is known when it starts
-        queue = [(0.0, 0, r) for r in range(p)]  # (time, 1 if an action of r ends then, r)
-        stalled: set[int] = set()  # groups whose next action waits for an input not produced yet
-        while queue:
-            now, ends, r = heapq.heappop(queue)
-            if ends:
-                end(r, now)
-            for q in ([r, *sorted(stalled)] if ends else [r]):
-                if q in running or pos[q] == len(orders[q]):
-                    continue
-                at = ready(q)
-                if at is None:
-                    stalled.add(q)
-                    continue
-                stalled.discard(q)
-                if at > now:
-                    heapq.heappush(queue, (at, 0, q))
-                else:
-                    heapq.heappush(queue, (now + begin(q, now), 1, q))
-    else:
-        while True:
-            waiting = []
-            for r in range(p):
-                if r in running or pos[r] == len(orders[r]):
-                    continue
-                at = ready(r)
-                if at is None:
-                    continue
-                if at > now:
-                    waiting.append(at)
-                    continue
-                begin(r, now)
-            if not running:
-                if not waiting:
-                    break
-                now = min(waiting)
+    while True:
+        waiting = []
+        for r in range(p):
+            if r in running or pos[r] == len(orders[r]):
                 continue
-            rates = hosts.rates(sorted(running))
-            step = min([left / rates[r] for r, (*_, left) in running.items()] + [w - now for w in waiting])
-            now += step
-            for r in list(running):
-                running[r][4] -= step * rates[r]
-                if running[r][4] <= 1e-12 * max(1.0, now):
-                    end(r, now)
+            at = ready(r)
+            if at is None:
+                continue
+            if at > now:
+                waiting.append(at)
+                continue
+            begin(r, now)
+        if not running:
+            if not waiting:
+                break
+            now = min(waiting)
+            continue
+        rates = hosts.rates(sorted(running))
+        step = min([left / rates[r] for r, (*_, left) in running.items()] + [w - now for w in waiting])
+        now += step
+        for r in list(running):
+            running[r][4] -= step * rates[r]
+            if running[r][4] <= 1e-12 * max(1.0, now):
+                end(r, now)
     if any(k < len(o) for k, o in zip(pos, orders)):
         raise RuntimeError("schedule deadlocked")  # a bug in a schedule's order, never the user's input
-    peak = [max(peak[r], sum(stages[s].state_bytes + stages[s].sync_bytes for s in mine[r])) for r in range(p)]
-    compute = [e for e in events if e.kind in ("F", "B", "I", "W")]
-    pipeline_end = max(e.end for e in compute)
-    busy = sum(e.end - e.start for e in compute)
-    bubble = 1.0 - busy / (p * pipeline_end) if pipeline_end > 0 else 0.0
-    step = max([now] + [e.end for e in events])
-    return Simulation(step, max(0.0, bubble), [peak[where[s]] for s in range(n)], events, hosts)
+    return events, max([now] + [e.end for e in events])
 
 
 def step_floor(stages: list[StageTimes], m: int) -> float:
@@ -212,6 +219,82 @@ def step_floor(stages: list[StageTimes], m: int) -> float:
             floor = max(floor, end + chain + stages[j].grad_sync_s + stages[j].optimizer_s)
         start += st.forward_s + st.send_s
     return floor
+
+
+@functools.lru_cache(maxsize=32)
+def _topology(schedule: str, p: int, m: int, virtual: int) -> tuple[tuple, ...]:
+    """Every group's actions in one order that runs each after what it waits for (its group's
+    previous action, its inputs: `_ready`'s rules), as (group, kind, stage, microbatch, inputs)
+    with inputs (index, stage whose send it waits for or -1). The same whatever the durations, so
+    a replay without shared cores is one pass over it (planning replays thousands of pipelines)."""
+    where = schedules.stage_ranks(schedule, p, virtual)
+    n = p * virtual
+    orders = [schedules.order(schedule, p, r, m, virtual) + [("S", -1, -1)] for r in range(p)]
+    made: dict[tuple[str, int, int], tuple[int, int]] = {}  # ("F" | "G", stage, mb) -> (group, position)
+    for r, actions in enumerate(orders):
+        for k, (kind, s, mb) in enumerate(actions):
+            if kind in ("F", "B", "I"):
+                made[("F" if kind == "F" else "G", s, mb)] = (r, k)
+
+    def inputs(kind: str, s: int, mb: int) -> list[tuple[tuple[int, int], int]]:
+        if kind == "W":
+            return [(made[("G", s, mb)], -1)]
+        if kind == "F":
+            return [] if s == 0 else [(made[("F", s - 1, mb)], s - 1 if where[s - 1] != where[s] else -1)]
+        if kind in ("B", "I"):
+            return [(made[("F", s, mb)], -1)] + ([] if s == n - 1 else
+                                                  [(made[("G", s + 1, mb)], s if where[s + 1] != where[s] else -1)])
+        return []
+
+    index: dict[tuple[int, int], int] = {}
+    out: list[tuple] = []
+    pos = [0] * p
+    progress = True
+    while progress:  # round-robin: each group runs on as far as its inputs are placed
+        progress = False
+        for r in range(p):
+            while pos[r] < len(orders[r]):
+                kind, s, mb = orders[r][pos[r]]
+                needs = inputs(kind, s, mb)
+                if any(at not in index for at, _ in needs):
+                    break
+                index[(r, pos[r])] = len(out)
+                out.append((r, kind, s, mb, tuple((index[at], sender) for at, sender in needs)))
+                pos[r] += 1
+                progress = True
+    if len(out) < sum(len(o) for o in orders):
+        raise RuntimeError("schedule deadlocked")  # a bug in a schedule's order, never the user's input
+    return tuple(out)
+
+
+def _replay(stages: list[StageTimes], where: list[int], mine: list[list[int]], durations: list[dict],
+            finish: list[float], memory: _Memory, topology: tuple[tuple, ...]) -> tuple[list[Event], float]:
+    """The replay where every action runs at full speed: each starts when its group is free and its
+    inputs are in, in `_topology`'s order. (events in the order they end, step)."""
+    n = len(stages)
+    free = [0.0] * len(mine)
+    ends = [0.0] * len(topology)
+    sends = [st.send_s for st in stages]
+    events: list[Event] = []
+    for a, (r, kind, s, mb, needs) in enumerate(topology):
+        start = free[r]
+        for at, sender in needs:
+            ready = ends[at] + (sends[sender] if sender >= 0 else 0.0)
+            if ready > start:
+                start = ready
+        if kind == "S":
+            end = start + finish[r]
+            if end > start:
+                events.append(Event(mine[r][0], "sync", -1, start, end, r))
+        else:
+            memory.start(r, kind, s)
+            end = start + durations[s][kind]
+            events.append(Event(s, kind, mb, start, end, r))
+            if kind == "F" and s + 1 < n and where[s + 1] != r:
+                events.append(Event(s, "send", mb, end, end + sends[s], r))
+        ends[a] = free[r] = end
+    events.sort(key=lambda e: e.end)
+    return events, max([0.0] + [e.end for e in events] + free)
 
 
 def _ready(kind: str, s: int, mb: int, stages: list[StageTimes], where: list[int], done: dict) -> float | None:
