@@ -403,7 +403,7 @@ def _stage_dp_plans(search: Search, stages: int | None, num_microbatches: int | 
                 if here is None or plan.estimate.step_time_s < here[0].estimate.step_time_s:
                     here = plan, chosen, (times, picks)
         if here is not None and here[0].estimate.fits and here[0].estimate.step_time_s <= bound * (1 + EQ2_SLACK):
-            better = refine(search, here[1], m, here[0].estimate.step_time_s, here[2], depth, shapes)
+            better = refine(search, here[1], m, here[0].estimate.step_time_s, here[2], depth, shapes, True)
             if better is not here[1]:
                 plan = assemble(search, better, m, name="auto")
                 if plan.estimate.fits and plan.estimate.step_time_s < here[0].estimate.step_time_s:
@@ -411,7 +411,15 @@ def _stage_dp_plans(search: Search, stages: int | None, num_microbatches: int | 
                     here = plan, better, here[2]
                     bound = min(bound, plan.estimate.step_time_s)
         if here is not None and (best is None or here[0].estimate.step_time_s < best.estimate.step_time_s):
-            best, best_chosen = here[:2]
+            best, best_chosen, best_table = here
+    if stages is None and best is not None and best.estimate.fits:  # the stage count too, around the fastest
+        m = best.num_microbatches
+        better = refine(search, best_chosen, m, best.estimate.step_time_s, best_table, depth, shapes)
+        if better is not best_chosen:
+            plan = assemble(search, better, m, name="auto")
+            if plan.estimate.fits and plan.estimate.step_time_s < best.estimate.step_time_s:
+                plan.search["eq2_total_s"] = best.search.get("eq2_total_s")
+                best, best_chosen = plan, better
     return best, best_chosen, counts
 
 
@@ -443,14 +451,18 @@ def _pipeline(chosen: list) -> list[StageTimes]:
 
 
 def refine(search: Search, chosen: list, m: int, step: float, table: tuple[np.ndarray, dict], depth: int,
-           shapes: list[tuple[int, int]]) -> list:
-    """A local search the simulator judges, from the DP's plan: move one cut by one layer while the
-    simulated step falls. Each stage of a neighbour is at the fastest that fits its place in that
-    pipeline (`Search.budget`: the DP's `table` where the DP assumed that budget, else
-    `range_times`), recomputing as little as fits. Both totals miss which stage's tail ends the step
-    (a stage's last backward ends before those of the stages before it, so its tail hides behind
-    theirs)."""
+           shapes: list[tuple[int, int]], fixed: bool = False) -> list:
+    """A local search the simulator judges, from the DP's plan: move one cut by one layer, split a
+    stage into two on halves of its submesh, or merge two neighbours of one shape onto the submesh
+    of twice their devices (not where the stage count is `fixed`), while the simulated step falls.
+    Each stage of a neighbour is at the fastest that fits its place in that pipeline
+    (`Search.budget`: the DP's `table` where the DP assumed that budget, else `range_times`),
+    recomputing as little as fits. Both totals miss which stage's tail ends the step (a stage's
+    last backward ends before those of the stages before it, so its tail hides behind theirs)."""
     tables: dict[tuple, tuple] = {}
+    sizes = {shape: shape[0] * shape[1] for shape in shapes}
+    half = {s: h for s in shapes for h in shapes if 2 * sizes[h] == sizes[s]}
+    double = {h: s for s, h in half.items()}
 
     def option(idx: int, n: int, i: int, j: int, shape: tuple[int, int]):
         key = (shape, *search.budget(idx, n, m))
@@ -463,7 +475,7 @@ def refine(search: Search, chosen: list, m: int, step: float, table: tuple[np.nd
         return search.option(i, j, shape, m, variants[pick[i, j]]) if np.isfinite(times[i, j]) else None
 
     def neighbours(chosen: list):
-        """[(range, shape)] of each pipeline one move away."""
+        """[(range, shape)] of each pipeline one move, split or merge away."""
         n = len(chosen)
         stages = [(r, shape) for r, shape, _ in chosen]
         for c in range(1, n):
@@ -471,6 +483,15 @@ def refine(search: Search, chosen: list, m: int, step: float, table: tuple[np.nd
             for cut in (b - 1, b + 1):
                 if a < cut < e:
                     yield stages[:c - 1] + [((a, cut), stages[c - 1][1]), ((cut, e), stages[c][1])] + stages[c + 1:]
+        if fixed:
+            return
+        for c, ((a, e), shape) in enumerate(stages):
+            for cut in range(a + 1, e) if shape in half else ():
+                yield stages[:c] + [((a, cut), half[shape]), ((cut, e), half[shape])] + stages[c + 1:]
+        for c in range(1, n):
+            (a, _), shape = stages[c - 1]
+            if stages[c][1] == shape and shape in double:
+                yield stages[:c - 1] + [((a, stages[c][0][1]), double[shape])] + stages[c + 1:]
 
     improved = True
     while improved:
