@@ -403,24 +403,27 @@ def _stage_dp_plans(search: Search, stages: int | None, num_microbatches: int | 
                 if here is None or plan.estimate.step_time_s < here[0].estimate.step_time_s:
                     here = plan, chosen, (times, picks)
         if here is not None and here[0].estimate.fits and here[0].estimate.step_time_s <= bound * (1 + EQ2_SLACK):
-            better = refine(search, here[1], m, here[0].estimate.step_time_s, here[2], depth, shapes, True)
-            if better is not here[1]:
-                plan = assemble(search, better, m, name="auto")
-                if plan.estimate.fits and plan.estimate.step_time_s < here[0].estimate.step_time_s:
-                    plan.search["eq2_total_s"] = here[0].search.get("eq2_total_s")
-                    here = plan, better, here[2]
-                    bound = min(bound, plan.estimate.step_time_s)
+            here = (*_refined(search, *here, depth, shapes, fixed=True), here[2])
+            bound = min(bound, here[0].estimate.step_time_s)
         if here is not None and (best is None or here[0].estimate.step_time_s < best.estimate.step_time_s):
             best, best_chosen, best_table = here
     if stages is None and best is not None and best.estimate.fits:  # the stage count too, around the fastest
-        m = best.num_microbatches
-        better = refine(search, best_chosen, m, best.estimate.step_time_s, best_table, depth, shapes)
-        if better is not best_chosen:
-            plan = assemble(search, better, m, name="auto")
-            if plan.estimate.fits and plan.estimate.step_time_s < best.estimate.step_time_s:
-                plan.search["eq2_total_s"] = best.search.get("eq2_total_s")
-                best, best_chosen = plan, better
+        best, best_chosen = _refined(search, best, best_chosen, best_table, depth, shapes, fixed=False)
     return best, best_chosen, counts
+
+
+def _refined(search: Search, plan: Plan, chosen: list, table: tuple[np.ndarray, dict], depth: int,
+             shapes: list[tuple[int, int]], fixed: bool) -> tuple[Plan, list]:
+    """`plan` (of stages `chosen`) after `refine`, assembled again where that found a faster one."""
+    m = plan.num_microbatches
+    better = refine(search, chosen, m, plan.estimate.step_time_s, table, depth, shapes, fixed)
+    if better is chosen:
+        return plan, chosen
+    found = assemble(search, better, m, name="auto")
+    if not (found.estimate.fits and found.estimate.step_time_s < plan.estimate.step_time_s):
+        return plan, chosen
+    found.search["eq2_total_s"] = plan.search.get("eq2_total_s")
+    return found, better
 
 
 def _tails_matter(times: np.ndarray, tails: np.ndarray, m: int, depth: int, total: float) -> bool:
