@@ -171,6 +171,21 @@ def test_blame_never_names_a_rank_stopped_for_another_ranks_error():
         "rank 1 failed (ValueError: the data loader broke) at step 2 of 5")
 
 
+def test_blame_names_a_ranks_own_error_the_launcher_did_not_report():
+    """Under load the launcher may report only rank 0, which lost its peer in a barrier; rank 1's
+    where-file holds its own error. Rank 1's error is the cause."""
+    from types import SimpleNamespace
+
+    from autopar.runtime.failures import Watched, blame
+
+    where = {"pid": 1, "step": 2, "phase": "step"}
+    lost = SimpleNamespace(exitcode=1, signal_name=lambda: "")
+    seen = {0: Watched(where={**where, "error": "PeerLost: gave up in the barrier", "peer": True}, died_at=7),
+            1: Watched(where={**where, "error": "ValueError: the data loader broke"}, died_at=7)}
+    assert blame({0: lost}, seen, 5).startswith(
+        "rank 1 failed (ValueError: the data loader broke) at step 2 of 5")
+
+
 def _failing(rank, world, out, where):
     """Rank 0 fails while planning, or rank 1 while building or at its second step; each rank writes
     what it raised. Ranks leave with status 0 (the spawn would stop the others at once otherwise)."""

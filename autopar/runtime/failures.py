@@ -315,7 +315,10 @@ def blame(failed: dict[int, Any], seen: dict[int, Watched], steps: int) -> str:
     signalled = [r for r, f in failed.items() if f.exitcode < 0 and not error(r) and not reaped(r)]
     silent = sorted((w.died_at, r not in signalled, r) for r, w in seen.items()
                     if w.died_at is not None and not error(r) and not w.reaped)
-    own = [r for r in failed if error(r) and not (seen[r].where or {}).get("peer")]
+    # a rank's own error counts whether or not the launcher reported its exit: under load it may
+    # report only a rank that lost its peer
+    own = [r for r in [*failed, *sorted(set(seen) - set(failed))]
+           if error(r) and not (seen[r].where or {}).get("peer")]
     rank = (frozen or [r for *_, r in silent[:1]] or signalled or own or sorted(failed))[0]
     w = seen[rank].where if rank in seen else None
     if rank in frozen:
