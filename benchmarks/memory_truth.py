@@ -95,7 +95,7 @@ def main() -> None:
     if args.layouts:  # a subset: not the record
         return
     name = "memory_truth-" + re.sub(r"[^a-z0-9]+", "-", Path(args.model).stem.lower() if ":" not in args.model
-                                     else args.model.rsplit(":", 1)[1].lower())  # a fragment per model
+                                     else args.model.rsplit(":", 1)[1].lower()) + f"-{args.nproc}-ranks"
     against(picture(name), {"layouts": ([r["predicted"] / 1e6 for r in rows],
                                         [r["measured"]["total"] / 1e6 for r in rows])},
             "peak MB", f"peak memory per layout: {args.model}, {args.nproc} ranks")
