@@ -96,7 +96,7 @@ def test_a_stage_recomputes_only_the_layers_its_memory_needs():
     shape = {"stages": 2, "num_microbatches": 4}
     free = plan_auto(Search.start(w, cluster, (1, 2)), **shape)
     assert not any(s.recompute for s in free.stages)
-    limit = 0.9 * free.estimate.peak_memory_bytes
+    limit = 0.95 * free.estimate.peak_memory_bytes  # (at 0.9 stage 0 must recompute all its layers)
     search = Search.start(w, cluster, (1, 2), memory_limit=limit)
     plan = plan_auto(search, **shape)
     assert plan.estimate.fits and plan.estimate.peak_memory_bytes <= limit

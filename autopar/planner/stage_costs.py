@@ -701,7 +701,10 @@ class StageCosts:
         valid = True
         whole = (bounds[:, None] == 0) & (bounds[None, :] == len(self.atoms))
         grads, averaged, elements, dtensors, tp_grad = q.grads, q.averaged, q.elements, q.dtensors, q.tp_grad
-        transient = transient + np.where(self.graph_backward(whole, lm, rc, z, m), grads, 0.0)
+        # the gradients a lowered backward returns at once come after the loss's backward (outside
+        # the graph) has freed its two logits-sized temporaries: the larger of the two moments
+        at_once = transient - 2 * loss + grads
+        transient = np.where(self.graph_backward(whole, lm, rc, z, m), np.maximum(transient, at_once), transient)
         zq_in = {"states": states, "grads": grads, "averaged": averaged, "trainable": q.trainable, "elements": elements,
                  "tensors": q.tensors, "sync": sync, "fwd": fwd, "bwd": bwd,
                  "unit": self._largest(prefix, starts, Col.grads) if z else 0.0}  # the largest layer's gradient bytes
@@ -744,8 +747,11 @@ class StageCosts:
         # under a split backward torch's first stage runs nothing in "I" (its input needs no gradient)
         # and its whole backward in "W" (`PipelineStage.backward_weight_one_chunk`)
         weight = np.where((bounds == 0)[:, None], bwd, weight)
+        # the synchroniser points plain buckets' gradients at their zeroed views at the step's start
+        # (`GradSync.zero_grad`): held before the first backward (a compressor's stay None until then)
+        bucketed = averaged if self.compression is None or lm[0] == 1 else 0.0
         return {"time": time, "forward": fwd, "backward": bwd, "send": send, "sync": exposed, "unhidden": unhidden,
-                "states": states, "acts": acts, "transient": transient, "grads": grads,
+                "states": states, "acts": acts, "transient": transient, "grads": np.maximum(grads - bucketed, 0.0),
                 "averaged": flat_held(averaged, self.largest_grad), "optimizer": optimizer, "weight": weight, **partial}
 
     def range_sums(self, atoms, submesh, lm, lean) -> np.ndarray | None:
@@ -843,7 +849,8 @@ class StageCosts:
     @staticmethod
     def graph_backward(whole, lm: tuple[int, int], rc: bool | str, zero: int, m: int):
         """Where a microbatch's backward returns all of the stage's gradients at once, beside those
-        accumulated from the earlier microbatches (a transient of the stage's gradient bytes): a
+        accumulated from the earlier microbatches (a transient of the stage's gradient bytes, once
+        the loss's backward has freed its own: `variant_table` takes the larger moment): a
         stage lowered to one backward graph (`runtime.lower`: a pipeline's, a tensor axis's, a
         recomputing one's) with more than one microbatch. Autograd on the module (plain data
         parallelism) adds each gradient in as it comes; ZeRO's layers (`Segmented`) return a
