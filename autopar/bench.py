@@ -2,9 +2,13 @@
 cost model predicted for them, and say how well the prediction ranks them (Spearman).
 
 All layouts run in one start of the ranks (each gets a fresh model with the same weights), a few
-warm-up steps then timed ones; a step's time is the slowest rank's, and a layout's the median
-over its timed steps, then one more step counts its tensors (`runtime.memory`): the peak of
-the rank that holds most, beside the plan's predicted peak. Layouts differ in (dp, tp, pp) and
+warm-up steps then timed ones; a step's time is the slowest rank's, and a launch's time for a
+layout the median over its timed steps, then one more step counts its tensors (`runtime.memory`):
+the peak of the rank that holds most, beside the plan's predicted peak. Each rank runs on a core
+of its own where the machine has enough (`runtime.backend.rank_cores`: a GPU never shares its
+device with a second rank), and the ranks are started `launches` times (3 by default, the layouts
+in a rotated order each time): a layout's time is the median of its launches, its spread
+(max - min) / median the noise its ranking is judged against. Layouts differ in (dp, tp, pp) and
 microbatches; each (dp, tp, pp) runs once more recomputing its activations, once more in bf16
 mixed precision (planned for it), and with a data axis once more with ZeRO-3, at its most
 microbatches (`runtime.recompute`, `runtime.precision`, `runtime.parallel.shard_data_axis`), with a
@@ -36,7 +40,7 @@ from autopar.planner.auto import plan_auto
 from autopar.planner.manual import Layout, check, manual_plan, manual_search
 from autopar.planner.search import Search, replay
 from autopar.planner.tune import candidates, choose
-from autopar.runtime.backend import join_local, local_store, same_hash_order
+from autopar.runtime.backend import join_local, local_store, pin, rank_cores, same_hash_order
 from autopar.runtime.breakdown import measuring, summarise
 from autopar.runtime.loop import time_steps
 from autopar.runtime.memory import measured_step
@@ -93,8 +97,8 @@ def candidate_plans(model: str, nproc: int, cluster: Any, batch: int | None, pre
 
 
 def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans: list[str], warmup: int,
-          steps: int, out: str, breakdown: bool, compile: bool = False) -> None:
-
+          steps: int, out: str, breakdown: bool, compile: bool = False, cores: list[int] | None = None) -> None:
+    pin(cores, rank)
     torch.set_num_threads(1)
     join_local("gloo", port, rank, world)
     times: list[tuple] = []
@@ -132,13 +136,19 @@ def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans
 
 def measure(model: str, nproc: int, batch: int | None, plans: list[Any], warmup: int = 2, steps: int = 5,
             breakdown: bool = False, compile: bool = False) -> list[tuple[float, float, list | None, list]]:
-    """Each plan run on `nproc` local ranks started once: (median step time, the largest rank's
-    peak tensor bytes, the per-rank breakdown or None, how each stage ran: `runtime.lower.programs`)."""
+    """Each plan run on `nproc` local ranks started once, each on a core of its own where there are
+    enough (`rank_cores`): (median step time, the largest rank's peak tensor bytes, the per-rank
+    breakdown or None, how each stage ran: `runtime.lower.programs`)."""
     same_hash_order()
+    cores = rank_cores(nproc)
+    if cores is None:
+        log.warning("%d ranks on %d cores: they share cores, so their times rank the layouts but measure the "
+                    "scheduler too; use at most %d ranks to give each a core", nproc, len(os.sched_getaffinity(0)),
+                    len(os.sched_getaffinity(0)))
     with tempfile.TemporaryDirectory() as tmp, local_store() as port:
         out = os.path.join(tmp, "times.pt")
         mp.spawn(_rank, args=(nproc, port, model, batch, [p.to_json() for p in plans], warmup, steps, out, breakdown,
-                              compile), nprocs=nproc, join=True)
+                              compile, cores), nprocs=nproc, join=True)
         return torch.load(out, weights_only=False)
 
 
@@ -186,33 +196,60 @@ def predicted_breakdown(plan: Plan) -> list[dict[str, float]]:
 
 def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup: int = 2, steps: int = 5,
           progress: Callable[[str], None] | None = None, precision: str | None = None,
-          breakdown: bool = False, compile: bool = False) -> dict[str, Any]:
+          breakdown: bool = False, compile: bool = False, launches: int = 3) -> dict[str, Any]:
 
     precision = parse_precision(precision)
     if progress:
         progress("planning the searched and hand-written layouts")
     plans = candidate_plans(model, nproc, cluster, batch, precision)
-    if progress:
-        progress(f"running {len(plans)} layouts on {nproc} ranks")
-    measured = measure(model, nproc, batch, plans, warmup, steps, breakdown, compile)
-    rows = [{"name": p.name, "num_microbatches": p.num_microbatches, "precision": p.precision or "fp32",
-             "recompute": any(s.recompute for s in p.stages),
-             "recompute_layers": [s.recompute_layers for s in p.stages if s.recompute],  # null: all of a stage's
-             "recompute_granularity": next((s.recompute_granularity for s in p.stages if s.recompute), None),
-             "zero": p.dp_gradient.get("zero_stage", 0), "offload": any(s.offload for s in p.stages),
-             "predicted_step_time_s": p.estimate.step_time_s, "measured_step_time_s": t,
-             "predicted_peak_bytes": p.estimate.peak_memory_bytes, "measured_peak_bytes": peak,
-             "programs": ran}
-            for p, (t, peak, _, ran) in zip(plans, measured)]
+    runs = []  # per launch, per plan (in the plans' order)
+    for k in range(launches):
+        if progress:
+            progress(f"running {len(plans)} layouts on {nproc} ranks (launch {k + 1} of {launches})")
+        shift = k * len(plans) // launches  # each launch starts elsewhere: drift and order spread, not bias
+        order = [*range(shift, len(plans)), *range(shift)]
+        got = measure(model, nproc, batch, [plans[i] for i in order], warmup, steps, breakdown and k == 0, compile)
+        runs.append([got[order.index(i)] for i in range(len(plans))])
+    first = runs[0]
+    rows = []
+    for i, p in enumerate(plans):
+        _, peak, _, ran = first[i]
+        times = [run[i][0] for run in runs]
+        t = float(np.median(times))
+        rows.append({"name": p.name, "num_microbatches": p.num_microbatches, "precision": p.precision or "fp32",
+                     "recompute": any(s.recompute for s in p.stages),
+                     "recompute_layers": [s.recompute_layers for s in p.stages if s.recompute],  # null: all of a stage's
+                     "recompute_granularity": next((s.recompute_granularity for s in p.stages if s.recompute), None),
+                     "zero": p.dp_gradient.get("zero_stage", 0), "offload": any(s.offload for s in p.stages),
+                     "predicted_step_time_s": p.estimate.step_time_s, "measured_step_time_s": t,
+                     "launch_step_times_s": times, "spread": (max(times) - min(times)) / t,
+                     "predicted_peak_bytes": p.estimate.peak_memory_bytes, "measured_peak_bytes": peak,
+                     "programs": ran})
     if breakdown:  # per rank measured; per device group predicted (rank r is in group `stage_of[r]`)
-        for row, p, (_, _, parts, _) in zip(rows, plans, measured):
+        for row, p, (_, _, parts, _) in zip(rows, plans, first):
             row["breakdown"] = {"measured": parts, "predicted": predicted_breakdown(p),
                                 "stage_of": [k for k, n in enumerate(p.group_devices) for _ in range(n)]}
-    fastest = min(r["measured_step_time_s"] for r in rows)
+    fastest = min(rows, key=lambda r: r["measured_step_time_s"])
+    spreads = [r["spread"] for r in rows]
     return {"model": model, "nproc": nproc, "batch": batch, "precision": precision, "compile": compile,
-            "cluster": cluster.name, "layouts": rows,
+            "cluster": cluster.name, "pinned": rank_cores(nproc), "launches": launches, "layouts": rows,
             "spearman": spearman([r["predicted_step_time_s"] for r in rows], [r["measured_step_time_s"] for r in rows]),
-            "auto_name": rows[0]["name"], "auto_vs_fastest": rows[0]["measured_step_time_s"] / fastest}
+            "noise": {"median_spread": float(np.median(spreads)), "max_spread": max(spreads),
+                      "ties": ties(rows), "pairs": len(rows) * (len(rows) - 1) // 2},
+            "auto_name": rows[0]["name"], "auto_vs_fastest": rows[0]["measured_step_time_s"] / fastest["measured_step_time_s"],
+            "auto_tied_with_fastest": tied(rows[0], fastest)}
+
+
+def tied(a: dict, b: dict) -> bool:
+    """Whether two layouts' launches overlap (the range of one's launch times meets the other's): no
+    launch count tells which is faster, a tie for ranking purposes."""
+    ta, tb = a["launch_step_times_s"], b["launch_step_times_s"]
+    return min(ta) <= max(tb) and min(tb) <= max(ta)
+
+
+def ties(rows: list[dict]) -> int:
+    """How many pairs of layouts are tied (`tied`)."""
+    return sum(tied(a, b) for i, a in enumerate(rows) for b in rows[i + 1:])
 
 
 def tune_locally(search: Search, model: str, k: int, batch: int | None, steps: int = 3,

@@ -32,7 +32,7 @@ from autopar.cost_models import ClusterSpec, DeviceSpec, Link
 from autopar.models import load_workload
 from autopar.planner.capture import capture
 from autopar.runtime import default_backend
-from autopar.runtime.backend import join_local, local_store
+from autopar.runtime.backend import join_local, local_store, pin, rank_cores
 from autopar.runtime.breakdown import measuring, summarise
 from autopar.runtime.loop import time_steps
 
@@ -229,7 +229,8 @@ def fit_factors(links: dict[int, dict[str, Any]], cores: int, alpha: float, beta
     return out
 
 
-def _rank(rank: int, world: int, port: int, out: str, backend: str) -> None:
+def _rank(rank: int, world: int, port: int, out: str, backend: str, cores: list[int] | None = None) -> None:
+    pin(cores, rank)
     torch.set_num_threads(1)
     join_local(backend, port, rank, world)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
@@ -263,15 +264,60 @@ def _rank(rank: int, world: int, port: int, out: str, backend: str) -> None:
     dist.destroy_process_group()
 
 
-def calibrate(nproc: int, progress: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Measurements of `nproc` local ranks (links from 2; one rank on a GPU measures the device alone)."""
-    backend = default_backend()
-    with tempfile.TemporaryDirectory() as tmp, local_store() as port:
-        out = os.path.join(tmp, "calibration.pt")
-        if progress:
-            progress(f"{nproc} ranks: matmul, convolution, memory, collectives of 2…{nproc} ranks")
-        mp.spawn(_rank, args=(nproc, port, out, backend), nprocs=nproc, join=True)
-        return torch.load(out, weights_only=False)
+def calibrate(nproc: int, progress: Callable[[str], None] | None = None, repeats: int = 3) -> dict[str, Any]:
+    """Measurements of `nproc` local ranks (links from 2; one rank on a GPU measures the device
+    alone), each rank on a core of its own where there are enough (`rank_cores`), in `repeats`
+    starts of the ranks: each measured number the median of its starts (`median_of`), the starts
+    kept under "repeats" (`term_spread`: how far the calibrated terms move between them)."""
+    backend, cores = default_backend(), rank_cores(nproc)
+    runs = []
+    for k in range(repeats):
+        with tempfile.TemporaryDirectory() as tmp, local_store() as port:
+            out = os.path.join(tmp, "calibration.pt")
+            if progress:
+                progress(f"{nproc} ranks: matmul, convolution, memory, collectives of 2…{nproc} ranks "
+                         f"(start {k + 1} of {repeats})")
+            mp.spawn(_rank, args=(nproc, port, out, backend, cores), nprocs=nproc, join=True)
+            runs.append(torch.load(out, weights_only=False))
+    return {**median_of(runs), "repeats": runs, "pinned": cores}
+
+
+def median_of(runs: list[Any]) -> Any:
+    """The element-wise median of measurements of one structure (dicts, lists, numbers; anything else
+    taken from the first)."""
+    first = runs[0]
+    if isinstance(first, dict):
+        return {k: median_of([r[k] for r in runs]) for k in first}
+    if isinstance(first, (list, tuple)) and all(len(r) == len(first) for r in runs):
+        return type(first)(median_of([r[i] for r in runs]) for i in range(len(first)))
+    if isinstance(first, (int, float)) and not isinstance(first, bool):
+        return statistics.median(runs)
+    return first
+
+
+def spec_terms(spec: ClusterSpec) -> dict[str, float]:
+    """The calibrated terms the cost model prices with, by name."""
+    dev, link = spec.device, spec.intra_host
+    return {**{f"matmul {k} FLOP/s": v for k, v in dev.peak_flops.items()},
+            "matmul half-rate FLOP": dev.matmul_half_flops, "memory bandwidth": dev.memory_bandwidth,
+            "per op": dev.op_overhead_s, "per op, lowered sharded": dev.lowered_op_overhead_s,
+            "per op, on DTensors": dev.sharded_op_overhead_s, "optimizer per tensor (ops)": dev.optimizer_ops,
+            "optimizer bytes per element": dev.optimizer_bytes, "link latency": link.latency,
+            "link bandwidth": link.bandwidth, "overlap": link.overlap, "all-gather factor": link.gather_factor,
+            "reduce-scatter factor": link.scatter_factor}
+
+
+def term_spread(measured: dict[str, Any], nproc: int) -> dict[str, dict[str, float]]:
+    """Per calibrated term: its value from the medians, and its spread over the starts, (max - min) /
+    median of the term calibrated from each start alone: the noise floor of the calibration."""
+    each = [spec_terms(cluster_spec(run, nproc)) for run in measured.get("repeats", [])]
+    whole = spec_terms(cluster_spec(measured, nproc))
+    out = {}
+    for name, value in whole.items():
+        values = [e[name] for e in each] or [value]
+        mid = statistics.median(values)
+        out[name] = {"value": value, "spread": (max(values) - min(values)) / mid if mid else 0.0}
+    return out
 
 
 def host_cores(nproc: int) -> int:

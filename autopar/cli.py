@@ -269,7 +269,7 @@ def cmd_compare(args: argparse.Namespace, out: Console) -> Any:
 def cmd_calibrate(args: argparse.Namespace, out: Console) -> Any:
     import torch
 
-    from autopar.calibrate import calibrate, cluster_spec
+    from autopar.calibrate import calibrate, cluster_spec, term_spread
 
     _check_out("--out", args.out, make=True)
     if args.from_bench:
@@ -277,10 +277,13 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> Any:
     if args.nproc < (1 if torch.cuda.is_available() else 2):
         raise AutoparError(f"--nproc {args.nproc}: links are measured between ranks; use at least 2 "
                            "(one rank is measured alone on a GPU only)")
+    if args.repeats < 1:
+        raise AutoparError(f"--repeats must be at least 1, got {args.repeats}")
     bar, step = _progress("calibrating")
     with bar:
-        measured = calibrate(args.nproc, step)
+        measured = calibrate(args.nproc, step, args.repeats)
     spec = cluster_spec(measured, args.nproc)
+    terms = term_spread(measured, args.nproc)
     path = args.out or str(calibration_file())
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     spec.save(path)
@@ -291,7 +294,8 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> Any:
             for nbytes, t in zip(fit["sizes"], fit["times"])]
     if args.json:
         return {"cluster": spec.to_dict(), "path": path, "conv2d_flops": measured["device"]["conv2d_flops"],
-                "overlap": measured["overlap"], "runtime": measured["runtime"], "collectives": rows}
+                "overlap": measured["overlap"], "runtime": measured["runtime"], "collectives": rows,
+                "terms": terms, "repeats": args.repeats, "pinned": measured["pinned"]}
     dev = spec.device
     out.print("matmul " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in dev.peak_flops.items())
               + f" (half of it at {dev.matmul_half_flops / 1e6:.2f} MFLOP); conv2d "
@@ -312,6 +316,16 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> Any:
             table.add_row(str(r["ranks"]), r["collective"], human_bytes(r["bytes"]), human_time(r["measured_s"]),
                           human_time(r["fitted_s"]))
     out.print(table)
+    spread = Table(title=f"the calibrated terms over {args.repeats} starts of the ranks: each measured number the "
+                         "median of its starts; spread (max - min) / median of the term from each start alone")
+    for col in ("term", "value", "spread"):
+        spread.add_column(col, justify="left" if col == "term" else "right")
+    for name, t in terms.items():
+        spread.add_row(name, f"{t['value']:.4g}", f"{t['spread']:.1%}")
+    out.print(spread)
+    out.print(f"each rank on a core of its own ({', '.join(map(str, measured['pinned']))})" if measured["pinned"] else
+              f"{args.nproc} ranks share this machine's cores ({spec.cores_per_host}): give each a core for times "
+              "a GPU cluster's ranks would see")
     out.print(f"written to {path}" + (" (cpu-local reads it)" if path == str(calibration_file()) else
                                       f" (use it with --cluster {path})"))
     return None
@@ -354,14 +368,17 @@ def _fit(args: argparse.Namespace, out: Console) -> Any:
 def cmd_bench(args: argparse.Namespace, out: Console) -> Any:
     from autopar.bench import bench
 
-    check_counts(args.nproc, args.steps, args.warmup)
+    check_counts(args.nproc, args.steps, args.warmup, args.launches)
+    if args.launches < 1:
+        raise AutoparError(f"--launches must be at least 1, got {args.launches}")
     _check_out("--breakdown", args.breakdown, folder_ok=True, make=True)
     cluster = get_cluster(args.cluster)
     cluster = cluster.with_ranks(args.nproc)  # local ranks sharing fewer cores: plan for what runs
     bar, step = _progress(f"benchmarking {args.model}")
     with bar:
         result = bench(args.model, args.nproc, cluster, args.batch, args.warmup, args.steps, step,
-                       args.mixed_precision, breakdown=args.breakdown is not None, compile=args.compile)
+                       args.mixed_precision, breakdown=args.breakdown is not None, compile=args.compile,
+                       launches=args.launches)
     if args.breakdown:
         os.makedirs(args.breakdown, exist_ok=True)
         for r in result["layouts"]:
@@ -371,19 +388,28 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> Any:
         return result
     table = Table(title=f"{args.model} on {args.nproc} local ranks: predicted ({printable(cluster.name)}) and measured "
                         "(peak: tensors of the rank holding most)")
-    for col in ("layout", "microbatches", "predicted", "measured", "measured / fastest", "predicted peak",
+    for col in ("layout", "microbatches", "predicted", "measured", "spread", "measured / fastest", "predicted peak",
                 "measured peak", "measured / predicted", "stages lowered"):
         table.add_column(col, justify="left" if col == "layout" else "right")
     fastest = min(r["measured_step_time_s"] for r in result["layouts"])
     for r in sorted(result["layouts"], key=lambda r: r["measured_step_time_s"]):
         table.add_row(r["name"], str(r["num_microbatches"]), human_time(r["predicted_step_time_s"]),
-                      human_time(r["measured_step_time_s"]), f"{r['measured_step_time_s'] / fastest:.2f}",
+                      human_time(r["measured_step_time_s"]), f"{r['spread']:.1%}",
+                      f"{r['measured_step_time_s'] / fastest:.2f}",
                       human_bytes(r["predicted_peak_bytes"]), human_bytes(r["measured_peak_bytes"]),
                       f"{r['measured_peak_bytes'] / r['predicted_peak_bytes']:.2f}",
                       f"{sum(p['runs'] != 'interpreted' for p in r['programs'])}/{len(r['programs'])}")
     out.print(table)
+    noise, pinned = result["noise"], result["pinned"]
     out.print(f"Spearman rank correlation {result['spearman']:.2f} over {len(result['layouts'])} layouts; "
-              f"the searched plan measures {result['auto_vs_fastest']:.2f}× the fastest")
+              f"the searched plan measures {result['auto_vs_fastest']:.2f}× the fastest"
+              + (" (a tie: their launches overlap)" if result["auto_tied_with_fastest"] else ""))
+    out.print(f"noise over {result['launches']} launches (each a median of {args.steps} steps): spread (max - min) / "
+              f"median {noise['median_spread']:.1%} median, {noise['max_spread']:.1%} at most; {noise['ties']} of "
+              f"{noise['pairs']} layout pairs tied; "
+              + (f"each rank on a core of its own ({', '.join(map(str, pinned))})" if pinned else
+                 f"{args.nproc} ranks share this machine's cores: the times rank the layouts, their scale is not a "
+                 "GPU cluster's"))
     return None
 
 
@@ -575,6 +601,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, help="global batch (default: the model's suite default)")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per layout (default 2)")
     p.add_argument("--steps", type=int, default=5, help="timed steps per layout, median taken (default 5)")
+    p.add_argument("--launches", type=int, default=3, help="starts of the ranks, each timing every layout; a "
+                   "layout's time is the median, its spread (max - min) / median (default 3)")
     p.add_argument("--breakdown", metavar="DIR", help="time one more step per layout op by op and phase by phase "
                    "and write DIR/LAYOUT.json: measured per rank beside the prediction per stage")
     _precision_flag(p)
@@ -583,6 +611,8 @@ def _parser() -> argparse.ArgumentParser:
     p = command("calibrate", cmd_calibrate, "measure this machine's ranks: matmul, memory, collectives (α, β)")
     p.add_argument("--nproc", type=int, default=2, help="local ranks to measure (default 2; 1 on a GPU measures the device alone)")
     p.add_argument("--out", help="cluster JSON to write (default: the file cpu-local reads)")
+    p.add_argument("--repeats", type=int, default=3, help="starts of the ranks, each measuring everything; each "
+                   "number the median, each term's spread reported (default 3)")
     p.add_argument("--from", dest="from_bench", metavar="BENCH.json", help="instead of measuring, fit the cluster "
                    "file's parameters to the step times of `autopar bench ... --json` (half the layouts; the "
                    "error on the other half is reported)")

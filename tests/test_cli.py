@@ -12,6 +12,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autopar import load_workload
 from autopar.cli import main
+from autopar.runtime.backend import rank_cores
 from autopar.contract.placements import Replicate, Shard
 from autopar.runtime.memory import CATEGORIES
 from autopar.zoo import ZOO
@@ -393,8 +394,12 @@ def test_calibrate_writes_a_cluster_the_planner_reads(capsys, tmp_path):
     from autopar.cost_models import get_cluster
 
     path = tmp_path / "cluster.json"
-    result = run_json(capsys, "calibrate", "--nproc", "2", "--out", str(path))
+    result = run_json(capsys, "calibrate", "--nproc", "2", "--out", str(path), "--repeats", "2")
     spec = get_cluster(str(path))
+    # two starts of the ranks, each rank on a core of its own where there are two; each term's spread
+    assert result["repeats"] == 2 and result["pinned"] == rank_cores(2)
+    assert result["terms"]["matmul float32 FLOP/s"]["value"] == spec.device.peak_flops["float32"]
+    assert all(t["spread"] >= 0 for t in result["terms"].values())
     assert spec.devices_per_host == 2 and spec.device.peak_flops["float32"] > 1e8
     assert spec.intra_host.latency > 0 and spec.intra_host.bandwidth > 1e6
     assert {(r["ranks"], r["collective"]) for r in result["collectives"]} == {
@@ -418,7 +423,7 @@ def test_calibrate_writes_a_cluster_the_planner_reads(capsys, tmp_path):
 
 def test_bench_runs_every_layout_and_ranks_the_predictions(capsys, tmp_path):
     result = run_json(capsys, "bench", "mlp-tiny", "--nproc", "2", "--warmup", "0", "--steps", "1",
-                      "--breakdown", str(tmp_path))
+                      "--launches", "2", "--breakdown", str(tmp_path))
     names = [r["name"] for r in result["layouts"]]
     assert result["auto_name"] == names[0] == "auto" and len(names) >= 8  # with 1,1,2,1: fewer microbatches than stages
     assert any(name.endswith("+recompute") for name in names)  # recomputing layouts run too
@@ -430,6 +435,12 @@ def test_bench_runs_every_layout_and_ranks_the_predictions(capsys, tmp_path):
     assert all(r["predicted_step_time_s"] > 0 and r["measured_step_time_s"] > 0 for r in result["layouts"])
     assert all(r["predicted_peak_bytes"] > 0 and r["measured_peak_bytes"] > 0 for r in result["layouts"])
     assert -1 <= result["spearman"] <= 1 and result["auto_vs_fastest"] >= 1
+    # two launches: a layout's time is their median, its spread their range over it; ties counted
+    for r in result["layouts"]:
+        assert len(r["launch_step_times_s"]) == 2 and r["measured_step_time_s"] == pytest.approx(sum(r["launch_step_times_s"]) / 2)
+        assert r["spread"] == pytest.approx((max(r["launch_step_times_s"]) - min(r["launch_step_times_s"])) / r["measured_step_time_s"])
+    assert 0 <= result["noise"]["ties"] <= result["noise"]["pairs"] == len(names) * (len(names) - 1) // 2
+    assert result["pinned"] == rank_cores(2)
     # --breakdown: one file per layout, measured per rank beside the prediction per stage
     files = {p.stem: json.loads(p.read_text()) for p in tmp_path.glob("*.json")}
     assert len(files) == len(names)

@@ -22,6 +22,20 @@ def same_hash_order() -> None:
     os.environ.setdefault("PYTHONHASHSEED", "0")
 
 
+def rank_cores(nproc: int) -> list[int] | None:
+    """The core each of `nproc` local ranks is pinned to (`pin`) while it is measured: one of this
+    process's allowed cores each, as a GPU rank never shares its device; None where the ranks
+    outnumber the cores (they share them, and a time measures the scheduler as well as the plan)."""
+    cores = sorted(os.sched_getaffinity(0))
+    return cores[:nproc] if len(cores) >= nproc else None
+
+
+def pin(cores: list[int] | None, rank: int) -> None:
+    """Run this rank (its process and the threads it starts) on its core of `rank_cores`."""
+    if cores is not None:
+        os.sched_setaffinity(0, {cores[rank]})
+
+
 def default_backend() -> str:
     if torch.cuda.is_available() and dist.is_nccl_available():
         return "nccl"
