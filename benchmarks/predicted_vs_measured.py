@@ -2,19 +2,24 @@
 hand-written layout (dp, tp, pp × microbatches, and each recomputing, in bf16 and under ZeRO-3)
 of several model families for real, and compare ranks, magnitudes and where the time goes.
 
-    python benchmarks/predicted_vs_measured.py [--models gpt-small,moe-small,wresnet-small]
-        [--nproc 4] [--repeats 3] [--cluster FILE] [--out DIR]
+    python benchmarks/predicted_vs_measured.py [--models gpt-small,moe-small] [--nproc 2]
+        [--calibrations 2] [--launches 3] [--ranking-nproc 4] [--cluster FILE] [--out DIR]
 
-Without --cluster it first runs `autopar calibrate --nproc N` into DIR. Each repetition is one
-`autopar bench MODEL --nproc N --breakdown` (2 warm-up and 5 timed steps per layout, the slowest
-rank's median); a layout's measured time is the median over repetitions. Prints markdown and
-writes it, with a log-log picture of predicted against measured step time, to
-docs/benchmarks/results/predicted_vs_measured.md (and .png): per family the layouts (predicted,
-measured, ratio, and the measured breakdown of the slowest rank: forward, backward, tensor-axis
-collectives, overhead, data-axis wait, pipeline, optimizer), Spearman's rank correlation, the
-searched plan against the fastest measured, the median absolute error of the prediction, and which
-terms of the prediction are furthest from their measurement. Timing needs an idle machine: it says
-so when the load average is above 1.
+Each calibration is a fresh `autopar calibrate --nproc N` into DIR (unless --cluster names one),
+then per family one `autopar bench MODEL --nproc N --launches L --breakdown` (each rank on a core of
+its own where the machine has enough; 2 warm-up and 5 timed steps per layout per launch, the slowest
+rank's median; a layout's time the median of its launches, its spread their range over it), one
+`autopar calibrate --from` that bench (half the layouts fitted, the other half held out) and one
+`autopar plan --tune K`. With --ranking-nproc, each family once more on that many ranks (sharing the
+cores where they outnumber them: the ranking only, Spearman). Prints markdown and writes it, with a
+log-log picture of predicted against measured step time, to
+docs/benchmarks/results/predicted_vs_measured.md (and .png): per family and calibration the layouts
+(predicted, measured, spread, ratio, and the measured breakdown of the slowest rank: forward,
+backward, tensor-axis collectives, overhead, data-axis wait, pipeline, optimizer), Spearman's rank
+correlation, the searched plan against the fastest measured (and whether their launches overlap:
+a tie), the median absolute error of the prediction, the noise (median spread, tied pairs), and
+which terms of the prediction are furthest from their measurement. Timing needs an idle machine:
+it says so when the load average is above 1.
 """
 
 from __future__ import annotations
@@ -31,7 +36,6 @@ from _stamp import stamp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from autopar.bench import spearman
 from benchmarks._cli import run_cli
 
 TERMS = ("forward_s", "backward_s", "dp_sync_s", "pipeline_s", "optimizer_s", "other_s")
@@ -54,21 +58,15 @@ def term_errors(layouts: list[dict]) -> dict[str, float]:
     return {t: statistics.mean(v) for t, v in errors.items() if v}
 
 
-def summarise(runs: list[dict]) -> dict:
-    """Medians over repetitions per layout, and the figures the issue asks for."""
-    names = [r["name"] for r in runs[0]["layouts"]]
-    rows = []
-    for i, name in enumerate(names):
-        same = [run["layouts"][i] for run in runs]
-        measured = statistics.median(r["measured_step_time_s"] for r in same)
-        rows.append({**same[0], "measured_step_time_s": measured,
-                     "measured_runs_s": [r["measured_step_time_s"] for r in same]})
+def summarise(result: dict) -> dict:
+    """A bench's figures the issue asks for (its times already the medians of its launches)."""
+    rows = result["layouts"]
     predicted = [r["predicted_step_time_s"] for r in rows]
     measured = [r["measured_step_time_s"] for r in rows]
-    fastest = min(measured)
     errors = [abs(p - m) / m for p, m in zip(predicted, measured)]
-    return {"layouts": rows, "spearman": spearman(predicted, measured), "auto_vs_fastest": measured[0] / fastest,
-            "median_abs_error": statistics.median(errors), "terms": term_errors(rows)}
+    return {"layouts": rows, "spearman": result["spearman"], "auto_vs_fastest": result["auto_vs_fastest"],
+            "auto_tied_with_fastest": result["auto_tied_with_fastest"], "noise": result["noise"],
+            "pinned": result["pinned"], "median_abs_error": statistics.median(errors), "terms": term_errors(rows)}
 
 
 def slowest(row: dict) -> dict:
@@ -76,7 +74,7 @@ def slowest(row: dict) -> dict:
     return max(b["measured"], key=lambda m: m["step_s"]) if b else {}
 
 
-def family_table(model: str, nproc: int, s: dict) -> str:
+def family_table(model: str, nproc: int, s: dict, title: str) -> str:
     """A family's layouts (fastest measured first) as a Markdown table, then its summary line."""
     rows = []
     for r in sorted(s["layouts"], key=lambda r: r["measured_step_time_s"]):
@@ -85,29 +83,32 @@ def family_table(model: str, nproc: int, s: dict) -> str:
                                               "pipeline_s", "optimizer_s")]
         rows.append(["**searched**" if r["name"] == "auto" else r["name"], r["num_microbatches"],
                      f"{r['predicted_step_time_s'] * 1e3:.0f}", f"{r['measured_step_time_s'] * 1e3:.0f}",
-                     f"{r['measured_step_time_s'] / r['predicted_step_time_s']:.2f}", *(f"{x:.0f}" for x in parts)])
-    header = [f"layout ({model}, {nproc} ranks)", "mb", "predicted ms", "measured ms", "measured / predicted", "fwd",
-              "bwd", "tp comm", "overhead", "dp wait", "pipeline", "optimizer"]
+                     f"{r['spread']:.1%}", f"{r['measured_step_time_s'] / r['predicted_step_time_s']:.2f}",
+                     *(f"{x:.0f}" for x in parts)])
+    header = [f"layout ({model}, {nproc} ranks, {title})", "mb", "predicted ms", "measured ms", "spread",
+              "measured / predicted", "fwd", "bwd", "tp comm", "overhead", "dp wait", "pipeline", "optimizer"]
     terms = ", ".join(f"{t.removesuffix('_s')} {e:.0%}" for t, e in sorted(s["terms"].items(), key=lambda x: -x[1]))
-    return (table(header, rows, right=tuple(range(1, 12)))
-            + f"\n{model}: Spearman **{s['spearman']:.2f}** over {len(s['layouts'])} layouts; the searched plan "
-            f"measures **{s['auto_vs_fastest']:.2f}×** the fastest; median |error| of the predicted step "
-            f"**{s['median_abs_error']:.0%}**; error per term (mean share of the step): {terms}")
+    noise = s["noise"]
+    return (table(header, rows, right=tuple(range(1, 13)))
+            + f"\n{model}, {title}: Spearman **{s['spearman']:.2f}** over {len(s['layouts'])} layouts; the searched "
+            f"plan measures **{s['auto_vs_fastest']:.2f}×** the fastest"
+            + (" (their launches overlap: a tie)" if s["auto_tied_with_fastest"] and s["auto_vs_fastest"] > 1 else "")
+            + f"; median |error| of the predicted step **{s['median_abs_error']:.0%}**; noise: spread "
+            f"{noise['median_spread']:.1%} median, {noise['max_spread']:.1%} at most, {noise['ties']} of "
+            f"{noise['pairs']} layout pairs tied; "
+            + ("each rank on a core of its own" if s["pinned"] else "the ranks share the cores")
+            + f"; error per term (mean share of the step): {terms}")
 
 
 def fitted_and_tuned(s: dict, k: int) -> str:
-    """`calibrate --from` on each repetition's bench (half the layouts fitted, the other half held
-    out) and `plan --tune K` (the K best predicted layouts run, the fastest kept), against the
-    bench's fastest measured layout."""
-    fits = s["fits"]
-    before = [f["error_before"]["held_out"] for f in fits]
-    after = [f["error_after"]["held_out"] for f in fits]
-    text = (f"\n\nFit from runs (`autopar calibrate --from` each repetition's bench): median |error| of the held-out "
-            f"layouts {'/'.join(f'{b:.0%}' for b in before)} before, **{'/'.join(f'{a:.0%}' for a in after)}** "
-            "after.")
+    """`calibrate --from` the bench (half the layouts fitted, the other half held out) and
+    `plan --tune K` (the K best predicted layouts run, the fastest kept), against the bench's
+    fastest measured layout."""
+    fit = s["fit"]
+    text = (f"\n\nFit from runs (`autopar calibrate --from` the bench): median |error| of the held-out layouts "
+            f"{fit['error_before']['held_out']:.0%} before, **{fit['error_after']['held_out']:.0%}** after.")
     if k and "tune" in s:
-        plan = s["tune"]
-        tuned = plan["search"]["tuned"]
+        tuned = s["tune"]["search"]["tuned"]
         kept = min((t for t in tuned if t["measured_step_time_s"]), key=lambda t: t["measured_step_time_s"])
         fastest = min(r["measured_step_time_s"] for r in s["layouts"])
         text += (f" Tune by measuring (`autopar plan --tune {k}`): measured "
@@ -117,12 +118,34 @@ def fitted_and_tuned(s: dict, k: int) -> str:
     return text
 
 
+def ranking(models: list[str], nproc: int, launches: int, out: str) -> str:
+    """Each family on `nproc` ranks (sharing the cores where they outnumber them) after a calibration
+    of its own: the ranking only (Spearman), beside the record's."""
+    cluster = os.path.join(out, f"cluster-{nproc}-ranks.json")
+    run_cli("calibrate", "--nproc", str(nproc), "--out", cluster)
+    rows = []
+    for model in models:
+        result, wall, _ = run_cli("bench", model, "--nproc", str(nproc), "--cluster", cluster,
+                                  "--launches", str(launches))
+        with open(os.path.join(out, f"{model}-{nproc}-ranks.json"), "w") as f:
+            json.dump(result, f)
+        print(f"{model} on {nproc} ranks: Spearman {result['spearman']:.2f} ({wall:.0f} s)", file=sys.stderr)
+        rows.append([model, len(result["layouts"]), f"{result['spearman']:.2f}", f"{result['auto_vs_fastest']:.2f}",
+                     f"{result['noise']['median_spread']:.1%}", "yes" if result["pinned"] else "no"])
+    return (f"The ranking on {nproc} ranks:\n\n"
+            + table(["family", "layouts", "Spearman", "searched / fastest", "median spread", "a core per rank"],
+                    rows, right=(1, 2, 3, 4)))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="gpt-small,moe-small,wresnet-small")
-    ap.add_argument("--nproc", type=int, default=4)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--cluster", help="a calibrated cluster file (default: calibrate now)")
+    ap.add_argument("--models", default="gpt-small,moe-small")
+    ap.add_argument("--nproc", type=int, default=2)
+    ap.add_argument("--calibrations", type=int, default=2, help="fresh calibrations, each followed by the benches")
+    ap.add_argument("--launches", type=int, default=3, help="bench --launches")
+    ap.add_argument("--ranking-nproc", type=int, default=4, help="also each family on this many ranks, its "
+                    "ranking only (0: not)")
+    ap.add_argument("--cluster", help="a calibrated cluster file (default: calibrate now, once per calibration)")
     ap.add_argument("--tune", type=int, default=4, help="also `autopar plan MODEL --tune K` (0: not)")
     ap.add_argument("--out", default=None, help="directory for the bench JSON files (default: a temporary one)")
     args = ap.parse_args()
@@ -132,36 +155,38 @@ def main() -> None:
               file=sys.stderr)
     out = args.out or tempfile.mkdtemp(prefix="pvm-")
     os.makedirs(out, exist_ok=True)
-    cluster = args.cluster
-    if cluster is None:
-        cluster = os.path.join(out, "cluster.json")
-        run_cli("calibrate", "--nproc", str(args.nproc), "--out", cluster)
+    models = args.models.split(",")
     summary, families, sections = {}, {}, []
-    for model in args.models.split(","):
-        runs = []
-        for k in range(args.repeats):
+    for c in range(1 if args.cluster else args.calibrations):
+        title = "given cluster" if args.cluster else f"calibration {c + 1}"
+        cluster = args.cluster or os.path.join(out, f"cluster-{c}.json")
+        if not args.cluster:
+            run_cli("calibrate", "--nproc", str(args.nproc), "--out", cluster)
+        for model in models:
             result, wall, _ = run_cli("bench", model, "--nproc", str(args.nproc), "--cluster", cluster,
-                                      "--breakdown", os.path.join(out, f"{model}-{k}"))
-            with open(os.path.join(out, f"{model}-{k}.json"), "w") as f:
+                                      "--launches", str(args.launches), "--breakdown", os.path.join(out, f"{model}-{c}"))
+            path = os.path.join(out, f"{model}-{c}.json")
+            with open(path, "w") as f:
                 json.dump(result, f)
-            runs.append(result)
-            print(f"{model} run {k + 1}/{args.repeats}: Spearman {result['spearman']:.2f} ({wall:.0f} s)",
-                  file=sys.stderr)
-        s = families[model] = summarise(runs)
-        s["fits"] = [run_cli("calibrate", "--from", os.path.join(out, f"{model}-{k}.json"), "--cluster", cluster,
-                             "--out", os.path.join(out, f"{model}-{k}-fitted.json"))[0] for k in range(args.repeats)]
-        if args.tune:
-            s["tune"] = run_cli("plan", model, "--mesh", f"1x{args.nproc}", "--cluster", cluster,
-                                "--tune", str(args.tune))[0]
-        summary[model] = {k: v for k, v in s.items() if k != "layouts"}
-        sections.append(family_table(model, args.nproc, s) + fitted_and_tuned(s, args.tune))
-        print(sections[-1] + "\n")
+            print(f"{model}, {title}: Spearman {result['spearman']:.2f} ({wall:.0f} s)", file=sys.stderr)
+            s = families[f"{model}, {title}"] = summarise(result)
+            s["fit"] = run_cli("calibrate", "--from", path, "--cluster", cluster,
+                               "--out", os.path.join(out, f"{model}-{c}-fitted.json"))[0]
+            if args.tune:
+                s["tune"] = run_cli("plan", model, "--mesh", f"1x{args.nproc}", "--cluster", cluster,
+                                    "--tune", str(args.tune))[0]
+            summary[f"{model}, {title}"] = {k: v for k, v in s.items() if k != "layouts"}
+            sections.append(family_table(model, args.nproc, s, title) + fitted_and_tuned(s, args.tune))
+            print(sections[-1] + "\n")
+    if args.ranking_nproc:
+        sections.append(ranking(models, args.ranking_nproc, args.launches, out))
+        print(sections[-1])
     with open(os.path.join(out, "summary.json"), "w") as f:
         json.dump(summary, f, indent=2)
     print(f"(load average before: {load:.2f}; bench JSON in {out})")
     against(picture("predicted_vs_measured"),
-            {model: ([1e3 * r["predicted_step_time_s"] for r in s["layouts"]],
-                     [1e3 * r["measured_step_time_s"] for r in s["layouts"]]) for model, s in families.items()},
+            {name: ([1e3 * r["predicted_step_time_s"] for r in s["layouts"]],
+                    [1e3 * r["measured_step_time_s"] for r in s["layouts"]]) for name, s in families.items()},
             "step ms", "step time per layout, this machine", log=True)
     write("predicted_vs_measured", started, "\n\n".join(sections) + "\n\n![predicted against measured step time "
           "per layout, log-log, with y = x](results/predicted_vs_measured.png)\n")

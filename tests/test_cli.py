@@ -12,8 +12,8 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from autopar import load_workload
 from autopar.cli import main
-from autopar.runtime.backend import rank_cores
 from autopar.contract.placements import Replicate, Shard
+from autopar.runtime.backend import rank_cores
 from autopar.runtime.memory import CATEGORIES
 from autopar.zoo import ZOO
 
