@@ -163,11 +163,13 @@ def test_manual_layout_with_zero_1_2_and_3(capsys):
     states = [p["stages"][0]["cost"]["state_bytes"] for p in (plain, z1, z2)]
     assert states[0] > states[1] > states[2]
     grads = [p["stages"][0]["cost"]["grad_bytes"] for p in (plain, z1, z2)]
-    assert grads[0] == grads[1] == pytest.approx(4 * grads[2])
+    # the gradients the first backward allocates: none plain (the synchroniser's bucket views are held
+    # from the step's start), all under ZeRO-1 (FSDP2's), a quarter of them sharded under ZeRO-2
+    assert grads[0] == 0 and grads[1] > 0 and grads[1] == pytest.approx(4 * grads[2])
     z3 = run_json(capsys, *args, "4,1,1,2+z3")
     assert z3["name"] == "megatron-4,1,1,2+z3" and z3["dp_gradient"]["zero_stage"] == 3
     assert all(p[0] == "S(0)" for p in z3["stages"][0]["params"].values())
-    assert z3["stages"][0]["cost"]["state_bytes"] < states[2] and z3["stages"][0]["cost"]["grad_bytes"] < grads[0]
+    assert z3["stages"][0]["cost"]["state_bytes"] < states[2] and z3["stages"][0]["cost"]["grad_bytes"] < grads[1]
     for bad, why in (("1,4,1+z1", "it needs a data axis of 2 or more"), ("2,1,2+z2", "one-stage"),
                      ("4,1,1+z1+z3", "malformed"), ("4,1,1+z3+offload", "it needs ZeRO-1 or ZeRO-2 on the stage")):
         assert main([*args, bad]) == 2

@@ -128,7 +128,7 @@ class StageOption:
     state_bytes: float
     activation_bytes: float  # per microbatch in flight
     transient_bytes: float  # during one backward: recomputed activations, the loss's gradients, ZeRO-3's gathered weights
-    grad_bytes: float = 0.0  # the gradients' part of state_bytes (absent until the step's first backward)
+    grad_bytes: float = 0.0  # the part of state_bytes the step's first backward allocates (gradients, but plain buckets' views)
     sync_bytes: float = 0.0  # the synchroniser's flat buffer of one bucket beside its gradients (`flat_held`)
     optimizer_s: float = 0.0  # once per step, after the gradients are averaged (and the loss's all-reduce)
     weight_s: float = 0.0  # the weight-gradient part of backward_s (what a zero-bubble schedule runs apart)
@@ -702,8 +702,9 @@ class StageCosts:
         whole = (bounds[:, None] == 0) & (bounds[None, :] == len(self.atoms))
         grads, averaged, elements, dtensors, tp_grad = q.grads, q.averaged, q.elements, q.dtensors, q.tp_grad
         # the gradients a lowered backward returns at once come after the loss's backward (outside
-        # the graph) has freed its two logits-sized temporaries: the larger of the two moments
-        at_once = transient - 2 * loss + grads
+        # the graph) has freed one of its two logits-sized temporaries; the other is the graph's
+        # incoming gradient, held while it runs: the larger of the two moments
+        at_once = transient - loss + grads
         transient = np.where(self.graph_backward(whole, lm, rc, z, m), np.maximum(transient, at_once), transient)
         zq_in = {"states": states, "grads": grads, "averaged": averaged, "trainable": q.trainable, "elements": elements,
                  "tensors": q.tensors, "sync": sync, "fwd": fwd, "bwd": bwd,
@@ -850,7 +851,7 @@ class StageCosts:
     def graph_backward(whole, lm: tuple[int, int], rc: bool | str, zero: int, m: int):
         """Where a microbatch's backward returns all of the stage's gradients at once, beside those
         accumulated from the earlier microbatches (a transient of the stage's gradient bytes, once
-        the loss's backward has freed its own: `variant_table` takes the larger moment): a
+        the loss's backward has freed one of its own: `variant_table` takes the larger moment): a
         stage lowered to one backward graph (`runtime.lower`: a pipeline's, a tensor axis's, a
         recomputing one's) with more than one microbatch. Autograd on the module (plain data
         parallelism) adds each gradient in as it comes; ZeRO's layers (`Segmented`) return a
