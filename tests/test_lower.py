@@ -286,3 +286,39 @@ def test_an_all_reduce_sums_in_place_only_what_nothing_else_reads(fake_group):
     reduces = [n for n in gm.graph.nodes if "all_reduce" in str(n.target)]
     assert [n.target.__name__ for n in reduces] == ["all_reduce_.default", "all_reduce_.default",
                                                     "all_reduce.default", "all_reduce.default", "all_reduce.default"]
+
+
+def test_a_backward_cut_in_two_computes_each_gradient_once_and_alike():
+    """`split_backward.split`: the input part and the weight part of a two-layer MLP's backward
+    graph (AOTAutograd's) give the whole graph's gradients, and no op runs in both parts."""
+    from functorch.compile import default_partition, make_boxed_func
+    from torch._functorch.aot_autograd import aot_function
+
+    from autopar.runtime.split_backward import split
+
+    graphs = {}
+
+    def keep(phase):
+        def compiler(gm, example):
+            graphs[phase] = gm
+            return make_boxed_func(gm.forward)
+        return compiler
+
+    def mlp(w1, w2, x):
+        return (torch.nn.functional.gelu(x @ w1) @ w2).sum()
+
+    w1, w2, x = (torch.randn(*s, requires_grad=True) for s in ((8, 16), (16, 4), (5, 8)))
+    f = aot_function(mlp, fw_compiler=keep("forward"), bw_compiler=keep("backward"), partition_fn=default_partition)
+    f(w1, w2, x).backward()
+    whole = graphs["backward"]
+    first, later = split(whole, 2)
+    args = [n.meta["val"] for n in whole.graph.find_nodes(op="placeholder")]
+    args = [torch.randn(a.shape, dtype=a.dtype) if isinstance(a, torch.Tensor) else a for a in args]
+    expected = whole(*args)
+    out = first(*args)
+    handed = out[3:]
+    assert out[:2] == (None, None) and torch.allclose(out[2], expected[2])  # the input's gradient
+    for got, want in zip(later(*handed), expected[:2]):
+        assert torch.allclose(got, want)
+    ops = [sum(1 for n in g.graph.nodes if n.op == "call_function") for g in (whole, first, later)]
+    assert ops[1] + ops[2] == ops[0] and ops[2] > 0

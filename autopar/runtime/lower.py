@@ -37,6 +37,7 @@ import torch
 from torch.distributed.tensor import DTensor, Partial, Replicate
 from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
+from autopar.runtime import split_backward
 from autopar.runtime.comm_count import CollectiveBytes, nbytes_of
 from autopar.runtime.recompute import RECOMPUTE
 
@@ -265,6 +266,68 @@ def _accumulate(param: DTensor, grad: torch.Tensor, spec: DTensorSpec, node: Any
     return True
 
 
+_SPLITTING: list | None = None  # while a zero-bubble input pass runs: where weight parts are queued
+
+
+@contextlib.contextmanager
+def splitting(queue: list) -> Any:
+    """While the block runs, each lowered backward runs its input part only and appends to `queue`
+    a callable that runs its weight part and hands the weights their gradients (the "W" pass)."""
+    global _SPLITTING
+    before, _SPLITTING = _SPLITTING, queue
+    try:
+        yield queue
+    finally:
+        _SPLITTING = before
+
+
+class _Backward:
+    """The backward graph AOTAutograd calls (boxed: with a list of arguments): whole, or under
+    `splitting` its input part (`split_backward.split`), the weights' gradients left None, and its
+    weight part queued. A graph with nothing to cut runs whole there, its weights' gradients queued."""
+
+    _boxed_call = True
+
+    def __init__(self, whole: Callable, outputs: int, weights: int, parts: tuple | None,
+                 deliver: Callable[[list], None]) -> None:
+        self.whole, self.outputs, self.weights, self.parts, self.deliver = whole, outputs, weights, parts, deliver
+
+    def __call__(self, args: list) -> list:
+        queue = _SPLITTING
+        if queue is None:
+            return self.whole(args)
+        if self.parts is None:
+            out = list(self.whole(args))
+            grads, out[:self.weights] = out[:self.weights], [None] * self.weights
+            queue.append(lambda: self.deliver(grads))
+            return out
+        first, later = self.parts
+        out = list(first(args))
+        handed = out[self.outputs:]
+        queue.append(lambda: self.deliver(list(later(handed))))
+        return out[:self.outputs]
+
+
+def _deliver(params: list, specs: list, grads: list) -> None:
+    """The weights' gradients a weight part computed (local shards of DTensor parameters, placed as
+    `specs`, `_Locals`' rule) accumulated by autograd as a backward would: the parameters'
+    post-accumulate hooks (the gradient synchroniser's) run."""
+    tensors, values, spec = [], [], iter(specs)
+    for p, g in zip(params, grads):
+        s = next(spec) if isinstance(p, DTensor) else None
+        if g is None or not p.requires_grad:
+            continue
+        tensors.append(p)
+        values.append(DTensor.__new__(DTensor, g.contiguous(), s, requires_grad=False) if s is not None else g)
+    if tensors:
+        torch.autograd.backward(tensors, values)
+
+
+def _examples(gm: torch.fx.GraphModule) -> list:
+    """Example inputs of a graph cut from a traced one: its placeholders' traced values."""
+    return [n.meta.get("val") for n in gm.graph.find_nodes(op="placeholder")]
+
+
 class _AsParam(torch.autograd.Function):
     """While tracing: a parameter's local shard as the DTensor the interpretation computes with.
     Its gradient leaves the graph placed as the parameter, except a partial sum the runtime
@@ -427,10 +490,37 @@ class Program:
         """Time spent lowering (tracing, and with `compile` compiling), over every signature so far."""
         return sum(e.seconds for e in self.cache.values())
 
+    def _compiled(self, gm: torch.fx.GraphModule, example: list) -> Callable:
+        """`gm` as it runs: the runtime's passes over its code, or inductor's compile (`compile`);
+        boxed (called with a list of arguments, as AOTAutograd calls it)."""
+        from functorch.compile import make_boxed_func
+
+        changed = _plain_views(gm)
+        if not self.compile:
+            changed = _reduce_in_place(gm) | _overlap(gm) | changed
+        if changed:
+            gm.recompile()
+        if self.compile:
+            from torch._inductor.compile_fx import compile_fx_inner
+
+            return compile_fx_inner(gm, example)
+        return make_boxed_func(_below_autograd(gm.forward))
+
+    def _parts(self, parts: tuple | None) -> tuple | None:
+        """The two parts of a cut backward as they run, or None (run whole) where inductor cannot
+        compile one from its traced example values."""
+        if parts is None:
+            return None
+        try:
+            return tuple(self._compiled(part, _examples(part)) for part in parts)
+        except Exception as exc:  # noqa: BLE001 (inductor's failures have no common type)
+            log.warning("a zero-bubble schedule's backward runs whole in its input pass: %s", exc)
+            return None
+
     def _lower(self, graph: Any, params: list, specs: tuple) -> _Entry:
         """The program for one signature, traced at its first call; `specs`: the DTensor inputs'
         (their local tensors are handed in)."""
-        from functorch.compile import default_partition, make_boxed_func
+        from functorch.compile import default_partition
         from torch._functorch.aot_autograd import aot_function
 
         nodes = list(graph.param_of)
@@ -471,19 +561,15 @@ class Program:
                 if phase == "forward" and returned[0]:
                     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
                     entry.saved_bytes = nbytes_of([getattr(v, "meta", {}).get("val") for v in out[returned[0]:]])
-                changed = _plain_views(gm)
                 if not returned[0]:  # a program without backward (not partitioned)
                     entry.collectives[:] = collectives(gm, phase, self.axes)
-                if not self.compile:
-                    changed = _reduce_in_place(gm) | _overlap(gm) | changed
-                if changed:
-                    gm.recompile()
-                if self.compile:
-                    from torch._inductor.compile_fx import compile_fx_inner
-
-                    run = compile_fx_inner(gm, example)
+                if phase == "backward":  # cut before the passes below make it impure (`split_backward`)
+                    parts = split_backward.split(gm, len(params))
+                    outputs = len(next(n for n in gm.graph.nodes if n.op == "output").args[0])
+                    run = _Backward(self._compiled(gm, example), outputs, len(params), self._parts(parts),
+                                    lambda grads: _deliver(params, entry.specs, grads))
                 else:
-                    run = make_boxed_func(_below_autograd(gm.forward))
+                    run = self._compiled(gm, example)
                 # forward: tracing, partitioning and this compile; backward: its compile, done at the
                 # first backward (which may come long after a build-time trace)
                 entry.seconds = time.perf_counter() - start if phase == "forward" else \

@@ -50,7 +50,7 @@ from autopar.runtime.fan_out import FanOutSchedule, peers, receive, send
 from autopar.runtime.grad_sync import GradSync
 from autopar.runtime.grad_sync import local as local_part
 from autopar.runtime.loop import clip, evaluating, squared_grad_norm
-from autopar.runtime.lower import StageBytes, lower, programs
+from autopar.runtime.lower import Program, StageBytes, lower, programs, splitting
 from autopar.runtime.parallel import (
     UnsupportedPlan,
     _split,
@@ -146,6 +146,8 @@ class SyncingStage(PipelineStage):
     launches: bool = True  # whether this stage's last backward is the rank's last
     _outputs: Any = None  # the last stage's outputs of the microbatch a split backward's input pass runs
     _flight: _InFlight | None = None  # this step's sends not yet waited for (`sends_released`)
+    _chunk: int = -1  # the microbatch whose backward (or weights' part of it) runs
+    _queued: dict | None = None  # microbatch -> the weights' parts its lowered input pass left (`lower.splitting`)
 
     def forward_one_chunk(self, fwd_chunk_id: int, *args, **kwargs):
         with phase("forward"):
@@ -171,6 +173,7 @@ class SyncingStage(PipelineStage):
             self.sync.sync = last_backward and self.launches
         outputs, inputs = self.fwd_cache[bwd_chunk_id]
         self._outputs = outputs if self.is_last and not full_backward else None
+        self._chunk = bwd_chunk_id
         with phase("backward"):
             out = super().backward_one_chunk(bwd_chunk_id, loss, full_backward, last_backward)
         _let_go(self.grad_recv_info.get(bwd_chunk_id, ()))  # read: a split backward keeps it for its "W"
@@ -185,6 +188,7 @@ class SyncingStage(PipelineStage):
         return out
 
     def backward_weight_one_chunk(self, bwd_chunk_id: int, last_backward: bool = False):
+        self._chunk = bwd_chunk_id
         with phase("backward"):  # the weights' part of a split backward (its gradients are written, not hooked)
             return super().backward_weight_one_chunk(bwd_chunk_id, last_backward)
 
@@ -196,12 +200,47 @@ class SyncingStage(PipelineStage):
         may live to the step's end). (FSDP2 under a split backward is refused.)"""
         if backward_type == "input" and self._outputs is not None:
             bwd_kwargs, self._outputs = _loss_freed(bwd_kwargs, self._outputs), None
+        if backward_type == "input" and _lowered(self.submod):
+            return self._input_pass(bwd_kwargs), None
+        if backward_type == "weight" and self._queued and self._chunk in self._queued:
+            for finish in self._queued.pop(self._chunk):
+                finish()
+            return None, None
         if backward_type != "weight":
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward)
         groups = bwd_kwargs["param_groups"]
         if len(groups) > 1:
             stage_backward_weight(self.submod.parameters(), groups[:-1], retain_graph=True)
         return stage_backward_weight(self.submod.parameters(), groups[-1:]), None
+
+
+    def _input_pass(self, bwd_kwargs: dict) -> tuple:
+        """A lowered stage's "B": the inputs' gradients by its backward graph's input part, the
+        weight part queued for this microbatch's "W" (`split_backward`). The graph is freed here;
+        the weight part holds what it reads. (torch's `stage_backward_input` splits at autograd's
+        nodes: a lowered stage is one, and "W" ran its whole backward again.)"""
+        outputs, grads, inputs = bwd_kwargs["stage_output"], bwd_kwargs["output_grads"], bwd_kwargs["input_values"]
+        pairs = [(o, torch.ones_like(o) if grads is None else grads[i]) for i, o in enumerate(outputs)
+                 if isinstance(o, torch.Tensor) and o.requires_grad]
+        targets = [x for x in inputs if isinstance(x, torch.Tensor) and x.requires_grad]
+        queue: list = []
+        if pairs and targets:
+            with splitting(queue):
+                got = iter(torch.autograd.grad([o for o, _ in pairs], targets, [g for _, g in pairs], allow_unused=True))
+        else:  # no input needs a gradient: "W" runs the whole backward
+            got = iter(())
+            if pairs:
+                queue.append(lambda: torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs]))
+        if self._queued is None:
+            self._queued = {}
+        self._queued[self._chunk] = queue
+        return tuple(next(got) if isinstance(x, torch.Tensor) and x.requires_grad else None for x in inputs)
+
+
+def _lowered(module: Any) -> bool:
+    """Whether `module` (a stage) runs as one lowered program, whose backward can be cut in two."""
+    program = getattr(module, "program", None)
+    return type(program) is Program and program.lowered
 
 
 def _let_go(infos: Any) -> None:
