@@ -1,10 +1,12 @@
 """`autopar calibrate`: measure this machine's ranks and write the ClusterSpec the cost model uses.
 
 A device here is what one rank runs on (a CPU core with one thread under gloo, a GPU under NCCL).
-Measured: matmul throughput per dtype (the best of a few sizes: what large matmuls reach, so the
-spec's efficiency is 1) and how far small matmuls fall short of it (`matmul_half_flops`), a
-convolution's throughput per dtype (reported), memory bandwidth (a large copy), the fixed cost of
-an op (a chain of tiny ones, forward and backward), AdamW per tensor and per element, how much of
+Measured: the matmul rate per dtype as linear layers train (forward and backward, under autocast
+for 16-bit dtypes: the spec's efficiency is 1) and how far small ones fall short of it
+(`matmul_half_flops`, per dtype), the best square matmul's and a convolution's throughput per
+dtype (reported), memory bandwidth (a large copy), the fixed cost of an op (a chain of tiny ones,
+forward and backward), the loss's rate (cross-entropy forward and backward), AdamW per tensor and
+per element, how much of
 an all-reduce hides behind computation (`Link.overlap`), and for every group size 2 … N the time
 of all-reduce and all-gather across message sizes; α (latency) and β (seconds per byte) are
 fitted to the ring formulas of `cost_models.comm` over all of them, with ranks beyond the host's
@@ -29,6 +31,7 @@ import torch.multiprocessing as mp
 
 from autopar.api import parallelize
 from autopar.cost_models import ClusterSpec, DeviceSpec, Link
+from autopar.cost_models.compute import LOSS_OPS
 from autopar.models import load_workload
 from autopar.planner.capture import capture
 from autopar.runtime import default_backend
@@ -61,35 +64,83 @@ def _chain_overhead(x: torch.Tensor, n: int = 200) -> float:
     return _timed(run, repeats=5) / (2 * n + 2)
 
 
-# square matmul sizes: the largest reach a device's rate (a GPU's only from thousands: a 1024³ bf16
-# matmul takes microseconds, about a kernel launch), the smallest fit how small ones fall short
+# square matmul sizes whose best is a device's raw matmul rate (reported); a GPU reaches it only
+# from thousands (a 1024³ bf16 matmul takes microseconds, about a kernel launch)
 PEAK_SIZES = {"cpu": (256, 512, 1024), "cuda": (2048, 4096, 8192)}
-CURVE_SIZES = {"cpu": (32, 48, 64, 96, 128, 192, 256), "cuda": (128, 256, 512, 1024, 2048)}
+# linear layers (tokens M, in K, out N) the rate the cost model uses is fitted over: the sizes of
+# CPU-sized and GPU-sized transformer layers, square and not
+LINEAR_SHAPES = {"cpu": [(m, k, n) for m in (128, 512, 2048) for k, n in ((256, 256), (256, 1024), (1024, 256),
+                                                                          (1024, 1024))],
+                 "cuda": [(m, k, n) for m in (1024, 4096, 16384) for k, n in ((1024, 1024), (1024, 4096),
+                                                                              (4096, 1024), (4096, 4096))]}
+LOSS_SHAPES = {"cpu": ((256, 8192), (1024, 8192), (2048, 16384)), "cuda": ((4096, 32768), (8192, 32768))}
 
 
-def _matmul_curve(device: torch.device, sync: Callable[[], Any], peak: float, overhead: float) -> float:
-    """FLOPs at which an fp32 matmul reaches half of `peak`: small matmuls take `(f + f½) / peak`
-    plus the op's fixed cost (fitted over `CURVE_SIZES`: the median of `t · peak − f`)."""
-    excess = []
-    for n in CURVE_SIZES.get(device.type, CURVE_SIZES["cpu"]):
-        a, b = torch.randn(n, n, device=device), torch.randn(n, n, device=device)
-        t = _timed(lambda a=a, b=b: (a @ b, sync()), repeats=20)
-        excess.append((t - overhead) * peak - 2 * n**3)
-    return max(0.0, float(np.median(excess)))
+def _linear_fit(device: torch.device, sync: Callable[[], Any], dtype: torch.dtype, overhead: float
+                ) -> tuple[float, float] | None:
+    """(FLOP/s, f½) of matmuls as training runs them: a linear layer's forward and backward, three
+    matmuls, two with a transposed operand (under autocast to `dtype` for a 16-bit one, its casts of
+    input, weight and gradients included), over `LINEAR_SHAPES`, fitted to the cost model's
+    `t = (F + 3 f½) / rate + 2 ops` (`compute.fixed_time`) in relative error. The best square
+    matmul is no rate for a model's layers: on a Xeon core fp32 linear layers ran at 0.73 of it
+    (155 of 211 GFLOP/s) and bf16 ones under autocast at 0.39 (549 of 1,412). None: no kernel."""
+    rows, ones = [], []
+    for m, k, n in LINEAR_SHAPES.get(device.type, LINEAR_SHAPES["cpu"]):
+        layer = torch.nn.Linear(k, n, device=device)
+        x = torch.randn(m, k, device=device, requires_grad=True)
+        grad = torch.ones(m, n, device=device)
+
+        def step(layer: torch.nn.Module = layer, x: torch.Tensor = x, grad: torch.Tensor = grad) -> None:
+            layer.weight.grad = layer.bias.grad = x.grad = None  # the first microbatch's: stored, not added
+            with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
+                y = layer(x)
+            y.backward(grad.to(y.dtype))
+            sync()
+
+        try:
+            t = _timed(step, repeats=5)
+        except RuntimeError:  # no kernel for this dtype on this device
+            return None
+        rows.append([6 * m * k * n / t, 3 / t])
+        ones.append(1 - 2 * overhead / t)
+    (inverse, half_over_rate), *_ = np.linalg.lstsq(np.array(rows), np.array(ones), rcond=None)
+    if half_over_rate < 0:  # no fall-off to speak of: the rate alone
+        inverse, half_over_rate = float(np.linalg.lstsq(np.array(rows)[:, :1], np.array(ones), rcond=None)[0][0]), 0.0
+    return 1 / inverse, half_over_rate / inverse
+
+
+def _loss_bandwidth(device: torch.device, sync: Callable[[], Any], overhead: float) -> float:
+    """Bytes of fp32 logits per second through cross-entropy's forward and backward (log-softmax's
+    exp and log per element are not a copy's cost: on a Xeon core 3.5 GB/s where a copy moves 7):
+    the median over `LOSS_SHAPES` of bytes / (time less its ops' fixed cost)."""
+    rates = []
+    for tokens, vocab in LOSS_SHAPES.get(device.type, LOSS_SHAPES["cpu"]):
+        logits = torch.randn(tokens, vocab, device=device, requires_grad=True)
+        target = torch.randint(vocab, (tokens,), device=device)
+
+        def step(logits: torch.Tensor = logits, target: torch.Tensor = target) -> None:
+            logits.grad = None
+            torch.nn.functional.cross_entropy(logits, target).backward()
+            sync()
+
+        t = _timed(step, repeats=5)
+        rates.append(logits.numel() * 4 / max(t - LOSS_OPS * overhead, t / 10))
+    return float(np.median(rates))
 
 
 def measure_device(device: torch.device) -> dict[str, Any]:
-    """FLOP/s of matmuls per dtype and of a convolution, how small matmuls fall short of it, the
-    fixed cost per op, and memory bandwidth, on one rank's device."""
+    """On one rank's device: the rate and fall-off of linear layers per dtype (`_linear_fit`), the
+    best square matmul's rate per dtype and a convolution's (reported), memory bandwidth, the fixed
+    cost per op, the loss's rate (`_loss_bandwidth`) and the optimizer's."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    flops: dict[str, float] = {}
+    peak: dict[str, float] = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         best = 0.0
         for n in PEAK_SIZES.get(device.type, PEAK_SIZES["cpu"]):
             a, b = (torch.randn(n, n, device=device).to(dtype) for _ in range(2))
             t = _timed(lambda a=a, b=b: (a @ b, sync()), repeats=7)
             best = max(best, 2 * n**3 / t)
-        flops[str(dtype).removeprefix("torch.")] = best
+        peak[str(dtype).removeprefix("torch.")] = best
     conv: dict[str, float] = {}
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x, w = (torch.randn(*shape, device=device).to(dtype) for shape in ((8, 64, 32, 32), (64, 64, 3, 3)))
@@ -102,9 +153,15 @@ def measure_device(device: torch.device) -> dict[str, Any]:
     t = _timed(lambda: (big.clone(), sync()), repeats=7)
     bandwidth = 2 * big.numel() * 4 / t
     overhead = _chain_overhead(torch.zeros(16, device=device, requires_grad=True))
-    return {"matmul_flops": flops, "conv2d_flops": conv, "memory_bandwidth": bandwidth, "op_overhead_s": overhead,
-            "matmul_half_flops": _matmul_curve(device, sync, flops["float32"], overhead),
-            **_optimizer(device, sync, bandwidth)}
+    flops, half = {}, {}
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        fit = _linear_fit(device, sync, dtype, overhead)
+        if fit is not None:
+            name = str(dtype).removeprefix("torch.")
+            flops[name], half[name] = fit
+    return {"matmul_flops": flops, "matmul_half_flops": half, "matmul_peak_flops": peak, "conv2d_flops": conv,
+            "memory_bandwidth": bandwidth, "op_overhead_s": overhead,
+            "loss_bandwidth": _loss_bandwidth(device, sync, overhead), **_optimizer(device, sync, bandwidth)}
 
 
 def _optimizer(device: torch.device, sync: Callable[[], Any], bandwidth: float) -> dict[str, float]:
@@ -299,7 +356,8 @@ def spec_terms(spec: ClusterSpec) -> dict[str, float]:
     """The calibrated terms the cost model prices with, by name."""
     dev, link = spec.device, spec.intra_host
     return {**{f"matmul {k} FLOP/s": v for k, v in dev.peak_flops.items()},
-            "matmul half-rate FLOP": dev.matmul_half_flops, "memory bandwidth": dev.memory_bandwidth,
+            **{f"matmul {k} half-rate FLOP": dev.half_flops_for(k) for k in dev.peak_flops},
+            "memory bandwidth": dev.memory_bandwidth, "loss bytes/s": dev.loss_bandwidth,
             "per op": dev.op_overhead_s, "per op, lowered sharded": dev.lowered_op_overhead_s,
             "per op, on DTensors": dev.sharded_op_overhead_s, "optimizer per tensor (ops)": dev.optimizer_ops,
             "optimizer bytes per element": dev.optimizer_bytes, "link latency": link.latency,
@@ -360,6 +418,7 @@ def cluster_spec(measured: dict[str, Any], nproc: int, name: str = "cpu-local") 
                           op_overhead_s=op_overhead, sharded_op_overhead_s=sharded,
                           lowered_op_overhead_s=lowered,
                           matmul_half_flops=dev["matmul_half_flops"], asynchronous=gpu,
+                          loss_bandwidth=dev.get("loss_bandwidth", 0.0),
                           optimizer_ops=dev["optimizer_tensor_s"] / op_overhead if op_overhead else 0.0,
                           optimizer_bytes=dev["optimizer_bytes"]),
         intra_host=link, inter_host=link,

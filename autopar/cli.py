@@ -294,11 +294,15 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> Any:
             for nbytes, t in zip(fit["sizes"], fit["times"])]
     if args.json:
         return {"cluster": spec.to_dict(), "path": path, "conv2d_flops": measured["device"]["conv2d_flops"],
+                "matmul_peak_flops": measured["device"].get("matmul_peak_flops", {}),
                 "overlap": measured["overlap"], "runtime": measured["runtime"], "collectives": rows,
                 "terms": terms, "repeats": args.repeats, "pinned": measured["pinned"]}
     dev = spec.device
-    out.print("matmul " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in dev.peak_flops.items())
-              + f" (half of it at {dev.matmul_half_flops / 1e6:.2f} MFLOP); conv2d "
+    out.print("linear layers " + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s (half of it at {dev.half_flops_for(k) / 1e6:.1f}"
+                                           f" MFLOP)" for k, v in dev.peak_flops.items())
+              + "; square matmuls at best " + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in
+                                                        measured["device"].get("matmul_peak_flops", {}).items())
+              + f" GFLOP/s; loss {dev.loss_bandwidth / 1e9:.1f} GB/s of logits; conv2d "
               + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in measured["device"]["conv2d_flops"].items())
               + f"; memory {dev.memory_bandwidth / 1e9:.1f} GB/s")
     out.print(f"per op: {human_time(dev.op_overhead_s)}, in a lowered sharded stage "

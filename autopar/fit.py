@@ -39,7 +39,8 @@ def scaled(cluster: Any, factors: dict[str, float]) -> Any:
     dev = cluster.device
     device = dataclasses.replace(
         dev, peak_flops={k: v / f["flops"] for k, v in dev.peak_flops.items()},
-        memory_bandwidth=dev.memory_bandwidth / f["memory"], op_overhead_s=dev.op_overhead_s * f["op_overhead"],
+        memory_bandwidth=dev.memory_bandwidth / f["memory"], loss_bandwidth=dev.loss_bandwidth / f["memory"],
+        op_overhead_s=dev.op_overhead_s * f["op_overhead"],
         sharded_op_overhead_s=dev.sharded_op_overhead_s * f["sharded_overhead"],
         lowered_op_overhead_s=dev.lowered_op_overhead_s * f["sharded_overhead"])
 

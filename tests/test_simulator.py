@@ -112,5 +112,8 @@ def test_the_one_pass_replay_equals_the_event_replay(stages, micro, schedule, vi
     assert one.step_time_s == pytest.approx(events.step_time_s, rel=1e-12, abs=1e-12)
     assert one.peak_memory_bytes == pytest.approx(events.peak_memory_bytes)
     assert one.bubble_fraction == pytest.approx(events.bubble_fraction, abs=1e-12)
-    key = sorted((e.stage, e.kind, e.microbatch, round(e.start, 9), round(e.end, 9)) for e in one.events)
-    assert key == sorted((e.stage, e.kind, e.microbatch, round(e.start, 9), round(e.end, 9)) for e in events.events)
+    # the same events at the same times (to rounding: the two replays add the same durations in other orders)
+    key = sorted((e.stage, e.kind, e.microbatch, e.start, e.end) for e in one.events)
+    other = sorted((e.stage, e.kind, e.microbatch, e.start, e.end) for e in events.events)
+    assert [k[:3] for k in key] == [k[:3] for k in other]
+    assert [t for k in key for t in k[3:]] == pytest.approx([t for k in other for t in k[3:]], rel=1e-12, abs=1e-9)

@@ -48,8 +48,9 @@ class DeviceSpec:
     memory_bytes: int
     memory_bandwidth: float  # bytes/s
     efficiency: float = 0.5  # fraction of peak a large matmul reaches; calibration measures it
-    # a matmul of f FLOPs runs at f / (f + matmul_half_flops) of that: small ones fall short
-    matmul_half_flops: float = 0.0
+    # a matmul of f FLOPs runs at f / (f + f½) of that: small ones fall short. f½ per dtype name
+    # (a dtype not listed: float32's), or one number for all
+    matmul_half_flops: dict[str, float] | float = field(default=0.0, hash=False)
     # host time to issue one op (forward or backward: dispatch, autograd); it adds to the op's
     # time, or on an `asynchronous` device (a GPU) bounds it from below (the kernel-launch floor)
     op_overhead_s: float = 0.0
@@ -63,10 +64,18 @@ class DeviceSpec:
     # Adam's step: bytes moved per parameter (fused: read 4 fp32 tensors, write 3) and ops per tensor
     optimizer_bytes: float = 28.0
     optimizer_ops: float = 0.0
+    # bytes of fp32 logits per second through cross-entropy's forward and backward (calibrated: its
+    # log-softmax is exp and log per element, not a copy); 0: its passes at `memory_bandwidth`
+    loss_bandwidth: float = 0.0
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype`; a dtype the sheet does not list runs at the float32 rate."""
         return self.peak_flops.get(dtype, self.peak_flops["float32"])
+
+    def half_flops_for(self, dtype: str) -> float:
+        """f½ of a `dtype` matmul (`matmul_half_flops`)."""
+        half = self.matmul_half_flops
+        return half if not isinstance(half, dict) else half.get(dtype, half.get("float32", 0.0))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -148,6 +157,12 @@ def _parse_cluster(data: Any, source: str) -> ClusterSpec:
     def optional(obj: dict, key: str, where: str, default: float, at_most: float = math.inf) -> float:
         return float(number(obj, key, where, zero=True, at_most=at_most)) if key in obj else default
 
+    def half_flops(dev: dict) -> dict[str, float] | float:
+        value = dev.get("matmul_half_flops", 0.0)
+        if isinstance(value, dict):
+            return {k: float(number(value, k, "device.matmul_half_flops.", zero=True)) for k in value}
+        return optional(dev, "matmul_half_flops", "device.", 0.0)
+
     def known(obj: dict, keys: set[str], where: str) -> None:
         unknown = sorted(set(obj) - keys)
         if unknown:
@@ -173,13 +188,14 @@ def _parse_cluster(data: Any, source: str) -> ClusterSpec:
         memory_bytes=number(dev, "memory_bytes", "device.", integer=True, at_most=MAX_MEMORY_BYTES),
         memory_bandwidth=float(number(dev, "memory_bandwidth", "device.")),
         efficiency=float(number(dev, "efficiency", "device.")) if "efficiency" in dev else 0.5,
-        matmul_half_flops=optional(dev, "matmul_half_flops", "device.", 0.0),
+        matmul_half_flops=half_flops(dev),
         op_overhead_s=optional(dev, "op_overhead_s", "device.", 0.0, at_most=1.0),
         sharded_op_overhead_s=optional(dev, "sharded_op_overhead_s", "device.", 0.0, at_most=1.0),
         lowered_op_overhead_s=optional(dev, "lowered_op_overhead_s", "device.", 0.0, at_most=1.0),
         asynchronous=bool(dev.get("asynchronous", False)),
         optimizer_bytes=optional(dev, "optimizer_bytes", "device.", 28.0, at_most=1e4),
         optimizer_ops=optional(dev, "optimizer_ops", "device.", 0.0, at_most=1e4),
+        loss_bandwidth=optional(dev, "loss_bandwidth", "device.", 0.0),
     )
     if device.efficiency > 1:
         raise ClusterSpecError(f"{source}: device.efficiency must be in (0, 1], got {device.efficiency}")

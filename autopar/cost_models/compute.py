@@ -17,7 +17,7 @@ def fixed_time(device: DeviceSpec, dtype: str = "float32", ops: int = 0, matmuls
     cost), and `matmuls` matmuls' shortfall: a matmul of f FLOPs reaches `f / (f + f½)` of the
     peak, i.e. takes `f½ / peak` longer."""
     host = ops * (device.op_overhead_s + (device.lowered_op_overhead_s if sharded else 0.0))
-    return host + matmuls * device.matmul_half_flops / (device.flops_for(dtype) * device.efficiency)
+    return host + matmuls * device.half_flops_for(dtype) / (device.flops_for(dtype) * device.efficiency)
 
 
 def compute_time(flops: float, bytes_moved: float, device: DeviceSpec, dtype: str = "float32", ops: int = 0,
@@ -40,8 +40,10 @@ def optimizer_time(elements: float, tensors: float, device: DeviceSpec, dtensors
 
 def loss_time(loss_bytes: float | np.ndarray, device: DeviceSpec) -> float | np.ndarray:
     """The loss on one microbatch's output (its fp32 bytes on this rank, 0 off the last stage),
-    forward and backward: cross-entropy's passes over logits-sized tensors (log-softmax read and
-    written, the gradient's softmax read and written, the incoming logits read) and its few ops.
+    forward and backward: at the device's calibrated `loss_bandwidth`, or as cross-entropy's passes
+    over logits-sized tensors (log-softmax read and written, the gradient's softmax read and
+    written, the incoming logits read) at its memory bandwidth; and its few ops.
     The captured graph ends at the model's output: the planner prices the loss with this alone."""
-    return LOSS_PASSES * loss_bytes / device.memory_bandwidth \
+    rate = device.loss_bandwidth or device.memory_bandwidth / LOSS_PASSES
+    return loss_bytes / rate \
         + np.where(np.asarray(loss_bytes) > 0, fixed_time(device, ops=LOSS_OPS), 0.0)

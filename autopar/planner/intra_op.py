@@ -232,7 +232,7 @@ def _result(stage: StageGraph, logical, chosen: dict[str, Evaluation], zero: dic
         params=dict(sorted(params.items())),
         ops=ops,
         cost={"compute_s": compute, "comm_s": comm, "reshard_s": max(0.0, total - latency - compute - comm - grad_sync
-                                                                     - sum(e.tp_grad for e in per_anchor)),
+                                                                     - sum(e.tp_grad + e.optimizer for e in per_anchor)),
               "grad_sync_s": grad_sync + latency, "total_s": total,
               "bucket_latency_s": per_bucket, "trainable_bytes": trainable_bytes,
               "comm_latency_s": _latency_of(stage.mesh, collectives) + gather,

@@ -9,7 +9,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from autopar.contract.precision import PRECISIONS
-from autopar.cost_models import ClusterSpec, collective_time, compute_time, fixed_time, model_state_memory
+from autopar.cost_models import (ClusterSpec, collective_time, compute_time, fixed_time, model_state_memory,
+                                 optimizer_time)
 from autopar.planner import rules as L
 from autopar.planner.graph import OpGraph, OpNode
 from autopar.planner.placement import P, R, edge_time, redistribution, shard, shard_dim
@@ -71,6 +72,9 @@ class Evaluation:
     zero_gather: float = 0.0  # ZeRO-3's all-gathers' bytes (forward and backward), part of `comm`: per microbatch
     zero_scatter: float = 0.0  # ZeRO-3's gradient reduce-scatter, again for every microbatch
     tp_grad: float = 0.0  # partial weight gradients all-reduced on the tensor axis, once per step after backward
+    # the optimizer's step on ZeRO-3's parameters (FSDP2's DTensors: DTensor's dispatch per op) beyond
+    # a plain parameter's, once per step: in the choice only, the stage's optimizer_s prices it whole
+    optimizer: float = 0.0
     param_states: dict[str, float] = field(default_factory=dict)  # fqn -> its share of state_memory
     param_grads: dict[str, float] = field(default_factory=dict)  # fqn -> its gradient's part of that
     grad_memory: float = 0.0  # the gradients' part of state_memory (allocated by the step's first backward)
@@ -88,7 +92,7 @@ class Evaluation:
 
     @property
     def time(self) -> float:
-        return self.compute + self.comm + self.grad_sync + self.tp_grad
+        return self.compute + self.comm + self.grad_sync + self.tp_grad + self.optimizer
 
 
 def gathered_bytes(graph: OpGraph, fqn: str, shards: int) -> float:
@@ -311,6 +315,8 @@ class StrategyCosts:
                     ev.comm += collective_time("all_gather", local, mesh.dp, dp_bw)
                     ev.collectives.append(self.g.collective(name, "all_gather", phase, local, "dp", unit=True))
                 ev.zero_gather += 2 * collective_time("all_gather", local, mesh.dp, dp_bw)
+                if mesh.tp == 1:  # (on a tensor axis every parameter is a DTensor already)
+                    ev.optimizer += optimizer_time(0.0, 0.0, self.cluster.device, dtensors=1.0)
                 ev.zero_scatter += collective_time("reduce_scatter", local, mesh.dp, dp_bw)
                 syncs.append(("dp", "reduce_scatter", "gradient", mesh.dp, dp_bw))
             elif trainable and mesh.dp > 1:
