@@ -9,8 +9,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from autopar.contract.precision import PRECISIONS
-from autopar.cost_models import (ClusterSpec, collective_time, compute_time, fixed_time, model_state_memory,
-                                 optimizer_time)
+from autopar.cost_models import (
+    ClusterSpec,
+    collective_time,
+    compute_time,
+    fixed_time,
+    model_state_memory,
+    optimizer_time,
+)
 from autopar.planner import rules as L
 from autopar.planner.graph import OpGraph, OpNode
 from autopar.planner.placement import P, R, edge_time, redistribution, shard, shard_dim
