@@ -235,7 +235,7 @@ def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup
             "cluster": cluster.name, "pinned": rank_cores(nproc), "launches": launches, "layouts": rows,
             "spearman": spearman([r["predicted_step_time_s"] for r in rows], [r["measured_step_time_s"] for r in rows]),
             "noise": {"median_spread": float(np.median(spreads)), "max_spread": max(spreads),
-                      "ties": ties(rows), "pairs": len(rows) * (len(rows) - 1) // 2},
+                      "ties": ties(rows), "pairs": len(rows) * (len(rows) - 1) // 2, "ordered": ordered(rows)},
             "auto_name": rows[0]["name"], "auto_vs_fastest": rows[0]["measured_step_time_s"] / fastest["measured_step_time_s"],
             "auto_tied_with_fastest": tied(rows[0], fastest)}
 
@@ -250,6 +250,16 @@ def tied(a: dict, b: dict) -> bool:
 def ties(rows: list[dict]) -> int:
     """How many pairs of layouts are tied (`tied`)."""
     return sum(tied(a, b) for i, a in enumerate(rows) for b in rows[i + 1:])
+
+
+def ordered(rows: list[dict]) -> float:
+    """Of the layout pairs measured apart (not `tied`), the share the prediction orders as measured:
+    the ranking judged above the noise floor (Spearman's counts every pair, ties reordered by noise
+    included). 1.0 where every pair is tied."""
+    apart = [(a, b) for i, a in enumerate(rows) for b in rows[i + 1:] if not tied(a, b)]
+    right = sum((a["predicted_step_time_s"] - b["predicted_step_time_s"])
+                * (a["measured_step_time_s"] - b["measured_step_time_s"]) > 0 for a, b in apart)
+    return right / len(apart) if apart else 1.0
 
 
 def tune_locally(search: Search, model: str, k: int, batch: int | None, steps: int = 3,

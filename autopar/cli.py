@@ -410,7 +410,8 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> Any:
               + (" (a tie: their launches overlap)" if result["auto_tied_with_fastest"] else ""))
     out.print(f"noise over {result['launches']} launches (each a median of {args.steps} steps): spread (max - min) / "
               f"median {noise['median_spread']:.1%} median, {noise['max_spread']:.1%} at most; {noise['ties']} of "
-              f"{noise['pairs']} layout pairs tied; "
+              f"{noise['pairs']} layout pairs tied, {noise['ordered']:.0%} of the others predicted in their measured "
+              f"order; "
               + (f"each rank on a core of its own ({', '.join(map(str, pinned))})" if pinned else
                  f"{args.nproc} ranks share this machine's cores: the times rank the layouts, their scale is not a "
                  "GPU cluster's"))

@@ -95,8 +95,9 @@ def family_table(model: str, nproc: int, s: dict, title: str) -> str:
             + (" (their launches overlap: a tie)" if s["auto_tied_with_fastest"] and s["auto_vs_fastest"] > 1 else "")
             + f"; median |error| of the predicted step **{s['median_abs_error']:.0%}**; noise: spread "
             f"{noise['median_spread']:.1%} median, {noise['max_spread']:.1%} at most, {noise['ties']} of "
-            f"{noise['pairs']} layout pairs tied; "
-            + ("each rank on a core of its own" if s["pinned"] else "the ranks share the cores")
+            f"{noise['pairs']} layout pairs tied"
+            + (f", {noise['ordered']:.0%} of the others predicted in their measured order" if "ordered" in noise else "")
+            + "; " + ("each rank on a core of its own" if s["pinned"] else "the ranks share the cores")
             + f"; error per term (mean share of the step): {terms}")
 
 
@@ -111,10 +112,13 @@ def fitted_and_tuned(s: dict, k: int) -> str:
         tuned = s["tune"]["search"]["tuned"]
         kept = min((t for t in tuned if t["measured_step_time_s"]), key=lambda t: t["measured_step_time_s"])
         fastest = min(r["measured_step_time_s"] for r in s["layouts"])
+        same = min(r["measured_step_time_s"] for r in s["layouts"] if r["precision"] == "fp32")  # what it searches
         text += (f" Tune by measuring (`autopar plan --tune {k}`): measured "
                  + ", ".join(f"{t['name']} {t['measured_step_time_s'] * 1e3:.0f} ms" if t["measured_step_time_s"]
                              else f"{t['name']} did not run" for t in tuned)
-                 + f"; kept {kept['name']}, **{kept['measured_step_time_s'] / fastest:.2f}×** the bench's fastest.")
+                 + f"; kept {kept['name']}, **{kept['measured_step_time_s'] / fastest:.2f}×** the bench's fastest"
+                 + (f" ({kept['measured_step_time_s'] / same:.2f}× its fastest fp32 layout, the precision it searches)"
+                    if same != fastest else "") + ".")
     return text
 
 
