@@ -208,7 +208,11 @@ def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup
             progress(f"running {len(plans)} layouts on {nproc} ranks (launch {k + 1} of {launches})")
         shift = k * len(plans) // launches  # each launch starts elsewhere: drift and order spread, not bias
         order = [*range(shift, len(plans)), *range(shift)]
-        got = measure(model, nproc, batch, [plans[i] for i in order], warmup, steps, breakdown and k == 0, compile)
+        try:
+            got = measure(model, nproc, batch, [plans[i] for i in order], warmup, steps, breakdown and k == 0, compile)
+        except mp.ProcessExitedException as exc:  # a rank killed by a signal: the launch once more, said
+            log.warning("launch %d of %d: %s; starting it again", k + 1, launches, exc)
+            got = measure(model, nproc, batch, [plans[i] for i in order], warmup, steps, breakdown and k == 0, compile)
         runs.append([got[order.index(i)] for i in range(len(plans))])
     first = runs[0]
     rows = []

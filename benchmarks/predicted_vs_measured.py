@@ -161,6 +161,26 @@ def main() -> None:
     os.makedirs(out, exist_ok=True)
     models = args.models.split(",")
     summary, families, sections = {}, {}, []
+    try:
+        run_all(args, out, models, summary, families, sections)
+    except RuntimeError as exc:  # a failed run keeps what finished before it, and says what failed
+        sections.append(f"**Stopped**: {str(exc).splitlines()[0]} ({str(exc).strip().splitlines()[-1]})")
+        print(sections[-1], file=sys.stderr)
+    with open(os.path.join(out, "summary.json"), "w") as f:
+        json.dump(summary, f, indent=2)
+    print(f"(load average before: {load:.2f}; bench JSON in {out})")
+    if families:
+        against(picture("predicted_vs_measured"),
+                {name: ([1e3 * r["predicted_step_time_s"] for r in s["layouts"]],
+                        [1e3 * r["measured_step_time_s"] for r in s["layouts"]]) for name, s in families.items()},
+                "step ms", "step time per layout, this machine", log=True)
+    write("predicted_vs_measured", started, "\n\n".join(sections) + "\n\n![predicted against measured step time "
+          "per layout, log-log, with y = x](results/predicted_vs_measured.png)\n")
+
+
+def run_all(args: argparse.Namespace, out: str, models: list[str], summary: dict, families: dict,
+            sections: list[str]) -> None:
+    """Each calibration and its benches, fits and tunes, appending to `summary`, `families`, `sections`."""
     for c in range(1 if args.cluster else args.calibrations):
         title = "given cluster" if args.cluster else f"calibration {c + 1}"
         cluster = args.cluster or os.path.join(out, f"cluster-{c}.json")
@@ -185,15 +205,6 @@ def main() -> None:
     if args.ranking_nproc:
         sections.append(ranking(models, args.ranking_nproc, args.launches, out))
         print(sections[-1])
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
-    print(f"(load average before: {load:.2f}; bench JSON in {out})")
-    against(picture("predicted_vs_measured"),
-            {name: ([1e3 * r["predicted_step_time_s"] for r in s["layouts"]],
-                    [1e3 * r["measured_step_time_s"] for r in s["layouts"]]) for name, s in families.items()},
-            "step ms", "step time per layout, this machine", log=True)
-    write("predicted_vs_measured", started, "\n\n".join(sections) + "\n\n![predicted against measured step time "
-          "per layout, log-log, with y = x](results/predicted_vs_measured.png)\n")
 
 
 if __name__ == "__main__":
