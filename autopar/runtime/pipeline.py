@@ -213,7 +213,6 @@ class SyncingStage(PipelineStage):
             stage_backward_weight(self.submod.parameters(), groups[:-1], retain_graph=True)
         return stage_backward_weight(self.submod.parameters(), groups[-1:]), None
 
-
     def _input_pass(self, bwd_kwargs: dict) -> tuple:
         """A lowered stage's "B": the inputs' gradients by its backward graph's input part, the
         weight part queued for this microbatch's "W" (`split_backward`). The graph is freed here;
