@@ -179,6 +179,29 @@ def _optimizer(device: torch.device, sync: Callable[[], Any], bandwidth: float) 
     return {"optimizer_tensor_s": per_tensor, "optimizer_bytes": per_element * bandwidth}
 
 
+def _dtensor_optimizer(device: torch.device, world: int, tensors: int = 32) -> dict[str, float]:
+    """What AdamW's step costs more per parameter when the parameters are DTensors (ZeRO's FSDP2
+    shards, a tensor axis's weights): 32 tiny ones sharded over every rank, against the same as
+    plain tensors. DTensor dispatches each of the step's ops through its sharding propagation
+    (cached for these shapes after the first step), so the cost per op differs from a graph's ops."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh(device.type, (world,))
+
+    def per_tensor(make: Callable[[], torch.Tensor]) -> float:
+        params = [torch.nn.Parameter(make()) for _ in range(tensors)]
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt = torch.optim.AdamW(params, lr=1e-3)
+        opt.step()  # DTensor's sharding propagation cached, the states made
+        return _timed(opt.step, repeats=5) / tensors
+
+    sharded = per_tensor(lambda: distribute_tensor(torch.zeros(16 * world, device=device), mesh, [Shard(0)]))
+    plain = per_tensor(lambda: torch.zeros(16, device=device))
+    return {"optimizer_dtensor_s": max(0.0, sharded - plain)}
+
+
 def _overlap(device: torch.device, nbytes: int = 2**22) -> dict[str, float]:
     """How much of an all-reduce of every rank hides behind computation running at the same time:
     1 when the two take no longer than the longer alone (GPUs: the copy engines and NCCL's own
@@ -295,6 +318,7 @@ def _rank(rank: int, world: int, port: int, out: str, backend: str, cores: list[
     dist.barrier()
     result["overlap"] = _overlap(device)
     result["runtime"] = runtime_overheads(device, world)
+    result["dtensor"] = _dtensor_optimizer(device, world)
     for n in range(2, world + 1):
         group = dist.new_group(list(range(n)))
         if rank >= n:
@@ -360,6 +384,7 @@ def spec_terms(spec: ClusterSpec) -> dict[str, float]:
             "memory bandwidth": dev.memory_bandwidth, "loss bytes/s": dev.loss_bandwidth,
             "per op": dev.op_overhead_s, "per op, lowered sharded": dev.lowered_op_overhead_s,
             "per op, on DTensors": dev.sharded_op_overhead_s, "optimizer per tensor (ops)": dev.optimizer_ops,
+            "optimizer per DTensor, more": dev.optimizer_dtensor_s,
             "optimizer bytes per element": dev.optimizer_bytes, "link latency": link.latency,
             "link bandwidth": link.bandwidth, "overlap": link.overlap, "all-gather factor": link.gather_factor,
             "reduce-scatter factor": link.scatter_factor}
@@ -420,6 +445,7 @@ def cluster_spec(measured: dict[str, Any], nproc: int, name: str = "cpu-local") 
                           matmul_half_flops=dev["matmul_half_flops"], asynchronous=gpu,
                           loss_bandwidth=dev.get("loss_bandwidth", 0.0),
                           optimizer_ops=dev["optimizer_tensor_s"] / op_overhead if op_overhead else 0.0,
+                          optimizer_dtensor_s=measured.get("dtensor", {}).get("optimizer_dtensor_s", 0.0),
                           optimizer_bytes=dev["optimizer_bytes"]),
         intra_host=link, inter_host=link,
         description=f"this machine, {nproc} ranks on {cores} cores, calibrated {time.strftime('%Y-%m-%d')}")

@@ -306,7 +306,8 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> Any:
               + ", ".join(f"{k} {v / 1e9:.1f} GFLOP/s" for k, v in measured["device"]["conv2d_flops"].items())
               + f"; memory {dev.memory_bandwidth / 1e9:.1f} GB/s")
     out.print(f"per op: {human_time(dev.op_overhead_s)}, in a lowered sharded stage "
-              f"{human_time(dev.lowered_op_overhead_s)} more, on DTensors {human_time(dev.sharded_op_overhead_s)} more; "
+              f"{human_time(dev.lowered_op_overhead_s)} more, on DTensors {human_time(dev.sharded_op_overhead_s)} more "
+              f"(an optimizer step {human_time(dev.optimizer_dtensor_s)} more per DTensor parameter); "
               f"{args.nproc} ranks on {spec.cores_per_host} cores (each at 1/{shared:g} when all compute); "
               f"an all-reduce hides {link.overlap:.0%} behind computation")
     table = Table(title=f"collectives on {args.nproc} local ranks: measured, and the ring formulas with "

@@ -42,6 +42,7 @@ def scaled(cluster: Any, factors: dict[str, float]) -> Any:
         memory_bandwidth=dev.memory_bandwidth / f["memory"], loss_bandwidth=dev.loss_bandwidth / f["memory"],
         op_overhead_s=dev.op_overhead_s * f["op_overhead"],
         sharded_op_overhead_s=dev.sharded_op_overhead_s * f["sharded_overhead"],
+        optimizer_dtensor_s=dev.optimizer_dtensor_s * f["sharded_overhead"],
         lowered_op_overhead_s=dev.lowered_op_overhead_s * f["sharded_overhead"])
 
     def link(x: Any) -> Any:

@@ -13,6 +13,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from autopar import load_workload
 from autopar.cli import main
 from autopar.contract.placements import Replicate, Shard
+from autopar.cost_models.presets import A100_DGX
 from autopar.runtime.backend import rank_cores
 from autopar.runtime.memory import CATEGORIES
 from autopar.zoo import ZOO
@@ -166,6 +167,11 @@ def test_manual_layout_with_zero_1_2_and_3(capsys):
     # the gradients the first backward allocates: none plain (the synchroniser's bucket views are held
     # from the step's start), all under ZeRO-1 (FSDP2's), a quarter of them sharded under ZeRO-2
     assert grads[0] == 0 and grads[1] > 0 and grads[1] == pytest.approx(4 * grads[2])
+    # ZeRO-2 reduce-scatters every microbatch's gradients: each but the last adds FSDP2's copy of
+    # them into the collective's input and the sum into the shard (memory traffic), beside the collective
+    bandwidth = A100_DGX.device.memory_bandwidth
+    copies = (2 * grads[1] + 3 * grads[2]) / bandwidth / 2  # per microbatch, 1 of 2 microbatches
+    assert z2["stages"][0]["cost"]["backward_s"] - z1["stages"][0]["cost"]["backward_s"] >= copies * (1 - 1e-9)
     z3 = run_json(capsys, *args, "4,1,1,2+z3")
     assert z3["name"] == "megatron-4,1,1,2+z3" and z3["dp_gradient"]["zero_stage"] == 3
     assert all(p[0] == "S(0)" for p in z3["stages"][0]["params"].values())

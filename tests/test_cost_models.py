@@ -83,6 +83,10 @@ def test_fixed_costs_per_op():
     opt = dataclasses.replace(cpu, optimizer_bytes=28.0, optimizer_ops=10.0)
     assert optimizer_time(1e9, 4, opt) == pytest.approx(2.8 + 4 * 10 * 5e-6)
     assert optimizer_time(0, 4, opt, dtensors=4) == pytest.approx(4 * 10 * 45e-6)
+    # calibrated: what a step costs more per DTensor parameter, measured (its cached ops cost far
+    # less than a graph op's sharding propagation)
+    measured = dataclasses.replace(opt, optimizer_dtensor_s=0.5e-3)
+    assert optimizer_time(0, 4, measured, dtensors=4) == pytest.approx(4 * 10 * 5e-6 + 4 * 0.5e-3)
 
 
 def test_model_state_memory():

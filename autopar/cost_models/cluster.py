@@ -64,6 +64,9 @@ class DeviceSpec:
     # Adam's step: bytes moved per parameter (fused: read 4 fp32 tensors, write 3) and ops per tensor
     optimizer_bytes: float = 28.0
     optimizer_ops: float = 0.0
+    # Adam's step: seconds more per DTensor parameter than per plain one (calibrated; 0: its ops at
+    # `sharded_op_overhead_s` each, a graph op's price, which overprices the step's cached ops)
+    optimizer_dtensor_s: float = 0.0
     # bytes of fp32 logits per second through cross-entropy's forward and backward (calibrated: its
     # log-softmax is exp and log per element, not a copy); 0: its passes at `memory_bandwidth`
     loss_bandwidth: float = 0.0
@@ -195,6 +198,7 @@ def _parse_cluster(data: Any, source: str) -> ClusterSpec:
         asynchronous=bool(dev.get("asynchronous", False)),
         optimizer_bytes=optional(dev, "optimizer_bytes", "device.", 28.0, at_most=1e4),
         optimizer_ops=optional(dev, "optimizer_ops", "device.", 0.0, at_most=1e4),
+        optimizer_dtensor_s=optional(dev, "optimizer_dtensor_s", "device.", 0.0, at_most=1.0),
         loss_bandwidth=optional(dev, "loss_bandwidth", "device.", 0.0),
     )
     if device.efficiency > 1:

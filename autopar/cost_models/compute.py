@@ -33,9 +33,12 @@ def optimizer_time(elements: float, tensors: float, device: DeviceSpec, dtensors
     """An Adam step over `elements` fp32 parameters in `tensors` tensors (`dtensors` of them
     DTensors, each op on them at DTensor's cost): the bytes it moves (`device.optimizer_bytes`
     per element: fused, it reads parameter, gradient and both moments and writes three) and
-    `device.optimizer_ops` dispatches per tensor (torch's single-tensor loop on CPU; 0 when fused)."""
+    `device.optimizer_ops` dispatches per tensor (torch's single-tensor loop on CPU; 0 when fused),
+    and per DTensor what DTensor adds (`device.optimizer_dtensor_s`, measured, or its ops at DTensor's
+    per-op cost)."""
+    per_dtensor = device.optimizer_dtensor_s or device.optimizer_ops * device.sharded_op_overhead_s
     return (elements * device.optimizer_bytes / device.memory_bandwidth
-            + device.optimizer_ops * (tensors * device.op_overhead_s + dtensors * device.sharded_op_overhead_s))
+            + device.optimizer_ops * tensors * device.op_overhead_s + dtensors * per_dtensor)
 
 
 def loss_time(loss_bytes: float | np.ndarray, device: DeviceSpec) -> float | np.ndarray:

@@ -550,9 +550,16 @@ class StageCosts:
         half = q["sync"] / 2  # the ring all-reduce's two halves, as the link runs each (`Link.*_factor`)
         scatter, gather = half * link.scatter_factor, half * link.gather_factor
         bwd, fwd, host_s = q["bwd"], q["fwd"], 0.0 * elements
+        # FSDP2's copies around its collectives, memory traffic on the rank itself: the gathered
+        # parameters copied out of the all-gather's buffer (read and written), each reduce-scatter's
+        # gradients copied into its flat input, and under ZeRO-2 the reduced shard added to the one
+        # the earlier microbatches left (both read, one written)
+        bandwidth = self.cluster.device.memory_bandwidth
+        copy_out, copy_in, accumulate = 2 * averaged / bandwidth, 2 * grads / bandwidth, 3 * grads / dp / bandwidth
         if level == 2:
             states, grads = states - grads * (1 - 1 / dp), grads / dp
-            bwd = bwd + exposed_time(scatter, bwd, link) * (m - 1) / m  # every other microbatch's reduce-scatter
+            # every other microbatch's reduce-scatter, with its copy in and the sum after it
+            bwd = bwd + (exposed_time(scatter, bwd, link) + copy_in + accumulate) * (m - 1) / m
         if host is not None:  # the shards to host memory: the device keeps the gathered weights
             states = states - opt / dp - np.where(width >= 4, averaged / dp, 0.0) - (grads if level == 2 else 0.0)
             grads = grads * (level != 2)
@@ -569,7 +576,7 @@ class StageCosts:
         valid = (averaged > 0) & (np.abs(averaged - q["trainable"]) < 1.0) & (whole if level == 2 else True)
         return {"states": states, "grads": grads, "averaged": 0.0 * averaged,
                 "elements": elements / dp * (host is None), "host_s": host_s, "dtensors": q["tensors"], "bwd": bwd,
-                "sync": exposed_time(scatter, bwd, link) + exposed_time(gather, fwd, link),
+                "sync": exposed_time(scatter, bwd, link) + exposed_time(gather, fwd, link) + copy_in + copy_out,
                 "unhidden": scatter + gather, "transient": q["unit"] * (2 if level == 2 else 1), "valid": valid}
 
     def splits_microbatch(self, submesh: tuple[int, int], lm: tuple[int, int], lean: bool, m: int,
