@@ -236,11 +236,14 @@ def runtime_overheads(device: torch.device, world: int, model: str = "gpt-tiny",
     the ops' time and the collectives' from the rest; the rest (less what the breakdown's own
     timing added to the step), per op the planner counts (each graph node forward, and again in
     backward), is the overhead; the tensor axis's collectives' time in place (waiting for the
-    slowest rank included) gives their latency there."""
+    slowest rank included), lowered at two batch sizes ("tp" and "tp_large": as many collectives,
+    4 times the computation between them), gives their latency there and the share of that
+    computation the ranks wait (`wait_fit`)."""
     out = {}
-    for axis, layout in (("dp", f"{world},1,1,1"), ("tp", f"1,{world},1,1"), ("tp_interpreted", f"1,{world},1,1")):
+    for axis, layout, per_rank in (("dp", f"{world},1,1,1", 4), ("tp", f"1,{world},1,1", 4),
+                                   ("tp_interpreted", f"1,{world},1,1", 4), ("tp_large", f"1,{world},1,1", 16)):
         torch.manual_seed(0)
-        w = load_workload(model, batch=4 * world, device=device.type, dtype=torch.float32)
+        w = load_workload(model, batch=per_rank * world, device=device.type, dtype=torch.float32)
         nodes = sum(1 for n in capture(w.model, w.example_inputs) if n.op != "input")
         pm = parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=layout,
                          optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3))
@@ -386,7 +389,8 @@ def spec_terms(spec: ClusterSpec) -> dict[str, float]:
             "per op, on DTensors": dev.sharded_op_overhead_s, "optimizer per tensor (ops)": dev.optimizer_ops,
             "optimizer per DTensor, more": dev.optimizer_dtensor_s,
             "optimizer bytes per element": dev.optimizer_bytes, "link latency": link.latency,
-            "link bandwidth": link.bandwidth, "overlap": link.overlap, "all-gather factor": link.gather_factor,
+            "link bandwidth": link.bandwidth, "overlap": link.overlap, "wait share": link.wait_share,
+            "all-gather factor": link.gather_factor,
             "reduce-scatter factor": link.scatter_factor}
 
 
@@ -401,6 +405,31 @@ def term_spread(measured: dict[str, Any], nproc: int) -> dict[str, dict[str, flo
         mid = statistics.median(values)
         out[name] = {"value": value, "spread": (max(values) - min(values)) / mid if mid else 0.0}
     return out
+
+
+def wait_fit(runtime: dict[str, Any], nproc: int, shared: float, alpha: float, beta: float) -> tuple[float, float]:
+    """(α, wait share) of the tensor axis's all-reduces in place (`runtime_overheads`): their time
+    there less the bytes at β is a·α per collective (a: the ring's messages) plus the share of the
+    computation between them that the ranks spend waiting for the slowest; the runs at two batch
+    sizes (the same collectives, 4 times the computation) separate the two. α stays at least the
+    links' own; with one run, or where the two do not separate (a share below 0), all the time in
+    place is latency, as one number per collective."""
+    tp, large = runtime["tp"], runtime.get("tp_large")
+    if not tp["tp_collectives"]:
+        return alpha, 0.0
+    a, b = _ring("all_reduce", nproc)
+
+    def rest(run: dict[str, float]) -> tuple[float, float, float]:  # (latency part, messages, computation)
+        return ((run["tp_comm_s"] - b * run["tp_bytes"] * beta * shared) / shared, a * run["tp_collectives"],
+                (run["forward_ops_s"] + run["backward_ops_s"]) / shared)
+
+    (r1, n1, c1), share = rest(tp), 0.0
+    if large and large["tp_collectives"]:
+        r2, n2, c2 = rest(large)
+        det = n1 * c2 - n2 * c1
+        if det > 0:
+            share = max(0.0, (n1 * r2 - n2 * r1) / det)
+    return max(alpha, (r1 - share * c1) / n1), share
 
 
 def host_cores(nproc: int) -> int:
@@ -426,10 +455,8 @@ def cluster_spec(measured: dict[str, Any], nproc: int, name: str = "cpu-local") 
     # (a calibration from before the lowering measured the interpreter as "tp")
     interpreted = measured["runtime"].get("tp_interpreted", tp)
     sharded = max(0.0, interpreted["per_op_s"] / shared - op_overhead)
-    if tp["tp_collectives"]:  # the tensor axis's all-reduces in place: their latency, the bytes at β
-        a, b = _ring("all_reduce", nproc)
-        alpha = max(alpha, (tp["tp_comm_s"] / shared - b * tp["tp_bytes"] * beta) / (a * tp["tp_collectives"]))
-    link = Link(bandwidth=1 / beta, latency=alpha, overlap=measured["overlap"]["overlap"],
+    alpha, waits = wait_fit(measured["runtime"], nproc, shared, alpha, beta)
+    link = Link(bandwidth=1 / beta, latency=alpha, overlap=measured["overlap"]["overlap"], wait_share=waits,
                 **fit_factors(measured["links"], cores, alpha, beta))
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, nproc)
     gpu = torch.cuda.is_available()

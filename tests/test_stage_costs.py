@@ -90,3 +90,29 @@ def test_the_dp_cuts_at_every_module_while_recomputation_checkpoints_the_groups(
     assert search.costs.layer_starts == [u.atoms[0] for u in cluster_layers(search.graph)]
     assert len(search.costs.layer_starts) < len(search.layers)
 
+
+
+def test_a_tensor_axis_waits_a_share_of_its_computation():
+    """`Link.wait_share`: a stage whose tensor axis synchronises its ranks at every collective
+    pays that share of its computation more, forward and backward alike; a data-parallel stage (no
+    collective until its gradients) pays none."""
+    import dataclasses
+
+    from autopar.planner.manual import Layout, manual_plan, manual_search
+
+    w = autopar.load_workload("gpt-tiny", batch=8)
+    base = get_cluster("cpu-local").with_ranks(2)
+
+    def priced(share: float, layout: str) -> dict[str, float]:
+        link = dataclasses.replace(base.intra_host, wait_share=share)
+        cluster = dataclasses.replace(base, intra_host=link, inter_host=link)
+        return manual_plan(manual_search(Search.start(w, cluster, (1, 2))), Layout.parse(layout)).stages[0].cost
+
+    for layout in ("1,2,1", "1,2,1,2", "2,1,1"):
+        costs = [priced(share, layout) for share in (0.0, 0.25, 0.5)]
+        for k in ("forward_s", "backward_s"):
+            more = [c[k] - costs[0][k] for c in costs]
+            if layout == "2,1,1":
+                assert more == [0.0, 0.0, 0.0]
+            else:  # the share of a fixed computation: twice the share, twice the wait
+                assert more[1] > 0 and more[2] == pytest.approx(2 * more[1], rel=1e-9), (layout, k)

@@ -34,6 +34,11 @@ class Link:
     # (`autopar calibrate` measures them; FSDP2's ZeRO and DTensor's redistributions run these)
     gather_factor: float = 1.0
     scatter_factor: float = 1.0
+    # the share of a rank's computation between two blocking collectives of its group that the
+    # group spends waiting for its slowest member (ranks drift apart between synchronisations: a
+    # core's other work, clock changes); measured in place, 0 where nothing was (presets: a GPU
+    # queues its kernels ahead of the collective, so small drifts do not reach the step)
+    wait_share: float = 0.0
 
     def bandwidth_only(self) -> Link:
         """The link without its per-message cost, for bytes whose α is charged elsewhere (once per
@@ -208,6 +213,7 @@ def _parse_cluster(data: Any, source: str) -> ClusterSpec:
         known(obj, {f.name for f in dataclasses.fields(Link)}, f"{key}.")
         return Link(bandwidth=float(number(obj, "bandwidth", f"{key}.")), latency=float(number(obj, "latency", f"{key}.")),
                     overlap=optional(obj, "overlap", f"{key}.", 1.0, at_most=1.0),
+                    wait_share=optional(obj, "wait_share", f"{key}.", 0.0, at_most=10.0),
                     **{f: float(number(obj, f, f"{key}.", at_most=1e3))
                        for f in ("gather_factor", "scatter_factor") if f in obj})
 

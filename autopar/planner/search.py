@@ -717,15 +717,20 @@ def plan_single_stage(search: Search) -> Plan:
     except InfeasibleError as exc:
         raise InfeasibleError(f"{search.workload.name} (batch {search.workload.batch}) {exc}", exc.least_memory) from None
 
+    def compute(r) -> float:  # with the tensor axis's waits for its slowest rank (`StageCosts.wait_share`)
+        c = r.cost
+        waits = costs.wait_share(search.mesh, r.logical_mesh) if c["comm_s"] + c["reshard_s"] > 0 else 0.0
+        return c["compute_s"] * (1 + waits)
+
     def backward(r) -> float:
-        return r.cost["compute_s"] * (1 - share) + (r.cost["comm_s"] + r.cost["reshard_s"]) / 2 + loss(r) / 2
+        return compute(r) * (1 - share) + (r.cost["comm_s"] + r.cost["reshard_s"]) / 2 + loss(r) / 2
 
     def loss(r) -> float:
         return float(costs.loss_time(costs.loss_bytes / r.logical_mesh[0]))
 
     def step(r) -> float:  # the estimate's terms: the ILP's time leaves out the loss, the optimizer, the
         c = r.cost  # part of the gradient averaging backward hides and what a compressor adds (`exposed_sync`)
-        return (c["compute_s"] + c["comm_s"] + c["reshard_s"] + loss(r)
+        return (compute(r) + c["comm_s"] + c["reshard_s"] + loss(r)
                 + float(costs.exposed_sync(c["grad_sync_s"], backward(r), search.mesh, r.logical_mesh, c["trainable_bytes"]))
                 + float(costs.optimizer_s(c["optimizer_elements"], c["optimizer_tensors"], c["optimizer_dtensors"]))
                 + c.get("tp_grad_s", 0.0))
@@ -737,7 +742,7 @@ def plan_single_stage(search: Search) -> Plan:
     stage = StagePlan(
         layers=(0, len(search.layers)), submesh=search.mesh, logical_mesh=best.logical_mesh, params=placed(best.params),
         ops=placed(best.ops), needs=placed(best.needs),
-        collectives=program_collectives(best.collectives, best.logical_mesh[1]), cost={"forward_s": c["compute_s"] * share + comm / 2 + loss(best) / 2,
+        collectives=program_collectives(best.collectives, best.logical_mesh[1]), cost={"forward_s": compute(best) * share + comm / 2 + loss(best) / 2,
                             "backward_s": backward(best), "send_s": 0.0,
                             "grad_sync_s": float(costs.exposed_sync(c["grad_sync_s"], backward(best), search.mesh,
                                                                     best.logical_mesh, c["trainable_bytes"])),

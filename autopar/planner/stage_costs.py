@@ -246,6 +246,10 @@ class StageCosts:
             return sync + self.compressed_per_byte(submesh, lm) * trainable
         return exposed_time(sync, backward, self.data_link(submesh, lm))
 
+    def wait_share(self, submesh: tuple[int, int], lm: tuple[int, int]) -> float:
+        """`Link.wait_share` of a stage's tensor axis (0 without one)."""
+        return axis_link(self.cluster, lm, 1, submesh).wait_share if lm[1] > 1 else 0.0
+
     def data_link(self, submesh: tuple[int, int], lm: tuple[int, int]):
         """The link a stage's data axis runs over (`axis_link`, cached: the search asks it per variant)."""
         if (submesh, lm) not in self._links:
@@ -623,8 +627,12 @@ class StageCosts:
         # (Qi et al. price T_W = T_B): the weights' half of the computation, none of its collectives
         weight = q.bwd / m / 2
         # autocast copies the weights once per microbatch and keeps them until its backward
-        fwd, bwd, acts = (q.fwd + comm / 2) / m, (q.bwd + comm / 2) / m, q.acts / m + q.copies
+        fwd, bwd, acts = q.fwd / m, q.bwd / m, q.acts / m + q.copies
         fwd, bwd = fwd + q.fixed_f * (1 - 1 / m), bwd + q.fixed_b * (1 - 1 / m)  # every microbatch issues every op
+        # a range whose tensor axis synchronises its ranks waits for the slowest at each collective:
+        # a share of the computation between them (`Link.wait_share`)
+        waits = self.wait_share(submesh, lm) * (comm > 0)
+        fwd, bwd = fwd * (1 + waits) + comm / 2 / m, bwd * (1 + waits) + comm / 2 / m
         # ZeRO-3 gathers the parameters again for every microbatch's forward; in one stage for its
         # backward too, and reduce-scatters every microbatch's gradients (`runtime.parallel`). torch's
         # pipeline schedules keep them gathered through the backwards and reduce once, after the last
