@@ -17,6 +17,7 @@ collective latency where they are paid (`runtime_overheads`).
 
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import tempfile
@@ -31,6 +32,7 @@ import torch.multiprocessing as mp
 
 from autopar.api import parallelize
 from autopar.cost_models import ClusterSpec, DeviceSpec, Link
+from autopar.cost_models.comm import largest_of_normals
 from autopar.cost_models.compute import LOSS_OPS
 from autopar.models import load_workload
 from autopar.planner.capture import capture
@@ -237,8 +239,8 @@ def runtime_overheads(device: torch.device, world: int, model: str = "gpt-tiny",
     timing added to the step), per op the planner counts (each graph node forward, and again in
     backward), is the overhead; the tensor axis's collectives' time in place (waiting for the
     slowest rank included), lowered at two batch sizes ("tp" and "tp_large": as many collectives,
-    4 times the computation between them), gives their latency there and the share of that
-    computation the ranks wait (`wait_fit`)."""
+    4 times the computation between them), gives their latency there apart from the ranks' waits
+    for the slowest (`jitter_fit`)."""
     out = {}
     for axis, layout, per_rank in (("dp", f"{world},1,1,1", 4), ("tp", f"1,{world},1,1", 4),
                                    ("tp_interpreted", f"1,{world},1,1", 4), ("tp_large", f"1,{world},1,1", 16)):
@@ -389,7 +391,7 @@ def spec_terms(spec: ClusterSpec) -> dict[str, float]:
             "per op, on DTensors": dev.sharded_op_overhead_s, "optimizer per tensor (ops)": dev.optimizer_ops,
             "optimizer per DTensor, more": dev.optimizer_dtensor_s,
             "optimizer bytes per element": dev.optimizer_bytes, "link latency": link.latency,
-            "link bandwidth": link.bandwidth, "overlap": link.overlap, "wait share": link.wait_share,
+            "jitter (√s)": dev.jitter, "link bandwidth": link.bandwidth, "overlap": link.overlap,
             "all-gather factor": link.gather_factor,
             "reduce-scatter factor": link.scatter_factor}
 
@@ -407,29 +409,35 @@ def term_spread(measured: dict[str, Any], nproc: int) -> dict[str, dict[str, flo
     return out
 
 
-def wait_fit(runtime: dict[str, Any], nproc: int, shared: float, alpha: float, beta: float) -> tuple[float, float]:
-    """(α, wait share) of the tensor axis's all-reduces in place (`runtime_overheads`): their time
-    there less the bytes at β is a·α per collective (a: the ring's messages) plus the share of the
-    computation between them that the ranks spend waiting for the slowest; the runs at two batch
-    sizes (the same collectives, 4 times the computation) separate the two. α stays at least the
-    links' own; with one run, or where the two do not separate (a share below 0), all the time in
-    place is latency, as one number per collective."""
+def jitter_fit(runtime: dict[str, Any], nproc: int, shared: float, alpha: float, beta: float) -> tuple[float, float]:
+    """(α, jitter) of the tensor axis's all-reduces in place (`runtime_overheads`): each one's time
+    there less its bytes at β is its a·α (a: the ring's messages) plus the wait for the slowest
+    rank after the computation since the previous one (`comm.straggler_wait`: e_n·jitter·√L, L
+    the run's computation over its collectives); the runs at two batch sizes (the same
+    collectives, 4 times the computation between them) separate the two. α stays at least the
+    links' own (then jitter is fitted alone, least squares over both runs); with one run all the
+    time in place is latency, as one number per collective."""
     tp, large = runtime["tp"], runtime.get("tp_large")
     if not tp["tp_collectives"]:
         return alpha, 0.0
     a, b = _ring("all_reduce", nproc)
+    e = largest_of_normals(nproc)
 
-    def rest(run: dict[str, float]) -> tuple[float, float, float]:  # (latency part, messages, computation)
-        return ((run["tp_comm_s"] - b * run["tp_bytes"] * beta * shared) / shared, a * run["tp_collectives"],
-                (run["forward_ops_s"] + run["backward_ops_s"]) / shared)
+    def point(run: dict[str, float]) -> tuple[float, float]:  # (seconds in place per collective, e_n·√L)
+        n = run["tp_collectives"]
+        spent = (run["tp_comm_s"] / shared - b * run["tp_bytes"] * beta) / n
+        return spent, e * math.sqrt(max(0.0, run["forward_ops_s"] + run["backward_ops_s"]) / shared / n)
 
-    (r1, n1, c1), share = rest(tp), 0.0
-    if large and large["tp_collectives"]:
-        r2, n2, c2 = rest(large)
-        det = n1 * c2 - n2 * c1
-        if det > 0:
-            share = max(0.0, (n1 * r2 - n2 * r1) / det)
-    return max(alpha, (r1 - share * c1) / n1), share
+    runs = [point(tp)] + ([point(large)] if large and large["tp_collectives"] else [])
+    if len(runs) < 2:
+        return max(alpha, runs[0][0] / a), 0.0
+    (y1, x1), (y2, x2) = runs
+    jitter = (y2 - y1) / (x2 - x1) if x2 > x1 else 0.0
+    latency = (y1 - jitter * x1) / a
+    if latency < alpha:  # the links' own α, and the rest the waits
+        latency = alpha
+        jitter = sum((y - a * alpha) * x for y, x in runs) / max(sum(x * x for _, x in runs), 1e-30)
+    return latency, max(0.0, jitter)
 
 
 def host_cores(nproc: int) -> int:
@@ -455,8 +463,8 @@ def cluster_spec(measured: dict[str, Any], nproc: int, name: str = "cpu-local") 
     # (a calibration from before the lowering measured the interpreter as "tp")
     interpreted = measured["runtime"].get("tp_interpreted", tp)
     sharded = max(0.0, interpreted["per_op_s"] / shared - op_overhead)
-    alpha, waits = wait_fit(measured["runtime"], nproc, shared, alpha, beta)
-    link = Link(bandwidth=1 / beta, latency=alpha, overlap=measured["overlap"]["overlap"], wait_share=waits,
+    alpha, jitter = jitter_fit(measured["runtime"], nproc, shared, alpha, beta)
+    link = Link(bandwidth=1 / beta, latency=alpha, overlap=measured["overlap"]["overlap"],
                 **fit_factors(measured["links"], cores, alpha, beta))
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // max(1, nproc)
     gpu = torch.cuda.is_available()
@@ -473,6 +481,6 @@ def cluster_spec(measured: dict[str, Any], nproc: int, name: str = "cpu-local") 
                           loss_bandwidth=dev.get("loss_bandwidth", 0.0),
                           optimizer_ops=dev["optimizer_tensor_s"] / op_overhead if op_overhead else 0.0,
                           optimizer_dtensor_s=measured.get("dtensor", {}).get("optimizer_dtensor_s", 0.0),
-                          optimizer_bytes=dev["optimizer_bytes"]),
+                          optimizer_bytes=dev["optimizer_bytes"], jitter=jitter),
         intra_host=link, inter_host=link,
         description=f"this machine, {nproc} ranks on {cores} cores, calibrated {time.strftime('%Y-%m-%d')}")

@@ -309,8 +309,8 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> Any:
               f"{human_time(dev.lowered_op_overhead_s)} more, on DTensors {human_time(dev.sharded_op_overhead_s)} more "
               f"(an optimizer step {human_time(dev.optimizer_dtensor_s)} more per DTensor parameter); "
               f"{args.nproc} ranks on {spec.cores_per_host} cores (each at 1/{shared:g} when all compute); "
-              f"an all-reduce hides {link.overlap:.0%} behind computation; the tensor axis's ranks wait "
-              f"{link.wait_share:.0%} of the computation between its collectives for the slowest")
+              f"an all-reduce hides {link.overlap:.0%} behind computation; ranks drift ±{dev.jitter * 1e3:.1f} ms over "
+              f"1 s of computation, ±{dev.jitter * 1e3 * 0.1:.1f} ms over 10 ms (the square root of the time)")
     table = Table(title=f"collectives on {args.nproc} local ranks: measured, and the ring formulas with "
                         f"α {human_time(link.latency)}, {link.bandwidth / 1e9:.2f} GB/s fitted to the all-reduces, "
                         f"all-gathers × {link.gather_factor:.2f}, reduce-scatters × {link.scatter_factor:.2f}")

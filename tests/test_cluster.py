@@ -120,25 +120,29 @@ def test_calibrated_link_fit_recovers_the_ring_formulas():
 
 
 def test_tensor_axis_waits_separate_from_latency_by_two_batch_sizes():
-    """The tensor axis's collectives in place take a latency each, their bytes, and a share of the
-    computation between them (ranks drifting apart wait for the slowest): the runs at two batch
-    sizes, as many collectives and 4 times the computation, give back both; a share that comes out
-    below 0 is none, all the time in place latency."""
-    from autopar.calibrate import wait_fit
+    """The tensor axis's collectives in place take a latency each, their bytes, and the wait for the
+    slowest rank after the computation since the previous one (e_n·jitter·√L): the runs at two
+    batch sizes, as many collectives and 4 times the computation, give back both; where the
+    latency would come out below the links' own, the links' is kept and the jitter fitted alone;
+    with one run, all the time in place is latency."""
+    from autopar.calibrate import jitter_fit
+    from autopar.cost_models.comm import straggler_wait
 
-    alpha, beta, share = 300e-6, 1 / 1e9, 0.2
+    alpha, beta, jitter = 300e-6, 1 / 1e9, 0.03
 
     def run(compute: float, nbytes: float, collectives: int = 40) -> dict[str, float]:
         ops = {"forward_ops_s": compute / 3, "backward_ops_s": 2 * compute / 3}
+        waits = collectives * straggler_wait(compute / collectives, 2, jitter)
         return {**ops, "tp_collectives": collectives, "tp_bytes": nbytes,
-                "tp_comm_s": 2 * collectives * alpha + nbytes * beta + share * compute}  # 2 ranks: a = 2, b = 1
+                "tp_comm_s": 2 * collectives * alpha + nbytes * beta + waits}  # 2 ranks: a = 2, b = 1
 
     runtime = {"tp": run(0.05, 4e6), "tp_large": run(0.2, 16e6)}
-    assert wait_fit(runtime, 2, 1.0, 50e-6, beta) == pytest.approx((alpha, share), rel=1e-9)
-    assert wait_fit({"tp": runtime["tp"]}, 2, 1.0, 50e-6, beta) == pytest.approx(
-        (alpha + share * 0.05 / 80, 0.0), rel=1e-9)  # one run: all of it latency
-    steady = {"tp": runtime["tp"], "tp_large": {**runtime["tp_large"], "tp_comm_s": runtime["tp"]["tp_comm_s"]}}
-    assert wait_fit(steady, 2, 1.0, 50e-6, beta)[1] == 0.0
+    assert jitter_fit(runtime, 2, 1.0, 50e-6, beta) == pytest.approx((alpha, jitter), rel=1e-9)
+    # the links' α above the fit's: kept, and the waits then all jitter
+    kept, fitted = jitter_fit(runtime, 2, 1.0, 400e-6, beta)
+    assert kept == 400e-6 and 0 < fitted < jitter
+    one = jitter_fit({"tp": runtime["tp"]}, 2, 1.0, 50e-6, beta)
+    assert one == pytest.approx((alpha + straggler_wait(0.05 / 40, 2, jitter) / 2, 0.0), rel=1e-9)
 
 
 def test_one_rank_calibration_prices_copies_at_the_device_memory():

@@ -92,27 +92,40 @@ def test_the_dp_cuts_at_every_module_while_recomputation_checkpoints_the_groups(
 
 
 
-def test_a_tensor_axis_waits_a_share_of_its_computation():
-    """`Link.wait_share`: a stage whose tensor axis synchronises its ranks at every collective
-    pays that share of its computation more, forward and backward alike; a data-parallel stage (no
-    collective until its gradients) pays none."""
+def test_ranks_wait_for_the_slowest_where_they_meet():
+    """`DeviceSpec.jitter`: a rank's progress drifts as a random walk, so a group meeting at a
+    collective waits for its slowest, e_n·jitter·√L after L seconds of computation. A tensor axis
+    meets K times a microbatch (its collectives): √(K·c) more per microbatch of computation c,
+    forward and backward alike; a data axis meets once a step, at its gradients: √ of the step's
+    computation more in the exposed synchronisation; one device never waits."""
     import dataclasses
 
+    from autopar.cost_models.comm import largest_of_normals
     from autopar.planner.manual import Layout, manual_plan, manual_search
 
     w = autopar.load_workload("gpt-tiny", batch=8)
     base = get_cluster("cpu-local").with_ranks(2)
 
-    def priced(share: float, layout: str) -> dict[str, float]:
-        link = dataclasses.replace(base.intra_host, wait_share=share)
-        cluster = dataclasses.replace(base, intra_host=link, inter_host=link)
-        return manual_plan(manual_search(Search.start(w, cluster, (1, 2))), Layout.parse(layout)).stages[0].cost
+    def priced(jitter: float, layout: str):
+        cluster = dataclasses.replace(base, device=dataclasses.replace(base.device, jitter=jitter))
+        return manual_plan(manual_search(Search.start(w, cluster, (1, 2))), Layout.parse(layout))
 
-    for layout in ("1,2,1", "1,2,1,2", "2,1,1"):
-        costs = [priced(share, layout) for share in (0.0, 0.25, 0.5)]
-        for k in ("forward_s", "backward_s"):
+    for layout in ("1,2,1", "1,2,1,2", "2,1,1", "2,1,1,4"):
+        plans = [priced(j, layout) for j in (0.0, 0.01, 0.02)]
+        costs = [p.stages[0].cost for p in plans]
+        m = plans[0].num_microbatches
+        for k in ("forward_s", "backward_s", "grad_sync_s"):
             more = [c[k] - costs[0][k] for c in costs]
-            if layout == "2,1,1":
-                assert more == [0.0, 0.0, 0.0]
-            else:  # the share of a fixed computation: twice the share, twice the wait
-                assert more[1] > 0 and more[2] == pytest.approx(2 * more[1], rel=1e-9), (layout, k)
+            waits = k != "grad_sync_s" if layout.startswith("1,2") else k == "grad_sync_s"
+            if waits:  # proportional to the jitter
+                assert more[1] > 0 and more[2] == pytest.approx(2 * more[1], rel=1e-6), (layout, k)
+            else:
+                assert more[1:] == pytest.approx([0.0, 0.0], abs=1e-12), (layout, k)
+        if layout.startswith("2"):  # once a step, after all of its computation
+            step = m * (costs[0]["forward_s"] + costs[0]["backward_s"])
+            assert costs[1]["grad_sync_s"] - costs[0]["grad_sync_s"] == pytest.approx(
+                largest_of_normals(2) * 0.01 * step ** 0.5, rel=1e-6)
+    one = dataclasses.replace(base.with_mesh(1, 1), device=dataclasses.replace(base.device, jitter=0.01))
+    alone = manual_plan(manual_search(Search.start(w, one, (1, 1))), Layout.parse("1,1,1"))
+    plain = manual_plan(manual_search(Search.start(w, base.with_mesh(1, 1), (1, 1))), Layout.parse("1,1,1"))
+    assert alone.estimate.step_time_s == plain.estimate.step_time_s

@@ -34,11 +34,6 @@ class Link:
     # (`autopar calibrate` measures them; FSDP2's ZeRO and DTensor's redistributions run these)
     gather_factor: float = 1.0
     scatter_factor: float = 1.0
-    # the share of a rank's computation between two blocking collectives of its group that the
-    # group spends waiting for its slowest member (ranks drift apart between synchronisations: a
-    # core's other work, clock changes); measured in place, 0 where nothing was (presets: a GPU
-    # queues its kernels ahead of the collective, so small drifts do not reach the step)
-    wait_share: float = 0.0
 
     def bandwidth_only(self) -> Link:
         """The link without its per-message cost, for bytes whose α is charged elsewhere (once per
@@ -75,6 +70,11 @@ class DeviceSpec:
     # bytes of fp32 logits per second through cross-entropy's forward and backward (calibrated: its
     # log-softmax is exp and log per element, not a copy); 0: its passes at `memory_bandwidth`
     loss_bandwidth: float = 0.0
+    # how far a rank's progress drifts: L seconds of its computation take L ± jitter·√L (one
+    # standard deviation, in √seconds; the system's noise as a random walk), so a group meeting at a
+    # collective waits for its slowest (`comm.straggler_wait`); measured in place by `calibrate`,
+    # 0 on presets (no data sheet gives it; a GPU queues its kernels ahead of the collective)
+    jitter: float = 0.0
 
     def flops_for(self, dtype: str) -> float:
         """Peak FLOP/s for `dtype`; a dtype the sheet does not list runs at the float32 rate."""
@@ -205,6 +205,7 @@ def _parse_cluster(data: Any, source: str) -> ClusterSpec:
         optimizer_ops=optional(dev, "optimizer_ops", "device.", 0.0, at_most=1e4),
         optimizer_dtensor_s=optional(dev, "optimizer_dtensor_s", "device.", 0.0, at_most=1.0),
         loss_bandwidth=optional(dev, "loss_bandwidth", "device.", 0.0),
+        jitter=optional(dev, "jitter", "device.", 0.0, at_most=1.0),
     )
     if device.efficiency > 1:
         raise ClusterSpecError(f"{source}: device.efficiency must be in (0, 1], got {device.efficiency}")
@@ -213,7 +214,6 @@ def _parse_cluster(data: Any, source: str) -> ClusterSpec:
         known(obj, {f.name for f in dataclasses.fields(Link)}, f"{key}.")
         return Link(bandwidth=float(number(obj, "bandwidth", f"{key}.")), latency=float(number(obj, "latency", f"{key}.")),
                     overlap=optional(obj, "overlap", f"{key}.", 1.0, at_most=1.0),
-                    wait_share=optional(obj, "wait_share", f"{key}.", 0.0, at_most=10.0),
                     **{f: float(number(obj, f, f"{key}.", at_most=1e3))
                        for f in ("gather_factor", "scatter_factor") if f in obj})
 

@@ -236,6 +236,7 @@ def _result(stage: StageGraph, logical, chosen: dict[str, Evaluation], zero: dic
               "grad_sync_s": grad_sync + latency, "total_s": total,
               "bucket_latency_s": per_bucket, "trainable_bytes": trainable_bytes,
               "comm_latency_s": _latency_of(stage.mesh, collectives) + gather,
+              "tp_syncs": sum(c["axis"] == "tp" and c["phase"] != "gradient" for c in collectives),
               "zero_gather_s": sum(e.zero_gather for e in per_anchor) + gather,
               "zero_scatter_s": sum(e.zero_scatter for e in per_anchor) + scatter,
               "tp_grad_s": sum(e.tp_grad for e in per_anchor),

@@ -717,10 +717,9 @@ def plan_single_stage(search: Search) -> Plan:
     except InfeasibleError as exc:
         raise InfeasibleError(f"{search.workload.name} (batch {search.workload.batch}) {exc}", exc.least_memory) from None
 
-    def compute(r) -> float:  # with the tensor axis's waits for its slowest rank (`StageCosts.wait_share`)
+    def compute(r) -> float:  # with the tensor axis's waits for its slowest rank (`StageCosts.straggler_wait`)
         c = r.cost
-        waits = costs.wait_share(search.mesh, r.logical_mesh) if c["comm_s"] + c["reshard_s"] > 0 else 0.0
-        return c["compute_s"] * (1 + waits)
+        return c["compute_s"] + float(costs.straggler_wait(c.get("tp_syncs", 0) * c["compute_s"], r.logical_mesh[1]))
 
     def backward(r) -> float:
         return compute(r) * (1 - share) + (r.cost["comm_s"] + r.cost["reshard_s"]) / 2 + loss(r) / 2
@@ -731,7 +730,8 @@ def plan_single_stage(search: Search) -> Plan:
     def step(r) -> float:  # the estimate's terms: the ILP's time leaves out the loss, the optimizer, the
         c = r.cost  # part of the gradient averaging backward hides and what a compressor adds (`exposed_sync`)
         return (compute(r) + c["comm_s"] + c["reshard_s"] + loss(r)
-                + float(costs.exposed_sync(c["grad_sync_s"], backward(r), search.mesh, r.logical_mesh, c["trainable_bytes"]))
+                + float(costs.exposed_sync(c["grad_sync_s"], backward(r), search.mesh, r.logical_mesh, c["trainable_bytes"],
+                                           compute(r) + loss(r)))
                 + float(costs.optimizer_s(c["optimizer_elements"], c["optimizer_tensors"], c["optimizer_dtensors"]))
                 + c.get("tp_grad_s", 0.0))
 
@@ -745,7 +745,8 @@ def plan_single_stage(search: Search) -> Plan:
         collectives=program_collectives(best.collectives, best.logical_mesh[1]), cost={"forward_s": compute(best) * share + comm / 2 + loss(best) / 2,
                             "backward_s": backward(best), "send_s": 0.0,
                             "grad_sync_s": float(costs.exposed_sync(c["grad_sync_s"], backward(best), search.mesh,
-                                                                    best.logical_mesh, c["trainable_bytes"])),
+                                                                    best.logical_mesh, c["trainable_bytes"],
+                                                                    compute(best) + loss(best))),
                             "optimizer_s": float(costs.optimizer_s(c["optimizer_elements"], c["optimizer_tensors"],
                                                                   c["optimizer_dtensors"])) + c.get("tp_grad_s", 0.0),
                             "state_bytes": best.memory["model_states"],

@@ -30,7 +30,7 @@ from autopar.contract.compression import Spec
 from autopar.contract.plan import SELECTIVE
 from autopar.contract.precision import PRECISIONS
 from autopar.cost_models import ClusterSpec, axis_link, optimizer_time, p2p_time
-from autopar.cost_models.comm import all_reduce_time, exposed_time, stage_send_link
+from autopar.cost_models.comm import all_reduce_time, exposed_time, stage_send_link, straggler_wait
 from autopar.cost_models.compression import dense_time, sync_time
 from autopar.cost_models.compute import loss_time
 from autopar.cost_models.memory import OPTIMIZER_STATE_BYTES
@@ -78,6 +78,7 @@ class Col(IntEnum):
     attention = 21  # the activations the attention cores save
     attention_s = 22  # the forward selective recomputation repeats
     attention_kept = 23  # the cores' inputs its checkpoints keep beyond those
+    tp_syncs = 24  # the tensor axis's collectives a microbatch runs (its ranks meet at each)
 
 # each atom's shardings: the fastest; the fastest of those within STATES_SLACK of the least model
 # states (a bias left whole beside its sharded weight costs a few bytes and saves a collective);
@@ -238,17 +239,26 @@ class StageCosts:
     def loss_time(self, loss):
         return loss_time(loss, self.cluster.device)
 
-    def exposed_sync(self, sync, backward, submesh: tuple[int, int], lm: tuple[int, int], trainable):
+    def exposed_sync(self, sync, backward, submesh: tuple[int, int], lm: tuple[int, int], trainable, computed=0.0):
         """The part of a stage's gradient synchronisation its last backward (`backward`, one
         microbatch's) does not hide: the data axis's link's `overlap` of it. A compressor runs
-        after backward (its rounds depend on the data): nothing hides, and it adds its own cost."""
+        after backward (its rounds depend on the data): nothing hides, and it adds its own cost.
+        And the data axis's ranks meet there after the step's `computed` seconds: they wait for
+        the slowest (`straggler_wait`)."""
+        wait = self.data_wait(computed, lm, trainable)
         if self.compression is not None and lm[0] > 1:
-            return sync + self.compressed_per_byte(submesh, lm) * trainable
-        return exposed_time(sync, backward, self.data_link(submesh, lm))
+            return sync + self.compressed_per_byte(submesh, lm) * trainable + wait
+        return exposed_time(sync, backward, self.data_link(submesh, lm)) + wait
 
-    def wait_share(self, submesh: tuple[int, int], lm: tuple[int, int]) -> float:
-        """`Link.wait_share` of a stage's tensor axis (0 without one)."""
-        return axis_link(self.cluster, lm, 1, submesh).wait_share if lm[1] > 1 else 0.0
+    def data_wait(self, computed, lm: tuple[int, int], trainable):
+        """The data axis's wait for its slowest rank where it synchronises gradients (`trainable`
+        bytes) after the step's `computed` seconds."""
+        return np.where(np.asarray(trainable) > 0, self.straggler_wait(computed, lm[0]), 0.0)
+
+    def straggler_wait(self, seconds, n: int):
+        """What a group of `n` of this cluster's ranks waits for its slowest after `seconds` of
+        computation (`comm.straggler_wait`)."""
+        return straggler_wait(seconds, n, self.cluster.device.jitter)
 
     def data_link(self, submesh: tuple[int, int], lm: tuple[int, int]):
         """The link a stage's data axis runs over (`axis_link`, cached: the search asks it per variant)."""
@@ -629,10 +639,11 @@ class StageCosts:
         # autocast copies the weights once per microbatch and keeps them until its backward
         fwd, bwd, acts = q.fwd / m, q.bwd / m, q.acts / m + q.copies
         fwd, bwd = fwd + q.fixed_f * (1 - 1 / m), bwd + q.fixed_b * (1 - 1 / m)  # every microbatch issues every op
-        # a range whose tensor axis synchronises its ranks waits for the slowest at each collective:
-        # a share of the computation between them (`Link.wait_share`)
-        waits = self.wait_share(submesh, lm) * (comm > 0)
-        fwd, bwd = fwd * (1 + waits) + comm / 2 / m, bwd * (1 + waits) + comm / 2 / m
+        # the tensor axis's ranks meet at each of its collectives and wait for the slowest there
+        # (`straggler_wait`), K times a microbatch after 1/K of its computation c each: √(K·c) in all
+        waits = self.straggler_wait(q.tp_syncs * (fwd + bwd), lm[1])
+        share = np.divide(fwd, fwd + bwd, out=np.full_like(fwd, 0.5), where=fwd + bwd > 0)
+        fwd, bwd = fwd + waits * share + comm / 2 / m, bwd + waits * (1 - share) + comm / 2 / m
         # ZeRO-3 gathers the parameters again for every microbatch's forward; in one stage for its
         # backward too, and reduce-scatters every microbatch's gradients (`runtime.parallel`). torch's
         # pipeline schedules keep them gathered through the backwards and reduce once, after the last
@@ -653,7 +664,7 @@ class StageCosts:
             broken = cuts[None, :] - cuts[:, None] > 0
         base = {"prefix": prefix, "q": q, "states": states, "sync": sync, "weight": weight, "fwd": fwd, "bwd": bwd,
                 "acts": acts, "loss": loss, "transient": transient, "inbound": inbound, "send": send, "broken": broken,
-                "unhidden": self.exposed_sync(sync, 0.0, submesh, lm, q.trainable)}
+                "unhidden": self.exposed_sync(sync, 0.0, submesh, lm, q.trainable, m * (fwd + bwd))}
         self._last_base = (key, base)
         return base
 
@@ -731,10 +742,12 @@ class StageCosts:
             """(backward, exposed sync, ZeRO's terms) of the ranges `at` with a backward `less` shorter:
             how long the synchronisation is hidden depends on the backward beside it."""
             bwd_at = np.asarray(compute_bwd)[at] - less
+            computed = m * (_at(fwd, at) + bwd_at)  # since the data axis's ranks last met
             if z:
                 zq = self.zeroed(z, submesh, lm, m, whole[at], {k: _at(v, at) for k, v in zq_in.items()} | {"bwd": bwd_at})
-                return zq["bwd"], zq["sync"], zq
-            return bwd_at, self.exposed_sync(_at(sync, at), bwd_at, submesh, lm, _at(q.trainable, at)), None
+                wait = self.data_wait(computed, lm, _at(q.trainable, at))
+                return zq["bwd"], zq["sync"] + wait, {**zq, "unhidden": zq["unhidden"] + wait}
+            return bwd_at, self.exposed_sync(_at(sync, at), bwd_at, submesh, lm, _at(q.trainable, at), computed), None
 
         everywhere = (slice(None), slice(None))
         bwd, exposed, zq = timed(everywhere)
@@ -793,7 +806,8 @@ class StageCosts:
                             Col.states: mem["model_states"], Col.acts: mem["activations"],
                             Col.trainable: c["trainable_bytes"],
                             Col.weighted_latency: c["bucket_latency_s"] * c["trainable_bytes"],
-                            Col.latency: c["comm_latency_s"], Col.copies: mem.get("weight_copies", 0.0),
+                            Col.latency: c["comm_latency_s"], Col.tp_syncs: c.get("tp_syncs", 0),
+                            Col.copies: mem.get("weight_copies", 0.0),
                             Col.gathered: mem.get("gathered", 0.0), Col.grads: mem.get("gradients", 0.0),
                             Col.averaged: c["trainable_bytes"] if bucketed else 0.0,
                             Col.gather: c.get("zero_gather_s", 0.0), Col.scatter: c.get("zero_scatter_s", 0.0),
