@@ -3,7 +3,7 @@ hand-written layout (dp, tp, pp × microbatches, and each recomputing, in bf16 a
 of several model families for real, and compare ranks, magnitudes and where the time goes.
 
     python benchmarks/predicted_vs_measured.py [--models gpt-small,moe-small] [--nproc 2]
-        [--calibrations 2] [--launches 3] [--ranking-nproc 4] [--cluster FILE] [--out DIR]
+        [--calibrations 2] [--launches 3] [--ranking-nproc 4] [--cluster FILE] [--out DIR] [--resume]
 
 Each calibration is a fresh `autopar calibrate --nproc N` into DIR (unless --cluster names one),
 then per family one `autopar bench MODEL --nproc N --launches L --breakdown` (each rank on a core of
@@ -11,7 +11,9 @@ its own where the machine has enough; 2 warm-up and 5 timed steps per layout per
 rank's median; a layout's time the median of its launches, its spread their range over it), one
 `autopar calibrate --from` that bench (half the layouts fitted, the other half held out) and one
 `autopar plan --tune K`. With --ranking-nproc, each family once more on that many ranks (sharing the
-cores where they outnumber them: the ranking only, Spearman). Prints markdown and writes it, with a
+cores where they outnumber them: the ranking only, Spearman). With --resume, what an earlier run into
+the same --out finished is read back (summary.json is written after each family). Prints markdown
+and writes it, with a
 log-log picture of predicted against measured step time, to
 docs/benchmarks/results/predicted_vs_measured.md (and .png): per family and calibration the layouts
 (predicted, measured, spread, ratio, and the measured breakdown of the slowest rank: forward,
@@ -113,27 +115,43 @@ def fitted_and_tuned(s: dict, k: int) -> str:
         kept = min((t for t in tuned if t["measured_step_time_s"]), key=lambda t: t["measured_step_time_s"])
         fastest = min(r["measured_step_time_s"] for r in s["layouts"])
         same = min(r["measured_step_time_s"] for r in s["layouts"] if r["precision"] == "fp32")  # what it searches
+        # the tune's one start of the ranks against the bench's launches: the searched plan ran in
+        # both, so the kept plan's time is put on the bench's scale by it (a machine's speed drifts
+        # by more than the target between starts)
+        searched = next((t["measured_step_time_s"] for t in tuned if t["name"] == "auto"), None)
+        benched = next((r["measured_step_time_s"] for r in s["layouts"] if r["name"] == "auto"), None)
+        scale = benched / searched if searched and benched else 1.0
+        on_bench = kept["measured_step_time_s"] * scale
         text += (f" Tune by measuring (`autopar plan --tune {k}`): measured "
                  + ", ".join(f"{t['name']} {t['measured_step_time_s'] * 1e3:.0f} ms" if t["measured_step_time_s"]
                              else f"{t['name']} did not run" for t in tuned)
-                 + f"; kept {kept['name']}, **{kept['measured_step_time_s'] / fastest:.2f}×** the bench's fastest"
-                 + (f" ({kept['measured_step_time_s'] / same:.2f}× its fastest fp32 layout, the precision it searches)"
-                    if same != fastest else "") + ".")
+                 + f"; kept {kept['name']}, **{on_bench / fastest:.2f}×** the bench's fastest"
+                 + (f" ({on_bench / same:.2f}× its fastest fp32 layout, the precision it searches)"
+                    if same != fastest else "")
+                 + (f" (its time × {scale:.2f}, the searched plan's in the bench over its in the tune's start; "
+                    f"unscaled {kept['measured_step_time_s'] / fastest:.2f}×)" if scale != 1.0 else "") + ".")
     return text
 
 
-def ranking(models: list[str], nproc: int, launches: int, out: str) -> str:
+def ranking(models: list[str], nproc: int, launches: int, out: str, resume: bool = False) -> str:
     """Each family on `nproc` ranks (sharing the cores where they outnumber them) after a calibration
-    of its own: the ranking only (Spearman), beside the record's."""
+    of its own: the ranking only (Spearman), beside the record's (`resume`: those already in `out`
+    read back)."""
     cluster = os.path.join(out, f"cluster-{nproc}-ranks.json")
-    run_cli("calibrate", "--nproc", str(nproc), "--out", cluster)
+    if not (resume and os.path.exists(cluster)):
+        run_cli("calibrate", "--nproc", str(nproc), "--out", cluster)
     rows = []
     for model in models:
-        result, wall, _ = run_cli("bench", model, "--nproc", str(nproc), "--cluster", cluster,
-                                  "--launches", str(launches))
-        with open(os.path.join(out, f"{model}-{nproc}-ranks.json"), "w") as f:
-            json.dump(result, f)
-        print(f"{model} on {nproc} ranks: Spearman {result['spearman']:.2f} ({wall:.0f} s)", file=sys.stderr)
+        path = os.path.join(out, f"{model}-{nproc}-ranks.json")
+        if resume and os.path.exists(path):
+            with open(path) as f:
+                result = json.load(f)
+        else:
+            result, wall, _ = run_cli("bench", model, "--nproc", str(nproc), "--cluster", cluster,
+                                      "--launches", str(launches))
+            with open(path, "w") as f:
+                json.dump(result, f)
+            print(f"{model} on {nproc} ranks: Spearman {result['spearman']:.2f} ({wall:.0f} s)", file=sys.stderr)
         rows.append([model, len(result["layouts"]), f"{result['spearman']:.2f}", f"{result['auto_vs_fastest']:.2f}",
                      f"{result['noise']['median_spread']:.1%}", "yes" if result["pinned"] else "no"])
     return (f"The ranking on {nproc} ranks:\n\n"
@@ -152,6 +170,8 @@ def main() -> None:
     ap.add_argument("--cluster", help="a calibrated cluster file (default: calibrate now, once per calibration)")
     ap.add_argument("--tune", type=int, default=4, help="also `autopar plan MODEL --tune K` (0: not)")
     ap.add_argument("--out", default=None, help="directory for the bench JSON files (default: a temporary one)")
+    ap.add_argument("--resume", action="store_true", help="read back what an earlier run into --out finished "
+                    "(calibrations, benches, fits, tunes, rankings) instead of running it again")
     args = ap.parse_args()
     started, load = stamp(), os.getloadavg()[0]
     if load > 1:
@@ -166,8 +186,6 @@ def main() -> None:
     except RuntimeError as exc:  # a failed run keeps what finished before it, and says what failed
         sections.append(f"**Stopped**: {str(exc).splitlines()[0]} ({str(exc).strip().splitlines()[-1]})")
         print(sections[-1], file=sys.stderr)
-    with open(os.path.join(out, "summary.json"), "w") as f:
-        json.dump(summary, f, indent=2)
     print(f"(load average before: {load:.2f}; bench JSON in {out})")
     if families:
         against(picture("predicted_vs_measured"),
@@ -178,32 +196,53 @@ def main() -> None:
           "per layout, log-log, with y = x](results/predicted_vs_measured.png)\n")
 
 
+def _finished(out: str, resume: bool) -> dict:
+    """What an earlier run into `out` finished (its summary.json, by family), where `resume` asks
+    for it."""
+    path = os.path.join(out, "summary.json")
+    if not resume or not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        return json.load(f)
+
+
 def run_all(args: argparse.Namespace, out: str, models: list[str], summary: dict, families: dict,
             sections: list[str]) -> None:
-    """Each calibration and its benches, fits and tunes, appending to `summary`, `families`, `sections`."""
+    """Each calibration and its benches, fits and tunes, appending to `summary`, `families`, `sections`.
+    With `--resume` what an earlier run into the same directory finished (a calibration's cluster
+    file, a family's bench, fit and tune) is read back, not run again; summary.json is written after
+    each family, so a run that stops can be resumed."""
+    done = _finished(out, args.resume)
     for c in range(1 if args.cluster else args.calibrations):
         title = "given cluster" if args.cluster else f"calibration {c + 1}"
         cluster = args.cluster or os.path.join(out, f"cluster-{c}.json")
-        if not args.cluster:
+        if not args.cluster and not (args.resume and os.path.exists(cluster)):
             run_cli("calibrate", "--nproc", str(args.nproc), "--out", cluster)
         for model in models:
-            result, wall, _ = run_cli("bench", model, "--nproc", str(args.nproc), "--cluster", cluster,
-                                      "--launches", str(args.launches), "--breakdown", os.path.join(out, f"{model}-{c}"))
-            path = os.path.join(out, f"{model}-{c}.json")
-            with open(path, "w") as f:
-                json.dump(result, f)
-            print(f"{model}, {title}: Spearman {result['spearman']:.2f} ({wall:.0f} s)", file=sys.stderr)
-            s = families[f"{model}, {title}"] = summarise(result)
-            s["fit"] = run_cli("calibrate", "--from", path, "--cluster", cluster,
-                               "--out", os.path.join(out, f"{model}-{c}-fitted.json"))[0]
-            if args.tune:
-                s["tune"] = run_cli("plan", model, "--mesh", f"1x{args.nproc}", "--cluster", cluster,
-                                    "--tune", str(args.tune))[0]
-            summary[f"{model}, {title}"] = {k: v for k, v in s.items() if k != "layouts"}
+            key, path = f"{model}, {title}", os.path.join(out, f"{model}-{c}.json")
+            if key in done and os.path.exists(path):
+                with open(path) as f:
+                    s = families[key] = {**summarise(json.load(f)), **done[key]}
+                print(f"{key}: read back from {path}", file=sys.stderr)
+            else:
+                result, wall, _ = run_cli("bench", model, "--nproc", str(args.nproc), "--cluster", cluster,
+                                          "--launches", str(args.launches), "--breakdown", os.path.join(out, f"{model}-{c}"))
+                with open(path, "w") as f:
+                    json.dump(result, f)
+                print(f"{key}: Spearman {result['spearman']:.2f} ({wall:.0f} s)", file=sys.stderr)
+                s = families[key] = summarise(result)
+                s["fit"] = run_cli("calibrate", "--from", path, "--cluster", cluster,
+                                   "--out", os.path.join(out, f"{model}-{c}-fitted.json"))[0]
+                if args.tune:
+                    s["tune"] = run_cli("plan", model, "--mesh", f"1x{args.nproc}", "--cluster", cluster,
+                                        "--tune", str(args.tune))[0]
+            summary[key] = {k: v for k, v in s.items() if k != "layouts"}
+            with open(os.path.join(out, "summary.json"), "w") as f:
+                json.dump({**done, **summary}, f, indent=2)
             sections.append(family_table(model, args.nproc, s, title) + fitted_and_tuned(s, args.tune))
             print(sections[-1] + "\n")
     if args.ranking_nproc:
-        sections.append(ranking(models, args.ranking_nproc, args.launches, out))
+        sections.append(ranking(models, args.ranking_nproc, args.launches, out, args.resume))
         print(sections[-1])
 
 
