@@ -32,9 +32,10 @@ import os
 import statistics
 import sys
 import tempfile
+import time
 
 from _page import against, picture, table, write
-from _stamp import stamp
+from _stamp import commit, stamp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -223,8 +224,12 @@ def run_all(args: argparse.Namespace, out: str, models: list[str], summary: dict
             if key in done and os.path.exists(path):
                 with open(path) as f:
                     s = families[key] = {**summarise(json.load(f)), **done[key]}
+                s.setdefault("measured", "by " + time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(os.path.getmtime(path)))
+                             + " (when its bench was written)")
                 print(f"{key}: read back from {path}", file=sys.stderr)
             else:
+                s_started = (f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} at commit {commit()}, load average "
+                             f"{os.getloadavg()[0]:.2f} before its bench")
                 result, wall, _ = run_cli("bench", model, "--nproc", str(args.nproc), "--cluster", cluster,
                                           "--launches", str(args.launches), "--breakdown", os.path.join(out, f"{model}-{c}"))
                 with open(path, "w") as f:
@@ -236,10 +241,12 @@ def run_all(args: argparse.Namespace, out: str, models: list[str], summary: dict
                 if args.tune:
                     s["tune"] = run_cli("plan", model, "--mesh", f"1x{args.nproc}", "--cluster", cluster,
                                         "--tune", str(args.tune))[0]
+                s["measured"] = s_started
             summary[key] = {k: v for k, v in s.items() if k != "layouts"}
             with open(os.path.join(out, "summary.json"), "w") as f:
                 json.dump({**done, **summary}, f, indent=2)
-            sections.append(family_table(model, args.nproc, s, title) + fitted_and_tuned(s, args.tune))
+            sections.append(family_table(model, args.nproc, s, title) + fitted_and_tuned(s, args.tune)
+                            + f" Measured {s['measured']}.")
             print(sections[-1] + "\n")
     if args.ranking_nproc:
         sections.append(ranking(models, args.ranking_nproc, args.launches, out, args.resume))
