@@ -354,9 +354,10 @@ def _stage_dp_plans(search: Search, stages: int | None, num_microbatches: int | 
     """The stage DP's fastest plan over the microbatch counts (None: none found), its stages
     (layers, submesh, option) and the counts tried. At each count the simulator judges the plans
     of both totals (`inter_op.candidates`: eq. 2, and the tails charged once where they can rank
-    plans otherwise, `_tails_matter`), skipping those whose `step_floor` cannot come within
-    `EQ2_SLACK` of the best step so far; the count's fastest is then `refine`d, cut by cut, where it
-    is within that slack (a refined neighbour of a plan a little behind can be the fastest step)."""
+    plans otherwise, `_tails_matter`), skipping those whose `step_floor` cannot beat the best step so
+    far (the count's best by eq. 2: cannot come within `EQ2_SLACK` of it); the count's fastest is
+    then `refine`d, cut by cut, where it is within that slack (a refined neighbour of a plan a
+    little behind can be the fastest step)."""
     hosts, per_host = search.mesh
     shapes = submesh_shapes(hosts, per_host)
     sizes = [h * d for h, d in shapes]
@@ -376,17 +377,19 @@ def _stage_dp_plans(search: Search, stages: int | None, num_microbatches: int | 
         # outside the bottleneck, so only the simulator judges it
         tables = search.times(shapes, m, depth)
         here = None
-        reach = bound * (1 + EQ2_SLACK)  # a plan slower than this is neither the answer nor refined
         for offloaded, (times, tails, picks) in enumerate(tables):
-            if offloaded and not np.any((times < tables[0][0]) & (m * times < reach)):
+            if offloaded and not np.any((times < tables[0][0]) & (m * times < bound)):
                 break
-            pool = candidates(times, sizes, devices, m, stages, DP_TOLERANCE, reach, EQ2_SLACK)
+            pool = candidates(times, sizes, devices, m, stages, DP_TOLERANCE, bound, EQ2_SLACK)
             if pool and _tails_matter(times, tails, m, depth, pool[0][0]):
                 seen = {tuple(c) for _, c in pool}
-                pool += [x for x in candidates(times, sizes, devices, m, stages, DP_TOLERANCE, reach, EQ2_SLACK, tails,
+                pool += [x for x in candidates(times, sizes, devices, m, stages, DP_TOLERANCE, bound, EQ2_SLACK, tails,
                                                seeds=[c for _, c in pool]) if tuple(x[1]) not in seen]
-            for total, choice in pool:
-                if m * max(times[len(choice) - i, c.layers[0], c.layers[1], c.shape] for i, c in enumerate(choice)) >= reach:
+            for k, (total, choice) in enumerate(pool):
+                # the count's best by eq. 2 is simulated within EQ2_SLACK of the best step so far, since
+                # `refine` may make it the fastest; the runner-ups only where they can beat that step
+                limit = bound * (1 + EQ2_SLACK) if k == 0 and not offloaded else bound
+                if m * max(times[len(choice) - i, c.layers[0], c.layers[1], c.shape] for i, c in enumerate(choice)) >= limit:
                     continue  # its slowest stage alone runs longer than that (`stage_dp`)
                 chosen = []
                 for idx, c in enumerate(choice):
@@ -396,13 +399,12 @@ def _stage_dp_plans(search: Search, stages: int | None, num_microbatches: int | 
                 if offloaded and not any(opt.offload for _, _, opt in chosen):
                     continue  # the plan on the device again
                 chosen = recompute_less(search, chosen, m)
-                if step_floor(_pipeline(chosen), m) >= reach:
+                if step_floor(_pipeline(chosen), m) >= limit:
                     continue  # cannot come near the best step so far (and simulating a deep pipeline takes seconds)
                 plan = assemble(search, chosen, m, name="auto")
                 plan.search["eq2_total_s"] = float(total)
                 if plan.estimate.fits:
                     bound = min(bound, plan.estimate.step_time_s)
-                    reach = bound * (1 + EQ2_SLACK)
                 if here is None or plan.estimate.step_time_s < here[0].estimate.step_time_s:
                     here = plan, chosen, (times, picks)
         if here is not None and here[0].estimate.fits and here[0].estimate.step_time_s <= bound * (1 + EQ2_SLACK):
