@@ -11,11 +11,11 @@ its own where the machine has enough; 2 warm-up and 5 timed steps per layout per
 rank's median; a layout's time the median of its launches, its spread their range over it), one
 `autopar calibrate --from` that bench (half the layouts fitted, the other half held out) and one
 `autopar plan --tune K`. With --ranking-nproc, each family once more on that many ranks (sharing the
-cores where they outnumber them: the ranking only, Spearman). With --resume, what an earlier run into
-the same --out finished is read back (summary.json is written after each family). Prints markdown
-and writes it, with a
-log-log picture of predicted against measured step time, to
-docs/benchmarks/results/predicted_vs_measured.md (and .png): per family and calibration the layouts
+cores where they outnumber them: the ranking only, Spearman), written to its own page,
+docs/benchmarks/results/predicted_vs_measured-N-ranks.md (`--calibrations 0` runs only that). With
+--resume, what an earlier run into the same --out finished is read back (summary.json is written
+after each family). Prints markdown and writes it, with a log-log picture of predicted against
+measured step time, to docs/benchmarks/results/predicted_vs_measured.md (and .png): per family and calibration the layouts
 (predicted, measured, spread, ratio, and the measured breakdown of the slowest rank: forward,
 backward, tensor-axis collectives, overhead, data-axis wait, pipeline, optimizer), Spearman's rank
 correlation, the searched plan against the fastest measured (and whether their launches overlap:
@@ -137,7 +137,8 @@ def fitted_and_tuned(s: dict, k: int) -> str:
 def ranking(models: list[str], nproc: int, launches: int, out: str, resume: bool = False) -> str:
     """Each family on `nproc` ranks (sharing the cores where they outnumber them) after a calibration
     of its own: the ranking only (Spearman), beside the record's (`resume`: those already in `out`
-    read back)."""
+    read back). Its own page, since it runs for hours on its own where ranks share cores."""
+    started = stamp()
     cluster = os.path.join(out, f"cluster-{nproc}-ranks.json")
     if not (resume and os.path.exists(cluster)):
         run_cli("calibrate", "--nproc", str(nproc), "--out", cluster)
@@ -154,10 +155,14 @@ def ranking(models: list[str], nproc: int, launches: int, out: str, resume: bool
                 json.dump(result, f)
             print(f"{model} on {nproc} ranks: Spearman {result['spearman']:.2f} ({wall:.0f} s)", file=sys.stderr)
         rows.append([model, len(result["layouts"]), f"{result['spearman']:.2f}", f"{result['auto_vs_fastest']:.2f}",
-                     f"{result['noise']['median_spread']:.1%}", "yes" if result["pinned"] else "no"])
-    return (f"The ranking on {nproc} ranks:\n\n"
-            + table(["family", "layouts", "Spearman", "searched / fastest", "median spread", "a core per rank"],
-                    rows, right=(1, 2, 3, 4)))
+                     f"{summarise(result)['median_abs_error']:.0%}",
+                     f"{result['noise']['median_spread']:.1%}" if launches > 1 else "(one launch)",
+                     "yes" if result["pinned"] else "no"])
+    body = (f"The ranking on {nproc} ranks ({launches} launch{'es' if launches > 1 else ''} each):\n\n"
+            + table(["family", "layouts", "Spearman", "searched / fastest", "median |error|", "median spread",
+                     "a core per rank"], rows, right=(1, 2, 3, 4, 5)))
+    write(f"predicted_vs_measured-{nproc}-ranks", started, body)
+    return body
 
 
 def main() -> None:
@@ -168,6 +173,8 @@ def main() -> None:
     ap.add_argument("--launches", type=int, default=3, help="bench --launches")
     ap.add_argument("--ranking-nproc", type=int, default=4, help="also each family on this many ranks, its "
                     "ranking only (0: not)")
+    ap.add_argument("--ranking-launches", type=int, default=0, help="bench --launches of the ranking "
+                    "(default: --launches)")
     ap.add_argument("--cluster", help="a calibrated cluster file (default: calibrate now, once per calibration)")
     ap.add_argument("--tune", type=int, default=4, help="also `autopar plan MODEL --tune K` (0: not)")
     ap.add_argument("--out", default=None, help="directory for the bench JSON files (default: a temporary one)")
@@ -188,11 +195,12 @@ def main() -> None:
         sections.append(f"**Stopped**: {str(exc).splitlines()[0]} ({str(exc).strip().splitlines()[-1]})")
         print(sections[-1], file=sys.stderr)
     print(f"(load average before: {load:.2f}; bench JSON in {out})")
-    if families:
-        against(picture("predicted_vs_measured"),
-                {name: ([1e3 * r["predicted_step_time_s"] for r in s["layouts"]],
-                        [1e3 * r["measured_step_time_s"] for r in s["layouts"]]) for name, s in families.items()},
-                "step ms", "step time per layout, this machine", log=True)
+    if not families:  # --calibrations 0: the ranking's own page only
+        return
+    against(picture("predicted_vs_measured"),
+            {name: ([1e3 * r["predicted_step_time_s"] for r in s["layouts"]],
+                    [1e3 * r["measured_step_time_s"] for r in s["layouts"]]) for name, s in families.items()},
+            "step ms", "step time per layout, this machine", log=True)
     write("predicted_vs_measured", started, "\n\n".join(sections) + "\n\n![predicted against measured step time "
           "per layout, log-log, with y = x](results/predicted_vs_measured.png)\n")
 
@@ -249,8 +257,7 @@ def run_all(args: argparse.Namespace, out: str, models: list[str], summary: dict
                             + f" Measured {s['measured']}.")
             print(sections[-1] + "\n")
     if args.ranking_nproc:
-        sections.append(ranking(models, args.ranking_nproc, args.launches, out, args.resume))
-        print(sections[-1])
+        print(ranking(models, args.ranking_nproc, args.ranking_launches or args.launches, out, args.resume))
 
 
 if __name__ == "__main__":
