@@ -27,6 +27,7 @@ from autopar.contract.precision import parse_precision
 from autopar.contract.units import human_bytes
 from autopar.contract.workload import Workload
 from autopar.cost_models import get_cluster
+from autopar.cost_models.compression import compressed_params
 from autopar.planner.auto import plan_auto
 from autopar.planner.capture import capture
 from autopar.planner.manual import Layout, manual_plan, manual_search, uncaptured_plan
@@ -338,6 +339,11 @@ def _checked(resolved: Plan, request: _Request, world: int) -> Plan:
         resolved = resolved.with_gradient(
             compression=resolved.dp_gradient.get("compression") if compression == "auto"
             else parse(compression).canonical() if compression else None, delay=delay)
+        text = resolved.dp_gradient.get("compression")
+        if text and resolved.dp_gradient.get("compressed") is None:  # a compressor the plan was not priced with
+            shapes = {n: tuple(p.shape) for n, p in request.model.named_parameters() if p.requires_grad}
+            resolved = resolved.with_gradient(compressed=compressed_params(
+                parse(text), resolved.stages, shapes, get_cluster(request.cluster or "cpu-local")))
     return resolved
 
 

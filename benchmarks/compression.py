@@ -56,6 +56,7 @@ others' as they are; not with `--json`, whose output is for programs, nor for a 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -182,7 +183,20 @@ def build(method: Method, hidden: int, world: int, data: Digits, batch: int, see
 
     return autopar.parallelize(model, (1, world), (data.x_train[:batch],), loss_fn=F.cross_entropy,
                                optimizer=optimizer, plan=f"{world},1,1", compression=method.compression,
-                               delay=method.delay)
+                               delay=method.delay, cluster=link_cluster(world))
+
+
+@functools.cache
+def link_cluster(world: int, bandwidth: float = 12.5e6) -> str:
+    """A cluster file for `world` ranks joined by the link the times are judged on (100 Mb/s): the
+    planner decides on it which gradients travel compressed (on loopback's GB/s it compresses
+    none). Written once per process."""
+    from autopar.cost_models.cluster import Link
+    from autopar.cost_models.presets import nominal_cpu
+
+    path = os.path.join(tempfile.mkdtemp(), "link.json")
+    nominal_cpu(os.cpu_count() or 1, 2**34).with_ranks(world).over_link(Link(bandwidth=bandwidth, latency=5e-5)).save(path)
+    return path
 
 
 def _quiet() -> None:

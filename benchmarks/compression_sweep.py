@@ -16,8 +16,9 @@ holds across tasks.
 
 The anchor: torch ships PowerSGD and fp16 compression as DDP communication hooks. DDP with
 `powerSGD_hook` (rank 2, error feedback, warm start; `start_powerSGD_iter=2`, the least torch
-allows with those, so its first two steps are dense) runs beside `powersgd:2`, and DDP with
-`fp16_compress_hook` beside `fp16`, on the same data, seeds, model and optimizer: test accuracy,
+allows with those, so its first two steps are dense) runs beside `powersgd:2,start=2,min_size=0`
+(the same start, no size floor: torch's hook has none), and DDP with `fp16_compress_hook` beside
+`fp16,min_size=0`, on the same data, seeds, model and optimizer: test accuracy,
 bytes handed to collectives per step and rank, and median step time.
 
 Both run through `compression.py`, which prints their tables (`sweep_table`, `anchor_table`) and
@@ -38,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from compression import Digits, _spawn, batch_stream, load_data, method, mlp
+from compression import Digits, _spawn, batch_stream, link_cluster, load_data, method, mlp
 from torch import nn
 
 # method → accuracy points it may lose against dense in every setting (None: reported only, for
@@ -111,7 +112,8 @@ def train_one(task: Task, spec: str, world: int, batch: int, lr: float, seed: in
     import autopar
 
     pm = autopar.parallelize(model, (1, world), (data.x_train[:batch],), loss_fn=F.cross_entropy, optimizer=optimizer,
-                             plan=plans.get((task.name, batch), f"{world},1,1"), compression=m.compression)
+                             plan=plans.get((task.name, batch), f"{world},1,1"), compression=m.compression,
+                             cluster=link_cluster(world))
     if m.compression is None:  # the same layout serves every method of this task and batch: planned once
         plans[(task.name, batch)] = pm.plan
     stream = batch_stream(data, batch, seed)
@@ -285,7 +287,7 @@ def _ours(spec: str, task: Task, world: int, batch: int, lr: float, seed: int, d
 
     pm = autopar.parallelize(model, (1, world), (data.x_train[:batch],), loss_fn=F.cross_entropy,
                              optimizer=lambda ps: torch.optim.SGD(ps, lr=m.lr, momentum=m.momentum),
-                             plan=f"{world},1,1", compression=m.compression)
+                             plan=f"{world},1,1", compression=m.compression, cluster=link_cluster(world))
     stream = batch_stream(data, batch, seed)
     times, sent = [], 0
     for _ in range(steps):
@@ -302,7 +304,8 @@ def _anchor_rank(rank: int, world: int, args: argparse.Namespace) -> list[Anchor
     rows = []
     for seed in SEEDS:
         data = load_data(seed)
-        for ours, theirs in (("powersgd:2", "powersgd"), ("fp16", "fp16")):
+        # torch's hook as configured there: its first two steps dense, no size floor
+        for ours, theirs in (("powersgd:2,start=2,min_size=0", "powersgd"), ("fp16,min_size=0", "fp16")):
             dist.barrier()
             rows.append(_ours(ours, task, world, args.batch, args.lr, seed, data, args.sweep_steps, rank))
             dist.barrier()

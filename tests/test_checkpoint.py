@@ -2,6 +2,7 @@
 saved under one plan loads under another with identical parameters."""
 
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +12,7 @@ import autopar
 from autopar.contract.placements import Shard
 from autopar.runtime import checkpoint
 from tests.distributed import on_rank0, run_ranks, shared_ranks
+from tests.test_compression import slow_link
 from tests.test_parallelize import _layout, _workload
 
 WORLD = 4
@@ -91,7 +93,9 @@ def test_a_checkpoint_saved_under_one_plan_loads_under_another(tmp_path, name, s
 
 def _resumed(rank, world, name, layout, compression, delay):
     """Four steps straight, against two steps, a checkpoint, a new job's model loading it, two more."""
-    kw = {"compression": compression, "delay": delay}
+    # a compressor planned for 100 Mb/s (on loopback it would compress nothing), from the first step
+    kw = {"compression": compression, "delay": delay,
+          "cluster": slow_link(Path(tempfile.mkdtemp()), world) if compression else None}
     pm, batches = _parallelize(name, layout, **kw)
     straight = [pm.step(*b) for b in batches + batches[:1]]
     directory = _directory()
@@ -105,8 +109,8 @@ def _resumed(rank, world, name, layout, compression, delay):
     return straight, losses, (trainer["step"], trainer["exact"]), pm.full_state_dict(), second.full_state_dict()
 
 
-RESUMED = [("gpt-tiny", "2,1,2,2", None, 0), ("mlp-tiny", "2,2,1", "topk:0.05", 0),
-           ("mlp-tiny", "4,1,1", "powersgd:2", 0), ("mlp-tiny", "4,1,1", None, 2)]
+RESUMED = [("gpt-tiny", "2,1,2,2", None, 0), ("mlp-tiny", "2,2,1", "topk:0.05,warmup=0,min_size=0", 0),
+           ("mlp-tiny", "4,1,1", "powersgd:2,start=1,min_size=0", 0), ("mlp-tiny", "4,1,1", None, 2)]
 
 
 @pytest.mark.parametrize("name, layout, compression, delay", RESUMED)

@@ -120,7 +120,7 @@ def test_plan_json_out_file_and_show(capsys, tmp_path):
     plan = run_json(capsys, "plan", "gpt-tiny", "--cluster", "a100-dgx", "--mesh", "1x4", "--out", str(out))
     saved = json.loads(out.read_text())
     assert saved == {k: v for k, v in plan.items() if k != "planning_time_s"} and plan["planning_time_s"] > 0
-    assert saved["schema"] == "autopar.plan/3"
+    assert saved["schema"] == "autopar.plan/4"
     stage = saved["stages"][0]
     assert stage["layers"][0] == 0 and saved["stages"][-1]["layers"][1] == len(saved["layers"])
     assert sum(s["submesh"][0] * s["submesh"][1] for s in saved["stages"]) == 4
@@ -371,10 +371,12 @@ def test_plan_compression_auto_compresses_only_over_slow_links(capsys, tmp_path)
     assert weighed[slow_plan["dp_gradient"]["compression"].split(",")[0]] < weighed["none"]
 
 
-def test_train_with_a_compressor_reports_compressed_bytes(capsys):
+def test_train_with_a_compressor_reports_compressed_bytes(capsys, tmp_path):
+    from tests.test_compression import slow_link
+
     result = run_json(capsys, "train", "mlp-tiny", "--nproc", "2", "--plan", "2,1,1", "--steps", "2",
-                      "--compression", "powersgd:2")
-    assert result["compression"] == "powersgd:2"
+                      "--cluster", slow_link(tmp_path, 2), "--compression", "powersgd:2,start=0,min_size=0")
+    assert result["compression"] == "powersgd:2,min_rate=2,min_size=0,start=0"  # every default written out
     assert 0 < result["comm"]["dp"]["bytes_sent"] < result["comm"]["dp"]["bytes_raw"] / 4
 
 

@@ -136,7 +136,7 @@ def _two_stages() -> Plan:
 def test_schema_1_and_2_plans_load_with_one_stage_per_group_and_every_layer_a_unit(tmp_path):
     plan = _two_stages()
     data = plan.to_dict()
-    assert data["schema"] == "autopar.plan/3" and data["virtual"] == 1 and data["units"] is None
+    assert data["schema"] == "autopar.plan/4" and data["virtual"] == 1 and data["units"] is None
     old = {k: v for k, v in data.items() if k not in ("virtual", "units")} | {"schema": "autopar.plan/1"}
     loaded = Plan.from_json(json.dumps(old))
     assert loaded.virtual == 1 and loaded.stage_ranks == [0, 1] and loaded.units is None

@@ -18,9 +18,25 @@ EXAMPLES = "fp16, topk:0.01, randk:0.01, dgc:0.999, powersgd:2, onebit, threshol
 # The paper spends four epochs on it; the runtime counts steps, so a stage lasts `warmup` steps.
 DGC_STAGES = 4
 DGC_WARMUP_STEPS = 25
-# options each method reads, at their defaults (a plan records them written out: `canonical`)
+# PowerSGD's dense start: plain all-reduces for the first `start` steps. torch's hook defaults to
+# 1,000 (`start_powerSGD_iter`) and its docs advise about 10 % of training; our runs are 600-1,000
+# steps, so 100: the same 100 steps DGC spends warming its sparsity up (4 stages of 25)
+POWERSGD_START = 100
+# which gradients travel compressed (`cost_models.compression.compresses`): at least `min_size`
+# elements, and shrunk at least `min_rate` times on the wire. torch's PowerSGD hook leaves a tensor
+# dense where compression saves less than 2× (`min_compression_rate`); the size floor keeps the
+# small layers dense, as DGC's reference code keeps biases (and warns where a layer would send one
+# element): below 4,096 elements (16 KiB in fp32) dense costs little, while DGC at 99.9 % would send
+# at most 4 of them a step
+MIN_SIZE = 4096
+MIN_RATE = 2.0
+# options every method reads, and each method's own, at their defaults (a plan records them
+# written out: `canonical`)
+COMMON: dict[str, float] = {"min_size": MIN_SIZE, "min_rate": MIN_RATE}
 DEFAULTS: dict[str, dict[str, float]] = {
     "dgc": {"momentum": 0.9, "warmup": DGC_WARMUP_STEPS},
+    "topk": {"warmup": DGC_WARMUP_STEPS},  # DGC's exponential warm-up of the density
+    "powersgd": {"start": POWERSGD_START},
     "onebit": {"momentum": 0.9},
     "terngrad": {"clip": 2.5},
 }
@@ -34,11 +50,11 @@ class Spec:
     text: str
 
     def option(self, key: str) -> float:
-        return self.options.get(key, DEFAULTS.get(self.method, {}).get(key, 0.0))
+        return self.options.get(key, {**COMMON, **DEFAULTS.get(self.method, {})}.get(key, 0.0))
 
     def canonical(self) -> str:
         """The spec with every default option written out, so a plan says what ran."""
-        options = {**DEFAULTS.get(self.method, {}), **self.options}
+        options = {**COMMON, **DEFAULTS.get(self.method, {}), **self.options}
         return ",".join([self.text.split(",")[0]] + [f"{k}={int(v) if v == int(v) else v!r}"
                                                      for k, v in sorted(options.items())])
 
@@ -52,14 +68,21 @@ def carries_momentum(spec: Spec) -> bool:
 
 
 def dgc_density(sparsity: float, warmup: float, step: int) -> float:
-    """The fraction of a gradient DGC sends at `step`: the warm-up's stages, then 1 − sparsity."""
+    """The fraction of a gradient DGC (and top-k) sends at `step`: the warm-up's stages, then
+    1 − sparsity."""
     stage = min(step // warmup, DGC_STAGES) if warmup else DGC_STAGES
     return (1 - sparsity) ** ((stage + 1) / (DGC_STAGES + 1))
 
 
-def dgc_sparsifies(shape: tuple[int, ...]) -> bool:
-    """DGC selects from weight matrices; biases and norms (fewer than two dimensions) travel dense
-    with plain momentum, as in the paper's reference code."""
+def dense_start(spec: Spec, step: int) -> bool:
+    """Whether every gradient travels dense at `step`: PowerSGD's first `start` steps (torch's
+    hook's `start_powerSGD_iter`)."""
+    return step < spec.option("start")
+
+
+def matrix(shape: tuple[int, ...]) -> bool:
+    """Compressors take weight matrices (two or more dimensions); biases and norms travel dense, as
+    DGC's reference code and torch's PowerSGD hook keep them."""
     return len(shape) > 1
 
 
@@ -90,4 +113,11 @@ def parse(text: str) -> Spec:
     if options.get("warmup", 0) < 0 or not 0 <= options.get("momentum", 0) < 1:
         raise AutoparError(f"compression {text!r}: warmup is a number of steps ≥ 0 and momentum in [0, 1), "
                            "e.g. dgc:0.999,warmup=25,momentum=0.9")
+    if options.get("start", 0) < 0 or options.get("min_size", 0) < 0 or options.get("min_rate", 1) < 0:
+        raise AutoparError(f"compression {text!r}: start (dense steps first), min_size (elements) and min_rate "
+                           "(times smaller on the wire) are numbers ≥ 0, e.g. powersgd:2,start=100,min_size=4096")
+    if "start" in options and name != "powersgd":
+        raise AutoparError(f"compression {text!r}: start= (dense steps first) is PowerSGD's; "
+                           + ("DGC and top-k warm their density up instead (warmup=STEPS per stage)"
+                              if name in ("dgc", "topk") else f"{name} starts compressed"))
     return Spec(name, value, options, text)

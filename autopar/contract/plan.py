@@ -1,11 +1,14 @@
-"""The Plan: the one contract between the planner and the runtime (`"schema": "autopar.plan/3"`).
+"""The Plan: the one contract between the planner and the runtime (`"schema": "autopar.plan/4"`).
 
 Schema 2 adds `virtual`, the stages each device group holds (interleaved and V-shaped schedules):
 `stages` lists all p·v stages in model order and the schedule says which group holds each
 (`schedules.stage_ranks`); a stage's submesh is its group's. Schema 1 files (one stage per group)
 load as plans with `virtual` 1. Schema 3 adds `units`: the layers where a unit of recomputation
 and of ZeRO-3 begins, so that stages may be cut at finer layers than a recomputing stage
-checkpoints at; schema 1 and 2 files load with every layer a unit of its own.
+checkpoints at; schema 1 and 2 files load with every layer a unit of its own. Schema 4 adds
+`dp_gradient.compressed`: the parameters whose gradients a compressor compresses (the cost model's
+decision per tensor, `cost_models.compression.compresses`); older files load with none listed
+(null), which runs every weight matrix compressed, as they were priced.
 
 Keyed by stable strings only (parameter FQNs, exported node names, layer names), so a plan
 written by the planner, by the hand-written 3D generator or by a person runs the same way, and
@@ -33,8 +36,8 @@ from autopar.contract.limits import MAX_BATCH, MAX_DEVICES, MAX_MICROBATCHES
 from autopar.contract.placements import Partial, Placement, Shard, is_placement, placed, spelled
 from autopar.contract.units import human_time, printable, span
 
-SCHEMA = "autopar.plan/3"
-SCHEMAS = ("autopar.plan/1", "autopar.plan/2", SCHEMA)  # what loads
+SCHEMA = "autopar.plan/4"
+SCHEMAS = ("autopar.plan/1", "autopar.plan/2", "autopar.plan/3", SCHEMA)  # what loads
 # a stage's fields written only when set (older plans read the same)
 _UNSET_LEFT_OUT = ("recompute_layers", "recompute_granularity", "zero", "offload", "collectives", "collectives_key")
 
@@ -114,7 +117,10 @@ class Plan:
     schedule: str = "1f1b"
     virtual: int = 1  # stages per device group (the schedule places them)
     precision: str | None = None  # mixed precision it was priced for ("bf16", "fp16"); None: the model's dtype
-    dp_gradient: dict[str, Any] = field(default_factory=lambda: {"zero_stage": 0, "compression": None, "delay": 0})
+    # the data axis: ZeRO level, compressor (and the parameters it compresses: None, every weight
+    # matrix), delayed averaging's delay
+    dp_gradient: dict[str, Any] = field(default_factory=lambda: {"zero_stage": 0, "compression": None,
+                                                                 "compressed": None, "delay": 0})
     estimate: Estimate | None = None
     search: dict[str, Any] = field(default_factory=dict)  # how it was found: "auto" / "manual", solves, hits
     name: str = "auto"
@@ -179,9 +185,12 @@ class Plan:
         return _parse(data, source)
 
     def with_gradient(self, **choices: Any) -> Plan:
-        """The plan with the caller's data-axis choices (`compression`, `delay`) in `dp_gradient`,
-        validated as a plan file is."""
+        """The plan with the caller's data-axis choices (`compression`, `delay`; `compressed`, which
+        parameters the compressor takes) in `dp_gradient`, validated as a plan file is. Another
+        compressor drops the list of the one before (None: every weight matrix) unless given."""
         data = self.to_dict()
+        if choices.get("compression") != data["dp_gradient"].get("compression"):
+            choices = {"compressed": None, **choices}
         data["dp_gradient"] = {**data["dp_gradient"], **choices}
         said = ", ".join(f"{k}={v!r}" for k, v in choices.items())
         return _parse(data, f"plan {self.name} with {said}")
@@ -278,6 +287,13 @@ class Plan:
                             if s.recompute and s.recompute_granularity else ", recomputing activations" if s.recompute else "")
                          + (f", ZeRO-{s.zero} over dp" if s.zero else "")
                          + (", its sharded states in host memory" if s.offload else ""))
+        text, listed = self.dp_gradient.get("compression"), self.dp_gradient.get("compressed")
+        if text:
+            trained = {f for s in self.stages for f in s.params}
+            lines.append(f"  data axis: {printable(text)}, " + (
+                "every weight matrix compressed" if listed is None else
+                f"{len(listed)} of {len(trained)} parameters' gradients compressed (the others dense: "
+                "too small, or cheaper dense on this link)"))
         if self.estimate:
             e = self.estimate
             lines.append(f"  predicted: {human_time(e.step_time_s)} per step, {e.tflops_per_device:.1f} TFLOP/s per "
@@ -417,6 +433,14 @@ def _parse(data: Any, source: str) -> Plan:
             parse(str(gradient["compression"]))
         except AutoparError as exc:
             raise PlanError(f"{source}: dp_gradient.compression: {exc}") from None
+    listed = gradient.setdefault("compressed", None)
+    if listed is not None:
+        names = {f for s in stages for f in s.params}
+        if not (isinstance(listed, list) and all(isinstance(f, str) for f in listed)) or not set(listed) <= names:
+            raise PlanError(f"{source}: dp_gradient.compressed must list parameters of the plan's stages (or be null: "
+                            f"every weight matrix), got {str(listed)[:80]}")
+        if gradient.get("compression") is None and listed:
+            raise PlanError(f"{source}: dp_gradient.compressed lists parameters but no compression is set")
     delay = gradient.get("delay", 0)
     if not isinstance(delay, int) or isinstance(delay, bool) or delay < 0:
         raise PlanError(f"{source}: dp_gradient.delay must be a number of steps ≥ 0, got {delay!r}")

@@ -132,6 +132,11 @@ class ClusterSpec:
             return self
         return dataclasses.replace(self, devices_per_host=ranks, cores_per_host=self.cores_per_host or self.devices_per_host)
 
+    def over_link(self, link: Link) -> ClusterSpec:
+        """The same devices joined by `link`, within hosts and between them (a slower network than
+        the one measured: what a compressor is for)."""
+        return dataclasses.replace(self, intra_host=link, inter_host=link)
+
     def to_dict(self) -> dict[str, Any]:
         return {"schema": "autopar.cluster/1", **dataclasses.asdict(self)}
 

@@ -1,7 +1,8 @@
 """What gradient compression costs on the data axis (the spec users write, "dgc:0.999", is the
 contract's: `autopar.contract.compression`): the bytes each method hands to collectives for a gradient of a given shape (the runtime's counters are
 tested against these), and the time of a compressed synchronisation including the compressor's
-own work.
+own work, and which gradients travel compressed at all (`compresses`: where it saves time, and
+enough bytes to be worth the accuracy it costs).
 
 The compressor's work is priced as passes over the fp32 gradient at memory bandwidth (plus
 PowerSGD's two thin matmuls); gather-based methods also decode every rank's part. Threshold
@@ -12,11 +13,13 @@ all-reduce (its worst case short of the fallback).
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from autopar.contract.buckets import bucketed
-from autopar.contract.compression import Spec, dgc_sparsifies
-from autopar.cost_models.cluster import DeviceSpec, Link
-from autopar.cost_models.comm import all_gather_time, all_reduce_time
+from autopar.contract.compression import Spec, matrix
+from autopar.contract.placements import Shard
+from autopar.cost_models.cluster import ClusterSpec, DeviceSpec, Link
+from autopar.cost_models.comm import all_gather_time, all_reduce_time, axis_link
 
 # the methods `--compression auto` weighs: those published without loss of accuracy at these settings
 AUTO = (None, "fp16", "powersgd:4", "dgc:0.999")
@@ -27,8 +30,8 @@ _PASSES = {"fp16": 2, "randk": 2, "powersgd": 3, "topk": 4, "dgc": 4, "onebit": 
 
 def wire(spec: Spec, shape: tuple[int, ...], ranks: int) -> tuple[str, int]:
     """(collective, bytes this rank hands to it per step) for one fp32 gradient of `shape`, as
-    `runtime.compression` sends it: the sparse methods fall back to a dense all-reduce when
-    gathering would move more."""
+    `runtime.compression` sends it where it compresses it (`compresses`): the sparse methods fall
+    back to a dense all-reduce when gathering would move more."""
     n = math.prod(shape)
     a = spec.arg
     if spec.method == "fp16":
@@ -40,8 +43,6 @@ def wire(spec: Spec, shape: tuple[int, ...], ranks: int) -> tuple[str, int]:
             return "all_reduce", 4 * n
         rows, cols = shape[0], n // shape[0]
         return "all_reduce", 4 * min(int(a or 2), rows, cols) * (rows + cols)
-    if spec.method == "dgc" and not dgc_sparsifies(shape):
-        return "all_reduce", 4 * n
     if spec.method in ("topk", "dgc"):
         kept = math.ceil((a if spec.method == "topk" else 1 - a) * n)
         header = 16 if spec.method == "dgc" else 0  # its sizes travel first: two int64
@@ -70,32 +71,98 @@ def messages(spec: Spec, kind: str) -> int:
     return (1 if spec.method == "dgc" else 0) + (1 if spec.method == "signsgd" else 2)  # DGC: sizes first
 
 
-def buckets(shapes: list[tuple[int, ...]]) -> list[list[tuple[int, ...]]]:
-    """Gradients of these shapes (fp32, in the order backward produces them) grouped as the
-    synchroniser groups them (`comm.bucketed`)."""
-    return [[shapes[i] for i in group] for group in bucketed([4 * math.prod(s) for s in shapes])] or [[]]
+def buckets(items: list, shapes: list[tuple[int, ...]]) -> list[list]:
+    """`items` (one per gradient of these shapes, fp32, in the order backward produces them)
+    grouped as the synchroniser groups them (`contract.buckets.bucketed`)."""
+    return [[items[i] for i in group] for group in bucketed([4 * math.prod(s) for s in shapes])] or [[]]
 
 
-def sync_time(spec: Spec, shapes: list[tuple[int, ...]], ranks: int, link: Link, device: DeviceSpec) -> float:
+def compresses(spec: Spec, shape: tuple[int, ...], ranks: int, link: Link | None = None,
+               device: DeviceSpec | None = None) -> bool:
+    """Whether a gradient of `shape` (this rank's part) travels compressed: a weight matrix
+    (`contract.compression.matrix`) of at least `min_size` elements that the method shrinks at
+    least `min_rate` times on the wire, and, on a known link and device, whose compressed exchange
+    (the compressor's passes, its bytes) is predicted faster than its share of a dense all-reduce
+    (the collectives' latency is the bucket's, paid either way)."""
+    n = math.prod(shape)
+    if not matrix(shape) or n < spec.option("min_size"):
+        return False
+    if spec.method == "threshold":  # the data decides its bytes: nothing to weigh
+        return True
+    kind, nbytes = wire(spec, shape, ranks)
+    if kind == "all_reduce" and nbytes >= 4 * n or 4 * n < spec.option("min_rate") * nbytes:
+        return False
+    if link is None or device is None:
+        return True
+    return tensor_time(spec, shape, ranks, link, device) < dense_time([shape], ranks, link)
+
+
+def compressed_params(spec: Spec, stages: list[Any], shapes: dict[str, tuple[int, ...]], cluster: ClusterSpec
+                      ) -> list[str]:
+    """Of the stages' trainable parameters (`shapes`: FQN → shape), those whose gradients travel
+    compressed (`compresses` on each one's part on a rank, over the link its stage's data axis
+    crosses): what a plan's `dp_gradient.compressed` lists."""
+    out = set()
+    for stage in stages:
+        dp, tp = stage.logical_mesh
+        if dp == 1:
+            continue
+        link = axis_link(cluster, stage.logical_mesh, 0, stage.submesh)
+        for fqn, placements in stage.params.items():
+            if fqn not in shapes:
+                continue
+            shape = list(shapes[fqn])
+            for p in placements[1:]:
+                if isinstance(p, Shard):
+                    shape[p.dim] = -(-shape[p.dim] // tp)
+            if compresses(spec, tuple(shape), dp, link, cluster.device):
+                out.add(fqn)
+    return sorted(out)
+
+
+def tensor_time(spec: Spec, shape: tuple[int, ...], ranks: int, link: Link, device: DeviceSpec) -> float:
+    """Seconds one gradient of `shape` adds to a compressed bucket's exchange: the compressor's
+    passes over it (and decoding every rank's part where they are gathered, PowerSGD's two thin
+    matmuls), and its bytes at the link's bandwidth."""
+    kind, nbytes = wire(spec, shape, ranks)
+    link = link.bandwidth_only()
+    return work(spec, shape, ranks, device) + (all_gather_time(ranks * nbytes, ranks, link) if kind == "all_gather"
+                                               else all_reduce_time(nbytes, ranks, link))
+
+
+def work(spec: Spec, shape: tuple[int, ...], ranks: int, device: DeviceSpec) -> float:
+    """The compressor's own seconds on one gradient of `shape`: its passes over it at memory
+    bandwidth, decoding every rank's part where they are gathered, PowerSGD's two thin matmuls."""
+    n = math.prod(shape)
+    time = _PASSES[spec.method] * 4 * n / device.memory_bandwidth
+    if wire(spec, shape, ranks)[0] == "all_gather":
+        time += ranks * 4 * n / device.memory_bandwidth
+    if spec.method == "powersgd":
+        time += 4 * n * int(spec.arg or 2) / (device.flops_for("float32") * device.efficiency)
+    return time
+
+
+def sync_time(spec: Spec, shapes: list[tuple[int, ...]], ranks: int, link: Link, device: DeviceSpec,
+              compressed: list[bool] | None = None) -> float:
     """Seconds to average gradients of these shapes over `ranks` through the compressor, bucket by
-    bucket: the bytes of its collectives (each gradient's for the methods in PER_TENSOR, the
-    bucket's end to end for the others), their latency once per bucket and kind, and the
-    compressor's own work."""
+    bucket: those it compresses (`compressed`, else `compresses` on this link) at their bytes
+    (each gradient's for the methods in PER_TENSOR, their concatenation's for the others) and with
+    the compressor's own work, the others in one dense all-reduce per bucket; the collectives'
+    latency once per bucket and kind. Priced as it runs once compressing (PowerSGD's dense start
+    and the sparsifiers' warm-up are a few hundred steps of a run)."""
     if spec.method == "threshold":
         return dense_time(shapes, ranks, link)
+    if compressed is None:
+        compressed = [compresses(spec, s, ranks, link, device) for s in shapes]
     time = 0.0
-    for bucket in buckets(shapes):
-        units = bucket if spec.method in PER_TENSOR else [(sum(math.prod(s) for s in bucket),)]
+    for dense, units in _buckets(spec, shapes, compressed):
+        if dense:  # one plain all-reduce of the bucket's dense gradients
+            time += dense_time(dense, ranks, link) + 2 * (ranks - 1) * link.latency
         volume: dict[str, int] = {}
         for shape in units:
-            n = math.prod(shape)
             kind, nbytes = wire(spec, shape, ranks)
             volume[kind] = volume.get(kind, 0) + nbytes
-            if kind == "all_gather":
-                time += ranks * 4 * n / device.memory_bandwidth  # decoding every rank's part
-            time += _PASSES[spec.method] * 4 * n / device.memory_bandwidth
-            if spec.method == "powersgd" and len(shape) > 1:
-                time += 4 * n * int(spec.arg or 2) / (device.flops_for("float32") * device.efficiency)
+            time += work(spec, shape, ranks, device)
         for kind, nbytes in volume.items():
             alpha = messages(spec, kind) * (ranks - 1) * link.latency
             if kind == "all_reduce":
@@ -103,6 +170,23 @@ def sync_time(spec: Spec, shapes: list[tuple[int, ...]], ranks: int, link: Link,
             else:
                 time += all_gather_time(ranks * nbytes, ranks, link.bandwidth_only()) + alpha
     return time
+
+
+def sent_bytes(spec: Spec, shapes: list[tuple[int, ...]], ranks: int, compressed: list[bool]) -> int:
+    """Bytes this rank hands to collectives per step for gradients of these shapes (those marked
+    `compressed` through the compressor, the others dense), as `sync_time` prices them (a
+    variable-size method's sizes aside)."""
+    return sum(4 * math.prod(s) for dense, _ in _buckets(spec, shapes, compressed) for s in dense) + sum(
+        wire(spec, shape, ranks)[1] for _, units in _buckets(spec, shapes, compressed) for shape in units)
+
+
+def _buckets(spec: Spec, shapes: list[tuple[int, ...]], compressed: list[bool]):
+    """Per bucket, (the shapes of its dense gradients, the units the compressor encodes: each
+    compressed gradient for the methods in PER_TENSOR, their concatenation for the others)."""
+    for bucket in buckets(list(range(len(shapes))), shapes):
+        coded = [shapes[i] for i in bucket if compressed[i]]
+        units = coded if spec.method in PER_TENSOR or not coded else [(sum(math.prod(s) for s in coded),)]
+        yield [shapes[i] for i in bucket if not compressed[i]], units
 
 
 def dense_time(shapes: list[tuple[int, ...]], ranks: int, link: Link) -> float:

@@ -19,7 +19,7 @@ from autopar.contract.plan import SELECTIVE, Estimate, Plan, StagePlan
 from autopar.contract.units import human_bytes
 from autopar.contract.workload import Workload
 from autopar.cost_models import ClusterSpec
-from autopar.cost_models.compression import AUTO
+from autopar.cost_models.compression import AUTO, compressed_params
 from autopar.cost_models.simulator import Hosts, Simulation, StageTimes, simulate, step_floor
 from autopar.planner.capture import capture
 from autopar.planner.graph import OpGraph
@@ -685,6 +685,10 @@ def plan_compressed(search: Search, compression: str | None, make: Callable[[Sea
     best = min(plans.values(), key=lambda p: (not p.estimate.fits, p.estimate.step_time_s))
     if len(plans) > 1:
         best.search["compression"] = {text or "none": p.estimate.step_time_s for text, p in plans.items()}
+    elif compression and best.dp_gradient.get("compressed") == [] and any(s.logical_mesh[0] > 1 for s in best.stages):
+        log.warning("compression %s: no gradient is worth compressing on %s's links (every one is cheaper sent "
+                    "dense, or below min_size): all travel dense. Plan for the link you train over (--cluster), "
+                    "or lower min_size", best.dp_gradient["compression"], search.cluster.name)
     warn_time_limited(best, search.costs.time_limit_s)
     return best
 
@@ -929,6 +933,9 @@ def _plan(search: Search, stages: list[StagePlan], sim, m: int, name: str, info:
         stages=stages, num_microbatches=m, schedule=search.schedule, virtual=search.virtual, precision=search.graph.precision,
         dp_gradient={"zero_stage": 3 if zero else max((s.zero or 0 for s in stages), default=0),
                      "compression": search.costs.compression.canonical() if search.costs.compression else None,
+                     "compressed": compressed_params(search.costs.compression, stages, {
+                         f: tuple(search.graph.params[f].shape) for f in search.graph.trainable}, search.cluster)
+                     if search.costs.compression else None,
                      "delay": 0},
         estimate=estimate, name=name, units=None if len(units) == len(search.layers) else units,
         search={"method": name, **info, **({"hosts": [sim.hosts.devices_per_host, sim.hosts.cores_per_host]}

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autopar.contract.compression import Spec, carries_momentum, dgc_sparsifies, parse
+from autopar.contract.compression import Spec, carries_momentum, dense_start, matrix, parse
 from autopar.runtime.compressors import (
     QSGD,
     DGCSelect,
@@ -47,7 +47,7 @@ class ErrorFeedback:
         e = self.residual.get(key)
         return grad.clone() if e is None else grad + e
 
-    def update(self, key: str, compensated: torch.Tensor, sent: torch.Tensor) -> None:
+    def update(self, key: str, compensated: torch.Tensor, sent: torch.Tensor, compressed: bool = True) -> None:
         self.residual[key] = compensated - sent
 
 
@@ -56,7 +56,7 @@ class NoMemory:
     def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
         return grad
 
-    def update(self, key: str, compensated: torch.Tensor, sent: torch.Tensor) -> None:
+    def update(self, key: str, compensated: torch.Tensor, sent: torch.Tensor, compressed: bool = True) -> None:
         pass
 
 
@@ -64,8 +64,8 @@ class NoMemory:
 class DGCMemory:
     """DGC's memory: momentum correction (accumulate the velocity u = m·u + g into v, and send
     from v), local gradient clipping (each rank clips the norm of each gradient at clip/√N), and
-    momentum factor masking (u and v cleared where sent). Tensors sent dense (biases) and every
-    tensor at 0 % sparsity are not masked: nothing is stale there, and the result is momentum SGD.
+    momentum factor masking (u and v cleared where sent). Tensors sent dense (biases, small layers)
+    and every tensor at 0 % sparsity are not masked: nothing is stale there, and the result is momentum SGD.
     Without masking it is also 1-bit SGD's memory: the momentum, compressed with error feedback
     (v is the residual plus this step's momentum), as 1-bit Adam compresses Adam's (Tang et al. 2021)."""
 
@@ -84,9 +84,9 @@ class DGCMemory:
         v = self.v[key] = self.v[key] + u if key in self.v else u.clone()
         return v
 
-    def update(self, key: str, compensated: torch.Tensor, sent: torch.Tensor) -> None:
+    def update(self, key: str, compensated: torch.Tensor, sent: torch.Tensor, compressed: bool = True) -> None:
         self.v[key] = compensated - sent  # zero where sent: the selected values travel exactly
-        if self.masking and dgc_sparsifies(tuple(sent.shape)):
+        if self.masking and compressed:
             self.u[key] = torch.where(sent != 0, 0, self.u[key])
 
 
@@ -94,7 +94,7 @@ def _compressor(spec: Spec, nccl: bool) -> Any:
     a = spec.arg
     return {
         "fp16": lambda: Half(torch.bfloat16 if nccl else torch.float16),
-        "topk": lambda: TopK(a),
+        "topk": lambda: TopK(a, warmup=spec.option("warmup")),
         "randk": lambda: RandomK(a),
         "dgc": lambda: DGCSelect(a, warmup=spec.option("warmup")),
         "powersgd": lambda: PowerSGD(int(a or 2)),
@@ -145,39 +145,57 @@ class Compressed:
     def per_tensor(self) -> bool:
         """Methods that scale by a layer's statistics see each gradient (DGC's threshold per layer,
         PowerSGD's and 1-bit's shapes, TernGrad's maximum, QSGD's buckets start at each layer); the
-        others a bucket's gradients end to end."""
+        others a bucket's compressed gradients end to end."""
         return isinstance(self.compressor, (DGCSelect, PowerSGD, OneBit, TernGrad, QSGD))
 
-    def average(self, grads: list[torch.Tensor], keys: list[str]) -> list[torch.Tensor]:
-        """One bucket. Per-tensor methods compress each gradient on its own but send the bucket's
-        parts together, as torch's PowerSGD hook batches its Ps and Qs: one all-reduce per round,
-        or one all-gather per kind of part, whatever the number of tensors (gloo pays about a
-        millisecond per collective here)."""
-        if not self.per_tensor:
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            grads, keys, shapes = [flat], ["|".join(keys[:1]) + f"+{len(keys)}"], [g.shape for g in grads]
+    def average(self, grads: list[torch.Tensor], keys: list[str], compressed: list[bool] | None = None
+                ) -> list[torch.Tensor]:
+        """One bucket. `compressed` says which gradients travel compressed (the plan's decision,
+        `cost_models.compression.compresses`; None: every weight matrix); the others, and all of
+        them during PowerSGD's dense start, travel in one plain all-reduce, through the memory only
+        where the compressor carries the momentum. signSGD votes on those too (its step is the
+        vote's). The compressed ones' parts travel together, as torch's PowerSGD hook batches its
+        Ps and Qs: one all-reduce per round, or one all-gather per kind of part, whatever the
+        number of tensors (gloo pays about a millisecond per collective here)."""
+        if compressed is None:
+            compressed = [matrix(tuple(g.shape)) for g in grads]
+        if dense_start(self.spec, self.step):
+            compressed = [False] * len(grads)
+        out: list[torch.Tensor | None] = [None] * len(grads)
+        plain = [i for i, c in enumerate(compressed) if not c]
+        carries = isinstance(self.memory, DGCMemory)
+        xs = [self.memory.compensate(keys[i], grads[i]) if carries else grads[i] for i in plain]
+        for i, x, (total, _) in zip(plain, xs, self._all_reduce_rounds([_once(x) for x in xs])):
+            if carries:
+                self.memory.update(keys[i], x, x, compressed=False)
+            out[i] = total
+        coded = [i for i, c in enumerate(compressed) if c]
+        if coded:
+            units, unit_keys = [grads[i] for i in coded], [keys[i] for i in coded]
+            if not self.per_tensor:  # the bucket's compressed gradients as one
+                units, unit_keys = [torch.cat([u.reshape(-1) for u in units])], [f"{unit_keys[0]}+{len(units)}"]
+            totals = self._encoded(units, unit_keys)
+            if not self.per_tensor:
+                totals = list(totals[0].split([grads[i].numel() for i in coded]))
+            for i, total in zip(coded, totals):
+                out[i] = total.view_as(grads[i])
+        vote = getattr(self.compressor, "vote", False)
+        return [torch.sign(t) if vote else t / self.n for t in out]
+
+    def _encoded(self, grads: list[torch.Tensor], keys: list[str]) -> list[torch.Tensor]:
+        """The sums over ranks of these gradients (each through the memory) as the compressor
+        encodes them."""
         xs = [self.memory.compensate(k, g) for g, k in zip(grads, keys)]
         c = self.compressor
-        dense = [isinstance(c, DGCSelect) and not dgc_sparsifies(tuple(x.shape)) for x in xs]  # DGC's biases
-        totals: list[torch.Tensor | None] = [None] * len(xs)
-        owns: list[torch.Tensor | None] = [None] * len(xs)
         if c.allreduce:
-            for i, (total, own) in enumerate(self._all_reduce_rounds(
-                    [c.rounds(x, self.n, k, self.step) for x, k in zip(xs, keys)])):
-                totals[i], owns[i] = total, own
+            if hasattr(c, "prepare"):
+                c.prepare(xs, keys)
+            totals, owns = zip(*self._all_reduce_rounds([c.rounds(x, self.n, k, self.step) for x, k in zip(xs, keys)]))
         else:
-            plain = [i for i, d in enumerate(dense) if d]
-            for i, total in zip(plain, self._all_reduce_rounds([_once(xs[i]) for i in plain])):
-                totals[i], owns[i] = total[0], xs[i]
-            coded = [i for i, d in enumerate(dense) if not d]
-            for i, total, own in zip(coded, *self._gathered([xs[i] for i in coded])):
-                totals[i], owns[i] = total, own
+            totals, owns = self._gathered(xs)
         for k, x, own in zip(keys, xs, owns):
             self.memory.update(k, x, own)
-        out = [torch.sign(t) if getattr(c, "vote", False) else t / self.n for t in totals]
-        if not self.per_tensor:
-            return [a.view(shape) for a, shape in zip(out[0].split([math.prod(s) for s in shapes]), shapes)]
-        return out
+        return list(totals)
 
     def _gathered(self, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """(sum over ranks, own decoded) of each tensor, for the methods whose parts are gathered."""

@@ -20,6 +20,7 @@ import zlib
 from collections.abc import Generator
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from autopar.contract.compression import DGC_WARMUP_STEPS, dgc_density
@@ -88,26 +89,44 @@ class RandomK:
 @dataclass
 class PowerSGD:
     """Rank-r PowerSGD (Vogels et al. 2019): one power iteration per step, warm-started from the
-    previous step's Q. Tensors of fewer than two dimensions (biases, norms) go uncompressed; the
-    error is taken against the averaged approximation, as in the paper."""
+    previous step's Q, orthogonalised before use; the error is taken against the averaged
+    approximation, as in the paper. A bucket's first Qs are drawn as torch's hook draws them
+    (`prepare`), so both start from the same Q. The dense start is the communicator's
+    (`contract.compression.dense_start`)."""
 
     rank: int = 2
     seed: int = 0
     allreduce = True
     error_feedback = True
     _q: dict[str, torch.Tensor] = field(default_factory=dict)
+    _draws: int = 0  # buckets started: the numpy generator's draws so far (a checkpoint holds plain values)
+
+    def prepare(self, xs: list[torch.Tensor], keys: list[str]) -> None:
+        """Random Qs for a bucket's gradients that have none, as torch's PowerSGD hook draws them at
+        its first compressed step: one seed per bucket from a numpy generator seeded with `seed`
+        (the same on every rank), then a normal draw per matrix, grouped by shape in order of first
+        appearance."""
+        missing = [(x, k) for x, k in zip(xs, keys) if self._shape(x) != self._q.get(k, torch.empty(0)).shape]
+        if not missing:
+            return
+        self._draws += 1
+        seed = np.random.RandomState(self.seed).randint(1_000_000_000, size=self._draws)[-1]
+        gen = torch.Generator().manual_seed(int(seed))
+        shapes = list(dict.fromkeys(self._shape(x) for x, _ in missing))
+        for shape in shapes:
+            for x, k in missing:
+                if self._shape(x) == shape:
+                    self._q[k] = torch.randn(shape, generator=gen).to(x)
+
+    def _shape(self, x: torch.Tensor) -> tuple[int, int]:
+        cols = x.numel() // x.shape[0]
+        return (cols, min(self.rank, x.shape[0], cols))
 
     def rounds(self, x: torch.Tensor, n: int, key: str, step: int) -> Rounds:
-        if x.dim() < 2:
-            wire = x.clone()
-            yield wire
-            return wire, x
         m = x.reshape(x.shape[0], -1)
-        r = min(self.rank, *m.shape)
-        q = self._q.get(key)
-        if q is None or q.shape != (m.shape[1], r):
-            gen = torch.Generator().manual_seed(self.seed + zlib.crc32(key.encode()))
-            q = torch.randn(m.shape[1], r, generator=gen).to(m)  # the same on every rank
+        if key not in self._q:
+            self.prepare([x], [key])
+        q = torch.linalg.qr(self._q[key]).Q
         p = m @ q
         yield p  # summed over ranks
         p = torch.linalg.qr(p).Q
@@ -147,19 +166,21 @@ class _Sparse:
 
 @dataclass
 class TopK(_Sparse):
-    """Top-k by magnitude (Aji & Heafield 2017), values and int32 indices."""
+    """Top-k by magnitude (Aji & Heafield 2017), values and int32 indices; the fraction kept warms
+    down to `ratio` over DGC's stages of `warmup` steps (`contract.compression.dgc_density`)."""
 
     ratio: float
+    warmup: float = 0
     allreduce = False
     error_feedback = True
     sparse = True  # falls back to a dense all-reduce when gathering would move more
 
-    def k(self, numel: int) -> int:
-        return max(1, math.ceil(numel * self.ratio))
+    def k(self, numel: int, step: int) -> int:
+        return max(1, math.ceil(numel * dgc_density(1 - self.ratio, self.warmup, step)))
 
     def compress(self, x: torch.Tensor, step: int, gen: torch.Generator | None = None) -> list[torch.Tensor]:
         flat = x.reshape(-1)
-        return _sparse(flat, flat.abs().topk(self.k(flat.numel()), sorted=False).indices)
+        return _sparse(flat, flat.abs().topk(self.k(flat.numel(), step), sorted=False).indices)
 
 
 @dataclass

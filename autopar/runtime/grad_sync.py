@@ -170,8 +170,12 @@ class GradSync:
         reduce: Callable[[torch.Tensor, dist.ProcessGroup | None], object] = all_reduce,
         compressed: Any = None,
         link: EmulatedLink | None = None,
+        travels: dict[torch.nn.Parameter, bool] | None = None,
     ) -> None:
+        """`travels`: which gradients the compressor compresses (the plan's decision; None: every
+        weight matrix)."""
         self.group, self.reduce, self.compressed, self.link = group, reduce, compressed, link
+        self.travels = travels
         self.world = dist.get_world_size(group)
         self.sync = True
         self.stats = SyncStats()
@@ -263,7 +267,8 @@ class GradSync:
             self.stats.bytes_raw += sum(g.numel() * g.element_size() for g in grads)
             keys = [f"{b}.{i}" for i in range(len(grads))]
             launched, sent = time.perf_counter(), self.compressed.bytes_sent
-            averages = self.compressed.average(grads, keys)
+            averages = self.compressed.average(grads, keys, None if self.travels is None
+                                               else [self.travels[p] for p in bucket.params])
             if self.link is not None:
                 self.link.wait(launched, self.compressed.bytes_sent - sent)
             for p, avg in zip(bucket.params, averages):

@@ -209,9 +209,17 @@ def check_batch(inputs: Any, plan: Plan, dp: int | None = None) -> None:
                            f"plan's batch {plan.batch} is {plan.batch // dp}: pass that many, or the global batch")
 
 
-def data_sync(params: list[nn.Parameter], group: dist.ProcessGroup, plan: Plan) -> Any:
+def by_model_name(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """`module`'s parameters under the model's names (a lowered graph's own spell them otherwise:
+    `model_names`), as plans name them."""
+    names = module.model_names() if hasattr(module, "model_names") else {}
+    return [(names.get(n, n), p) for n, p in module.named_parameters()]
+
+
+def data_sync(named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup, plan: Plan) -> Any:
     """The data-parallel synchroniser the plan's `dp_gradient` asks for: bucketed all-reduce,
-    through a compressor, or delayed averaging. `AUTOPAR_EMULATE_LINK="latency_s[,bytes_per_s]"`
+    through a compressor (the gradients it names in `compressed`: the others dense), or delayed
+    averaging. `AUTOPAR_EMULATE_LINK="latency_s[,bytes_per_s]"`
     makes its results wait as on a slower link (benchmarks; `EmulatedLink`)."""
     import os
 
@@ -231,12 +239,16 @@ def data_sync(params: list[nn.Parameter], group: dist.ProcessGroup, plan: Plan) 
     why = plan_refusal(plan)  # (a plan built in memory, not validated as a file is)
     if why:
         raise UnsupportedPlan(why)
+    params = [p for _, p in named]
     if gradient.get("delay"):
         return DelayedSync(params, group, int(gradient["delay"]), link=link)
-    compressed = None
+    compressed = travels = None
     if gradient.get("compression"):
         compressed = Compressed(gradient["compression"], group)
-    return GradSync(params, group, compressed=compressed, link=link)
+        if gradient.get("compressed") is not None:
+            listed = set(gradient["compressed"])
+            travels = {p: name in listed for name, p in named}
+    return GradSync(params, group, compressed=compressed, link=link, travels=travels)
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, plan: Plan) -> None:
@@ -400,7 +412,7 @@ class ParallelModel(nn.Module):
                 self.whole = shard_data_axis(self.trained, mesh["dp"], plan.precision, plan.stages[0].zero,
                                              plan.stages[0].offload)
         elif self.dp > 1:
-            self.sync = data_sync(list(self.trained.parameters()), self.group, plan)
+            self.sync = data_sync(by_model_name(self.trained), self.group, plan)
         if self.tp > 1 and not sharded and not plan.dp_gradient.get("compression"):
             defer_partial_grads(list(self.trained.parameters()))
         if self.graph is not None:

@@ -56,6 +56,7 @@ from autopar.runtime.parallel import (
     _split,
     average_grads,
     build_checked,
+    by_model_name,
     check_batch,
     check_optimizer,
     compile_loss,
@@ -474,7 +475,7 @@ class PipelineModel:
                 self.whole += [p for p in shard_data_axis(module, g.dp_mesh, plan.precision, plan.stages[s].zero,
                                                           plan.stages[s].offload) if all(p is not q for q in self.whole)]
         elif self.dp > 1:
-            self.sync = data_sync(list(self.module.parameters()), self.dp_group, plan)
+            self.sync = data_sync(by_model_name(self.module), self.dp_group, plan)
         if self.tp > 1 and not sharded and not plan.dp_gradient.get("compression"):
             defer_partial_grads(list(self.module.parameters()))
         for s, module, inputs in zip(self.local, modules, received):
