@@ -106,9 +106,17 @@ def _rank(rank: int, world: int, port: int, model: str, batch: int | None, plans
         torch.manual_seed(0)
         w = load_workload(model, batch=batch, device="cpu", dtype=torch.float32)
         plan = Plan.from_json(text)
-        pm = parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=plan,
-                         optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3), mixed_precision=plan.precision or "fp32",
-                         compile=compile)
+        try:
+            pm, why = parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=plan,
+                                  optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-3),
+                                  mixed_precision=plan.precision or "fp32", compile=compile), None
+        except AutoparError as exc:  # refused when built (its program is not the one priced, ...)
+            pm, why = None, str(exc)
+        refused = [None] * world
+        dist.all_gather_object(refused, why)  # every rank skips it where one refused it
+        if any(refused):
+            times.append(next(r for r in refused if r))
+            continue
         gen = torch.Generator().manual_seed(1)
         median = time_steps(pm, lambda: w.make_batch(w.batch, gen), warmup, steps)
         parts = None
@@ -214,6 +222,14 @@ def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup
             log.warning("launch %d of %d: %s; starting it again", k + 1, launches, exc)
             got = measure(model, nproc, batch, [plans[i] for i in order], warmup, steps, breakdown and k == 0, compile)
         runs.append([got[order.index(i)] for i in range(len(plans))])
+    refused = {i: why for i, why in enumerate(runs[0]) if isinstance(why, str)}
+    if 0 in refused:
+        raise AutoparError(f"the searched plan was refused when built: {refused[0]}")
+    for i, why in refused.items():
+        log.warning("%s: refused when built, not measured: %s", plans[i].name, why)
+    refused_names = [(plans[i].name, why) for i, why in refused.items()]
+    measured = [i for i in range(len(plans)) if i not in refused]
+    plans, runs = [plans[i] for i in measured], [[run[i] for i in measured] for run in runs]
     first = runs[0]
     rows = []
     for i, p in enumerate(plans):
@@ -237,6 +253,7 @@ def bench(model: str, nproc: int, cluster: Any, batch: int | None = None, warmup
     spreads = [r["spread"] for r in rows]
     return {"model": model, "nproc": nproc, "batch": batch, "precision": precision, "compile": compile,
             "cluster": cluster.name, "pinned": rank_cores(nproc), "launches": launches, "layouts": rows,
+            "refused": [{"name": name, "why": why} for name, why in refused_names],
             "spearman": spearman([r["predicted_step_time_s"] for r in rows], [r["measured_step_time_s"] for r in rows]),
             "noise": {"median_spread": float(np.median(spreads)), "max_spread": max(spreads),
                       "ties": ties(rows), "pairs": len(rows) * (len(rows) - 1) // 2, "ordered": ordered(rows)},

@@ -417,6 +417,8 @@ def cmd_bench(args: argparse.Namespace, out: Console) -> Any:
               + (f"each rank on a core of its own ({', '.join(map(str, pinned))})" if pinned else
                  f"{args.nproc} ranks share this machine's cores: the times rank the layouts, their scale is not a "
                  "GPU cluster's"))
+    for r in result["refused"]:
+        out.print(f"[bold]{printable(r['name'])}[/bold] refused when built, not measured: {printable(r['why'])}")
     return None
 
 

@@ -142,12 +142,14 @@ def ranking(models: list[str], nproc: int, launches: int, out: str, resume: bool
     cluster = os.path.join(out, f"cluster-{nproc}-ranks.json")
     if not (resume and os.path.exists(cluster)):
         run_cli("calibrate", "--nproc", str(nproc), "--out", cluster)
-    rows = []
+    rows, notes = [], []
     for model in models:
         path = os.path.join(out, f"{model}-{nproc}-ranks.json")
         if resume and os.path.exists(path):
             with open(path) as f:
                 result = json.load(f)
+            notes.append(f"{model}: read back, its bench written "
+                         + time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(os.path.getmtime(path))) + ".")
         else:
             result, wall, _ = run_cli("bench", model, "--nproc", str(nproc), "--cluster", cluster,
                                       "--launches", str(launches))
@@ -157,10 +159,11 @@ def ranking(models: list[str], nproc: int, launches: int, out: str, resume: bool
         rows.append([model, len(result["layouts"]), f"{result['spearman']:.2f}", f"{result['auto_vs_fastest']:.2f}",
                      f"{summarise(result)['median_abs_error']:.0%}",
                      f"{result['noise']['median_spread']:.1%}" if launches > 1 else "(one launch)",
-                     "yes" if result["pinned"] else "no"])
+                     "yes" if result["pinned"] else "no", len(result.get("refused", []))])
+        notes += [f"{model}'s {r['name']} refused when built: {r['why'].split(':')[0]}." for r in result.get("refused", [])]
     body = (f"The ranking on {nproc} ranks ({launches} launch{'es' if launches > 1 else ''} each):\n\n"
-            + table(["family", "layouts", "Spearman", "searched / fastest", "median |error|", "median spread",
-                     "a core per rank"], rows, right=(1, 2, 3, 4, 5)))
+            + table(["family", "layouts", "Spearman", "searched / fastest", "median abs. error", "median spread",
+                     "a core per rank", "refused"], rows, right=(1, 2, 3, 4, 5, 7)) + ("\n" + " ".join(notes) if notes else ""))
     write(f"predicted_vs_measured-{nproc}-ranks", started, body)
     return body
 
