@@ -160,7 +160,7 @@ def ranking(models: list[str], nproc: int, launches: int, out: str, resume: bool
                      f"{summarise(result)['median_abs_error']:.0%}",
                      f"{result['noise']['median_spread']:.1%}" if launches > 1 else "(one launch)",
                      "yes" if result["pinned"] else "no", len(result.get("refused", []))])
-        notes += [f"{model}'s {r['name']} refused when built: {r['why'].split(':')[0]}." for r in result.get("refused", [])]
+        notes += [f"{model}'s {r['name']} refused when built: {r['why'].split('. ')[0]}." for r in result.get("refused", [])]
     body = (f"The ranking on {nproc} ranks ({launches} launch{'es' if launches > 1 else ''} each):\n\n"
             + table(["family", "layouts", "Spearman", "searched / fastest", "median abs. error", "median spread",
                      "a core per rank", "refused"], rows, right=(1, 2, 3, 4, 5, 7)) + ("\n" + " ".join(notes) if notes else ""))

@@ -71,12 +71,6 @@ def messages(spec: Spec, kind: str) -> int:
     return (1 if spec.method == "dgc" else 0) + (1 if spec.method == "signsgd" else 2)  # DGC: sizes first
 
 
-def buckets(items: list, shapes: list[tuple[int, ...]]) -> list[list]:
-    """`items` (one per gradient of these shapes, fp32, in the order backward produces them)
-    grouped as the synchroniser groups them (`contract.buckets.bucketed`)."""
-    return [[items[i] for i in group] for group in bucketed([4 * math.prod(s) for s in shapes])] or [[]]
-
-
 def compresses(spec: Spec, shape: tuple[int, ...], ranks: int, link: Link | None = None,
                device: DeviceSpec | None = None) -> bool:
     """Whether a gradient of `shape` (this rank's part) travels compressed: a weight matrix
@@ -174,8 +168,7 @@ def sync_time(spec: Spec, shapes: list[tuple[int, ...]], ranks: int, link: Link,
 
 def sent_bytes(spec: Spec, shapes: list[tuple[int, ...]], ranks: int, compressed: list[bool]) -> int:
     """Bytes this rank hands to collectives per step for gradients of these shapes (those marked
-    `compressed` through the compressor, the others dense), as `sync_time` prices them (a
-    variable-size method's sizes aside)."""
+    `compressed` through the compressor, the others dense), as `sync_time` prices them."""
     return sum(4 * math.prod(s) for dense, _ in _buckets(spec, shapes, compressed) for s in dense) + sum(
         wire(spec, shape, ranks)[1] for _, units in _buckets(spec, shapes, compressed) for shape in units)
 
@@ -183,7 +176,7 @@ def sent_bytes(spec: Spec, shapes: list[tuple[int, ...]], ranks: int, compressed
 def _buckets(spec: Spec, shapes: list[tuple[int, ...]], compressed: list[bool]):
     """Per bucket, (the shapes of its dense gradients, the units the compressor encodes: each
     compressed gradient for the methods in PER_TENSOR, their concatenation for the others)."""
-    for bucket in buckets(list(range(len(shapes))), shapes):
+    for bucket in bucketed([4 * math.prod(s) for s in shapes]) or [[]]:
         coded = [shapes[i] for i in bucket if compressed[i]]
         units = coded if spec.method in PER_TENSOR or not coded else [(sum(math.prod(s) for s in coded),)]
         yield [shapes[i] for i in bucket if not compressed[i]], units
