@@ -391,10 +391,27 @@ class LinkRow:
 
 
 def _link_rank(rank: int, config: dict[str, Any]) -> None:
-    """One rank on its side of the shaped link (started by `run_link` inside a namespace)."""
+    """One rank on its side of the shaped link (started by `on_link` inside a namespace): the link
+    part's runs, or (`config["mode"]` "steps") the sweep's step times."""
     dist.init_process_group("gloo", init_method=f"tcp://{ADDRESSES[0]}:{LINK_PORT}", rank=rank, world_size=2)
     _quiet()
     args = argparse.Namespace(**config)
+    if config.get("mode") == "steps":
+        import compression_sweep
+
+        result = compression_sweep.link_step_times(rank, args)
+    else:
+        result = _link_runs(rank, args)
+    if rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(result, f)
+    dist.barrier()
+    dist.destroy_process_group()
+    os._exit(0)
+
+
+def _link_runs(rank: int, args: argparse.Namespace) -> dict[str, Any]:
+    """Dense, DGC and PowerSGD trained on the shaped link until dense's final accuracy."""
     data = load_data(args.seed)
     spe = steps_per_epoch(data, args.batch)
     budget = args.link_epochs * spe
@@ -442,13 +459,7 @@ def _link_rank(rank: int, config: dict[str, Any]) -> None:
         if rank == 0:
             print(f"  {method.label}: {rows[-1].step_ms:.1f} ms/step, accuracy {rows[-1].final_accuracy:.2f} % "
                   f"after {step} steps", file=sys.stderr, flush=True)
-    if rank == 0:
-        with open(args.out, "w") as f:
-            json.dump({"target_accuracy": target, "compute_ms": compute_ms, "budget": budget,
-                       "rows": [asdict(r) for r in rows]}, f)
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)
+    return {"target_accuracy": target, "compute_ms": compute_ms, "budget": budget, "rows": [asdict(r) for r in rows]}
 
 
 def _compute_ms(hidden: int, data: Digits, local_batch: int, lr: float, steps: int = 50) -> float:
@@ -466,17 +477,17 @@ def _compute_ms(hidden: int, data: Digits, local_batch: int, lr: float, steps: i
     return 1e3 * statistics.median(times)
 
 
-def run_link(args: argparse.Namespace) -> dict[str, Any]:
+def on_link(args: argparse.Namespace, **config: Any) -> dict[str, Any]:
+    """Two ranks in network namespaces joined by a veth pair shaped to `args.rate`, each running
+    `_link_rank` with `args` and `config`: what rank 0 returned, or {"skipped": why} without root,
+    `ip` or `tc`. The namespaces are always removed at the end."""
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         print(SKIPPED, file=sys.stderr)
         return {"skipped": SKIPPED}
-    print(f"link: 2 ranks in network namespaces, veth shaped to {args.rate} (tbf), MLP hidden {args.link_hidden}",
-          file=sys.stderr)
     out = os.path.join(tempfile.mkdtemp(), "link.json")
-    config = {**vars(args), "out": out}
     config_path = out + ".config"
     with open(config_path, "w") as f:
-        json.dump(config, f)
+        json.dump({**vars(args), **config, "out": out}, f)
     procs: list[subprocess.Popen] = []
     try:
         try:
@@ -501,7 +512,15 @@ def run_link(args: argparse.Namespace) -> dict[str, Any]:
                 p.wait()
         link_down()
     with open(out) as f:
-        result = json.load(f)
+        return json.load(f)
+
+
+def run_link(args: argparse.Namespace) -> dict[str, Any]:
+    print(f"link: 2 ranks in network namespaces, veth shaped to {args.rate} (tbf), MLP hidden {args.link_hidden}",
+          file=sys.stderr)
+    result = on_link(args)
+    if "skipped" in result:
+        return result
     dense = result["rows"][0]
     for r in result["rows"][1:]:
         if r["time_to_accuracy_s"]:

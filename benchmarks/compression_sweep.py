@@ -23,13 +23,18 @@ bytes handed to collectives per step and rank, and median step time.
 
 Both run through `compression.py`, which prints their tables (`sweep_table`, `anchor_table`) and
 writes each to its own page fragment: docs/benchmarks/results/compression_sweep.md and
-compression_anchor.md.
+compression_anchor.md. With `--record FILE` the sweep appends each finished run to FILE (JSON
+lines) and, started again, reads back the runs FILE holds instead of running them: a long sweep
+resumes where it stopped. Every run plans for the link the times are judged on (100 Mb/s,
+`compression.link_cluster`), which decides which gradients travel compressed.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -100,8 +105,9 @@ class Run:
     curve: list[tuple[int, float, float]] = field(default_factory=list)  # (step, seconds, accuracy)
 
 
-def train_one(task: Task, spec: str, world: int, batch: int, lr: float, seed: int, data: Digits, steps: int,
-              eval_every: int, rank: int, plans: dict) -> Run:
+def _build(task: Task, spec: str, world: int, batch: int, lr: float, seed: int, data: Digits, rank: int,
+           plans: dict) -> Any:
+    """The task's model under `spec` on `world` ranks, planned for the 100 Mb/s link."""
     m = method(spec, None if spec == "none" else spec, lr)
     model = task.model(seed)
     torch.manual_seed(seed + 1 + rank)  # stochastic compressors draw differently on each rank
@@ -112,10 +118,16 @@ def train_one(task: Task, spec: str, world: int, batch: int, lr: float, seed: in
     import autopar
 
     pm = autopar.parallelize(model, (1, world), (data.x_train[:batch],), loss_fn=F.cross_entropy, optimizer=optimizer,
-                             plan=plans.get((task.name, batch), f"{world},1,1"), compression=m.compression,
+                             plan=plans.get((task.name, batch, world), f"{world},1,1"), compression=m.compression,
                              cluster=link_cluster(world))
     if m.compression is None:  # the same layout serves every method of this task and batch: planned once
-        plans[(task.name, batch)] = pm.plan
+        plans[(task.name, batch, world)] = pm.plan
+    return pm
+
+
+def train_one(task: Task, spec: str, world: int, batch: int, lr: float, seed: int, data: Digits, steps: int,
+              eval_every: int, rank: int, plans: dict) -> Run:
+    pm = _build(task, spec, world, batch, lr, seed, data, rank, plans)
     stream = batch_stream(data, batch, seed)
     clock, sent, raw, curve, loss = 0.0, 0, 0, [], 0.0
     for step in range(1, steps + 1):
@@ -131,33 +143,136 @@ def train_one(task: Task, spec: str, world: int, batch: int, lr: float, seed: in
                sent / steps, raw / steps, curve)
 
 
+def _key(task: str, spec: str, world: int, batch: int, lr: float, seed: int, steps: int) -> str:
+    """What names a run in the record: its setting, method and length."""
+    return json.dumps([task, spec, world, batch, lr, seed, steps])
+
+
 def _sweep_rank(rank: int, world: int, args: argparse.Namespace) -> list[Run]:
+    """This rank count's share of the sweep; each run rank 0 finishes is appended to `args.record`
+    at once, and the runs already there (`args.done`) are skipped, on every rank alike."""
     data = {seed: load_data(seed) for seed in SEEDS}
-    runs, plans = [], {}
+    runs, plans, done = [], {}, set(args.done)
     settings = [(t, b, lr, s) for t in args.tasks for b in args.batches for lr in (args.lrs or TASKS[t].lrs)
                 for s in SEEDS]
     for i, (t, batch, lr, seed) in enumerate(settings):
         for spec in ["none", *args.methods]:
+            if _key(t, spec, world, batch, lr, seed, args.sweep_steps) in done:
+                continue
             runs.append(train_one(TASKS[t], spec, world, batch, lr, seed, data[seed], args.sweep_steps,
                                   args.eval_every, rank, plans))
+            if rank == 0 and args.record:
+                with open(args.record, "a") as f:
+                    f.write(json.dumps({"key": _key(t, spec, world, batch, lr, seed, args.sweep_steps),
+                                        "run": asdict(runs[-1])}) + "\n")
         if rank == 0:
-            row = runs[-len(args.methods) - 1:]
+            row = [r for r in runs if (r.task, r.batch, r.lr, r.seed) == (t, batch, lr, seed)]
             print(f"  [{world} ranks {i + 1}/{len(settings)}] {t} batch {batch} lr {lr:g} seed {seed}: "
                   + " ".join(f"{r.method} {r.accuracy:.1f}" for r in row), file=sys.stderr, flush=True)
     return runs
 
 
+def recorded(path: str | None) -> tuple[dict[str, Run], dict | None]:
+    """The runs a record holds (JSON lines, one per finished run), by key, and the link's step
+    times where it holds them (the last measured); nothing without one."""
+    runs: dict[str, Run] = {}
+    times = None
+    if path and os.path.exists(path):
+        with open(path) as f:
+            for line in f:
+                if not line.strip():
+                    continue
+                entry = json.loads(line)
+                if entry["key"] == "link":
+                    times = entry["times"]
+                else:
+                    runs[entry["key"]] = Run(**{**entry["run"], "curve": [tuple(c) for c in entry["run"]["curve"]]})
+    return runs, times
+
+
 def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
+    from compression import on_link
+
+    done, times = recorded(args.record)
+    wanted_times = {_link_key(t, spec, b) for t in args.tasks for b in args.batches for spec in ["none", *args.methods]}
+    if args.link_times and not (times and wanted_times <= set(times)):  # each method's step on the shaped link
+        print(f"sweep: step times on the {args.rate} link", file=sys.stderr)
+        measured = on_link(args, mode="steps")
+        if "skipped" not in measured:
+            times = measured
+            if args.record:
+                with open(args.record, "a") as f:
+                    f.write(json.dumps({"key": "link", "rate": args.rate, "times": times}) + "\n")
+    wanted = {_key(t, spec, world, b, lr, s, args.sweep_steps) for world in args.ranks for t in args.tasks
+              for b in args.batches for lr in (args.lrs or TASKS[t].lrs) for s in SEEDS
+              for spec in ["none", *args.methods]}
+    args.done = sorted(set(done) & wanted)  # (a list: the link's ranks are handed the arguments as JSON)
     print(f"sweep: {len(args.methods) + 1} methods × {len(SEEDS)} seeds × batches {args.batches} × lrs "
-          f"{args.lrs or 'per task'} × ranks {args.ranks} × tasks {args.tasks}, {args.sweep_steps} steps each",
+          f"{args.lrs or 'per task'} × ranks {args.ranks} × tasks {args.tasks}, {args.sweep_steps} steps each"
+          + (f"; {len(args.done)} of {len(wanted)} runs read back from {args.record}" if args.done else ""),
           file=sys.stderr)
-    runs: list[Run] = []
+    runs: list[Run] = [done[k] for k in args.done]
     for world in args.ranks:
-        runs += _spawn(_sweep_rank, world, args)
+        if any(json.loads(k)[2] == world for k in wanted - set(args.done)):
+            runs += _spawn(_sweep_rank, world, args)
     return {"steps": args.sweep_steps, "eval_every": args.eval_every, "seeds": list(SEEDS), "batches": args.batches,
             "ranks": args.ranks,
             "tasks": {t: {"title": TASKS[t].title, "lrs": args.lrs or list(TASKS[t].lrs)} for t in args.tasks},
-            "runs": [asdict(r) for r in runs], "summary": summarize(runs)}
+            "link_rate": args.rate if times else None, "link_times": times,
+            "runs": [asdict(r) for r in runs], "summary": summarize(runs, times or {})}
+
+
+LINK_STEPS = 30  # steps timed on the shaped link once a method compresses as it will for the rest of a run
+
+
+def warmup_steps(spec: str) -> int:
+    """The steps before a method sends what it will send for the rest of a run: PowerSGD's dense
+    start, DGC's and top-k's warm-up stages; 0 for the others (and dense)."""
+    if spec == "none":
+        return 0
+    from autopar.contract.compression import DGC_STAGES, parse
+
+    p = parse(spec)
+    return int(p.option("start") + (DGC_STAGES * p.option("warmup") if p.method in ("dgc", "topk") else 0))
+
+
+def link_step_times(rank: int, args: argparse.Namespace) -> dict[str, dict[str, float]]:
+    """On the shaped link (a rank of `compression.on_link`'s two): per task, batch and method, the
+    median step over its warm-up (`warmup_steps`, its first two steps left out: set-up) and over
+    `LINK_STEPS` steps after it, by `_link_key`."""
+    data, out, plans = load_data(SEEDS[0]), {}, {}
+    for t in args.tasks:
+        for batch in args.batches:
+            for spec in ["none", *args.methods]:
+                pm = _build(TASKS[t], spec, 2, batch, (args.lrs or TASKS[t].lrs)[0], SEEDS[0], data, rank, plans)
+                stream, times = batch_stream(data, batch, SEEDS[0]), []
+                warm = warmup_steps(spec)
+                for _ in range(warm + 2 + LINK_STEPS):
+                    x, y = next(stream)
+                    start = time.perf_counter()
+                    pm.step(x, y)  # ends in an all-reduce of the loss: both ranks are past it
+                    times.append(time.perf_counter() - start)
+                out[_link_key(t, spec, batch)] = {
+                    "warmup_steps": warm, "warm_s": statistics.median(times[min(2, warm - 1):warm]) if warm else 0.0,
+                    "steady_s": statistics.median(times[-LINK_STEPS:])}
+                if rank == 0:
+                    print(f"  link: {t} batch {batch} {spec}: {1e3 * out[_link_key(t, spec, batch)]['steady_s']:.1f} "
+                          "ms a step", file=sys.stderr, flush=True)
+    return out
+
+
+def _link_key(task: str, spec: str, batch: int) -> str:
+    return json.dumps([task, spec, batch])
+
+
+def link_time(r: Run, steps: int, times: dict[str, dict[str, float]]) -> float | None:
+    """Seconds `steps` of run `r`'s method take on the shaped link: its warm-up's steps at their
+    time, the rest at the steady one (measured on 2 ranks: the link has two ends)."""
+    t = times.get(_link_key(r.task, r.method, r.batch))
+    if t is None:
+        return None
+    warm = min(steps, t["warmup_steps"])
+    return warm * t["warm_s"] + (steps - warm) * t["steady_s"]
 
 
 def _setting(r: Run) -> tuple:
@@ -168,11 +283,14 @@ def _reached(r: Run, target: float) -> tuple[int, float] | None:
     return next(((s, t) for s, t, a in r.curve if a >= target), None)
 
 
-def summarize(runs: list[Run]) -> list[dict[str, Any]]:
+def summarize(runs: list[Run], times: dict[str, dict[str, float]] | None = None) -> list[dict[str, Any]]:
     """Per task and method: the worst and median gap to dense over the settings, the setting of the
     worst, the target and whether every setting meets it; how often and how fast (against dense's
-    own time to its final accuracy) a method reached dense's final accuracy; for a method with an
-    `ef=0` twin, whether error feedback did better wherever the twin lost more than a point."""
+    own time to its final accuracy) a method reached dense's final accuracy; on the shaped link
+    (`times`, `link_step_times`), the time to dense's final accuracy less a point, the steps from
+    the run times each step's time there, against dense's own, and in how many settings it got
+    there sooner; for a method with an `ef=0` twin, whether error feedback did better wherever the
+    twin lost more than a point."""
     dense = {_setting(r): r for r in runs if r.method == "none"}
     by: dict[tuple[str, str], list[Run]] = {}
     for r in runs:
@@ -187,12 +305,22 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
             mine, theirs = _reached(r, d.accuracy), _reached(d, d.accuracy)
             if mine and theirs:
                 speed.append(mine[1] / theirs[1])
+        on_link = []  # per setting: this method's time to dense's final accuracy - 1 point over dense's
+        for r in rs:
+            d = dense[_setting(r)]
+            mine, theirs = _reached(r, d.accuracy - 1.0), _reached(d, d.accuracy - 1.0)
+            mine_s = link_time(r, mine[0], times or {}) if mine else None
+            theirs_s = link_time(d, theirs[0], times or {}) if theirs else None
+            if theirs_s:
+                on_link.append(mine_s / theirs_s if mine_s is not None else math.inf)
         target = TARGETS.get(name)
         row = {"task": task, "method": name, "settings": len(rs), "worst_gap": worst[0],
                "worst_at": {"ranks": worst[1].ranks, "batch": worst[1].batch, "lr": worst[1].lr, "seed": worst[1].seed},
                "median_gap": statistics.median(g for g, _ in gaps), "target": target,
                "meets": None if target is None or name == "none" else worst[0] >= -target,
                "reached": len(speed), "time_ratio_median": statistics.median(speed) if speed else None,
+               "link_ratio_median": statistics.median(on_link) if on_link else None,
+               "link_sooner": f"{sum(x < 1 for x in on_link)}/{len(on_link)}" if on_link else None,
                "ratio": statistics.median(r.bytes_raw / max(1.0, r.bytes_sent) for r in rs)}
         twin = by.get((task, name + ",ef=0"))
         if twin:
@@ -218,11 +346,14 @@ def sweep_table(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]]
                      f"{w['ranks']} ranks, batch {w['batch']}, lr {w['lr']:g}, seed {w['seed']}",
                      f"{s['ratio']:.1f}×", f"{s['reached']}/{s['settings']}",
                      f"{s['time_ratio_median']:.2f}" if s["time_ratio_median"] else "—",
+                     (f"{s['link_ratio_median']:.2f} ({s['link_sooner']} sooner)" if s.get("link_ratio_median")
+                      is not None else "—"),
                      s.get("ef_better", "—"),
                      "—" if s["target"] is None else f"≥ −{s['target']:g}",
                      "—" if s["meets"] is None else ("yes" if s["meets"] else "NO")])
     return title, ["task", "method", "worst gap", "median gap", "worst at", "bytes ratio", "reached dense acc",
-                   "time to dense acc (× dense)", "EF better where ef=0 loses > 1", "target", "meets"], rows
+                   "time to dense acc (× dense)", f"on {result.get('link_rate') or 'the link'}: time to dense − 1 pt "
+                   "(× dense)", "EF better where ef=0 loses > 1", "target", "meets"], rows
 
 
 # ---- the anchor: torch's DDP hooks -----------------------------------------------------------------
@@ -340,6 +471,10 @@ def anchor_table(result: dict[str, Any]) -> tuple[str, list[str], list[list[str]
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sweep", action="store_true", help="the robustness sweep (same as --part sweep)")
     ap.add_argument("--sweep-steps", type=int, default=160, help="steps per run of the sweep and the anchor")
+    ap.add_argument("--no-link-times", dest="link_times", action="store_false", help="leave out the step times on "
+                    "the shaped link (measured once per task, batch and method, as root: `compression.on_link`)")
+    ap.add_argument("--record", default=None, help="JSON lines of the sweep's finished runs: each appended as it "
+                    "finishes, and those already there (same setting, method and steps) read back, not run again")
     ap.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=["mlp", "cnn"])
     ap.add_argument("--methods", nargs="+", default=list(TARGETS), help="methods of the sweep (dense always runs)")
     ap.add_argument("--lrs", nargs="+", type=float, default=None, help="learning rates instead of each task's pair")
