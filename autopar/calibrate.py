@@ -17,6 +17,7 @@ collective latency where they are paid (`runtime_overheads`).
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import statistics
@@ -31,14 +32,17 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from autopar.api import parallelize
+from autopar.contract.compression import parse
 from autopar.cost_models import ClusterSpec, DeviceSpec, Link
 from autopar.cost_models.comm import largest_of_normals
+from autopar.cost_models.compression import MEASURED_RANK
 from autopar.cost_models.compute import LOSS_OPS
 from autopar.models import load_workload
 from autopar.planner.capture import capture
 from autopar.runtime import default_backend
 from autopar.runtime.backend import join_local, local_store, pin, rank_cores
 from autopar.runtime.breakdown import measuring, summarise
+from autopar.runtime.compression import Compressed
 from autopar.runtime.loop import time_steps
 
 SIZES = [2**k for k in range(10, 24, 2)]  # bytes per collective: 1 KiB … 4 MiB
@@ -204,6 +208,41 @@ def _dtensor_optimizer(device: torch.device, world: int, tensors: int = 32) -> d
     return {"optimizer_dtensor_s": max(0.0, sharded - plain)}
 
 
+# the methods whose work `calibrate` measures, each at its usual setting (`cost_models.compression.work`)
+COMPRESSORS = ("fp16", "randk:0.01", f"powersgd:{MEASURED_RANK}", "topk:0.01", "dgc:0.999", "onebit", "terngrad",
+               "qsgd:16", "signsgd")
+
+
+def _compressors(device: torch.device, sync: Callable[[], Any], group: dist.ProcessGroup) -> dict[str, list[float]]:
+    """Each compressor's own time as the runtime runs it (`Compressed.average` on a group of this
+    rank alone, past its warm-up: encoding, the memory's update, decoding its own part), on weight
+    matrices of 4 Ki and 64 Ki elements, less its collectives issued bare on that group (their
+    cost is the link's latency, priced apart): [seconds per unit encoded, seconds per element]."""
+    def bare(issued: list[tuple[str, int]]) -> None:
+        for kind, nbytes in issued:
+            x = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            if kind == "all_reduce":
+                dist.all_reduce(x, group=group)
+            else:
+                dist.all_gather([torch.empty_like(x)], x, group=group)
+
+    out = {}
+    logging.getLogger("autopar.runtime.compression").setLevel(logging.ERROR)  # signSGD's advice, once per rank
+    for text in COMPRESSORS:
+        compressed = Compressed(text, group)
+        compressed.step = 10**6  # past PowerSGD's dense start and the sparsifiers' warm-up
+        times = []
+        for rows in (64, 1024):
+            grad = torch.randn(rows, 64, device=device)
+            compressed.collectives.clear()
+            run = _timed(lambda g=grad: (compressed.average([g], [f"w{rows}"], [True]), sync()), repeats=9)
+            issued = compressed.collectives[: len(compressed.collectives) // 10]  # one call's (of 10)
+            times.append(max(0.0, run - _timed(lambda i=issued: (bare(i), sync()), repeats=9)))
+        per_element = max(0.0, (times[1] - times[0]) / (64 * (1024 - 64)))
+        out[parse(text).method] = [max(0.0, times[0] - per_element * 64 * 64), per_element]
+    return out
+
+
 def _overlap(device: torch.device, nbytes: int = 2**22) -> dict[str, float]:
     """How much of an all-reduce of every rank hides behind computation running at the same time:
     1 when the two take no longer than the longer alone (GPUs: the copy engines and NCCL's own
@@ -320,6 +359,10 @@ def _rank(rank: int, world: int, port: int, out: str, backend: str, cores: list[
     join_local(backend, port, rank, world)
     device = torch.device("cuda", rank) if backend == "nccl" else torch.device("cpu")
     result: dict[str, Any] = {"device": measure_device(device) if rank == 0 else None, "links": {}}
+    alone = dist.new_subgroups(group_size=1)[0]
+    if rank == 0:
+        sync = torch.cuda.synchronize if device.type == "cuda" else lambda: None
+        result["compressors"] = _compressors(device, sync, alone)
     dist.barrier()
     result["overlap"] = _overlap(device)
     result["runtime"] = runtime_overheads(device, world)
@@ -393,7 +436,9 @@ def spec_terms(spec: ClusterSpec) -> dict[str, float]:
             "optimizer bytes per element": dev.optimizer_bytes, "link latency": link.latency,
             "jitter (√s)": dev.jitter, "link bandwidth": link.bandwidth, "overlap": link.overlap,
             "all-gather factor": link.gather_factor,
-            "reduce-scatter factor": link.scatter_factor}
+            "reduce-scatter factor": link.scatter_factor,
+            **{f"{k} compressor per unit": v[0] for k, v in dev.compressor_s.items()},
+            **{f"{k} compressor per element": v[1] for k, v in dev.compressor_s.items()}}
 
 
 def term_spread(measured: dict[str, Any], nproc: int) -> dict[str, dict[str, float]]:
@@ -481,6 +526,7 @@ def cluster_spec(measured: dict[str, Any], nproc: int, name: str = "cpu-local") 
                           loss_bandwidth=dev.get("loss_bandwidth", 0.0),
                           optimizer_ops=dev["optimizer_tensor_s"] / op_overhead if op_overhead else 0.0,
                           optimizer_dtensor_s=measured.get("dtensor", {}).get("optimizer_dtensor_s", 0.0),
-                          optimizer_bytes=dev["optimizer_bytes"], jitter=jitter),
+                          optimizer_bytes=dev["optimizer_bytes"], jitter=jitter,
+                          compressor_s=measured.get("compressors", {})),
         intra_host=link, inter_host=link,
         description=f"this machine, {nproc} ranks on {cores} cores, calibrated {time.strftime('%Y-%m-%d')}")

@@ -311,6 +311,9 @@ def cmd_calibrate(args: argparse.Namespace, out: Console) -> Any:
               f"{args.nproc} ranks on {spec.cores_per_host} cores (each at 1/{shared:g} when all compute); "
               f"an all-reduce hides {link.overlap:.0%} behind computation; ranks drift ±{dev.jitter * 1e3:.1f} ms over "
               f"1 s of computation, ±{dev.jitter * 1e3 * 0.1:.1f} ms over 10 ms (the square root of the time)")
+    if dev.compressor_s:
+        out.print("gradient compressors, per tensor (a bucket for fp16, randk, topk, signsgd) + per Mi elements: "
+                  + ", ".join(f"{k} {human_time(a)} + {human_time(b * 2**20)}" for k, (a, b) in dev.compressor_s.items()))
     table = Table(title=f"collectives on {args.nproc} local ranks: measured, and the ring formulas with "
                         f"α {human_time(link.latency)}, {link.bandwidth / 1e9:.2f} GB/s fitted to the all-reduces, "
                         f"all-gathers × {link.gather_factor:.2f}, reduce-scatters × {link.scatter_factor:.2f}")

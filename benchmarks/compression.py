@@ -190,12 +190,15 @@ def build(method: Method, hidden: int, world: int, data: Digits, batch: int, see
 def link_cluster(world: int, bandwidth: float = 12.5e6) -> str:
     """A cluster file for `world` ranks joined by the link the times are judged on (100 Mb/s): the
     planner decides on it which gradients travel compressed (on loopback's GB/s it compresses
-    none). Written once per process."""
+    none). This machine's devices as calibrated (`autopar calibrate`: the compressors' own work
+    measured; else nominal), its collectives' latency (gloo's, not the wire's). Written once per
+    process."""
     from autopar.cost_models.cluster import Link
-    from autopar.cost_models.presets import nominal_cpu
+    from autopar.cost_models.presets import get_cluster
 
     path = os.path.join(tempfile.mkdtemp(), "link.json")
-    nominal_cpu(os.cpu_count() or 1, 2**34).with_ranks(world).over_link(Link(bandwidth=bandwidth, latency=5e-5)).save(path)
+    here = get_cluster("cpu-local").with_ranks(world)
+    here.over_link(Link(bandwidth=bandwidth, latency=here.intra_host.latency)).save(path)
     return path
 
 
@@ -359,7 +362,10 @@ def link_down() -> None:
 
 
 def link_up(rate: str) -> None:
-    """Two namespaces joined by a veth pair, both ends shaped to `rate` by a token bucket."""
+    """Two namespaces joined by a veth pair, both ends shaped to `rate` by a token bucket that holds
+    one packet (a wire sends each at its rate: a 64 KiB bucket let a small model's whole gradient
+    through at loopback speed after each step's computation refilled it), packets of at most an
+    MTU (the kernel's 64 KiB segments would each exceed the bucket)."""
     link_down()
     for ns in NAMESPACES:
         _ip("ip", "netns", "add", ns)
@@ -369,8 +375,9 @@ def link_up(rate: str) -> None:
         _ip("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
         _ip("ip", "-n", ns, "link", "set", dev, "up")
         _ip("ip", "-n", ns, "link", "set", "lo", "up")
+        _ip("ip", "-n", ns, "link", "set", "dev", dev, "gso_max_size", "1500")
         _ip("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
-            "burst", "64kb", "latency", "100ms")
+            "burst", "1600", "latency", "100ms")
 
 
 @dataclass

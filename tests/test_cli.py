@@ -423,6 +423,10 @@ def test_calibrate_writes_a_cluster_the_planner_reads(capsys, tmp_path):
     assert 0 <= spec.device.lowered_op_overhead_s < 1e-3
     assert {"dp", "tp", "tp_interpreted"} <= set(result["runtime"])
     assert spec.device.optimizer_ops > 0 and spec.device.optimizer_bytes > 0
+    # each compressor's own work as the runtime runs it: per unit encoded, per element
+    assert set(spec.device.compressor_s) == {"fp16", "randk", "powersgd", "topk", "dgc", "onebit", "terngrad", "qsgd",
+                                             "signsgd"}
+    assert all(0 < a < 0.1 and 0 <= b < 1e-6 for a, b in spec.device.compressor_s.values())
     assert 1 <= spec.cores_per_host <= 2 and 0 <= spec.intra_host.overlap <= 1
     plan = run_json(capsys, "plan", "mlp-tiny", "--cluster", str(path), "--mesh", "1x2")
     assert plan["cluster"] == "cpu-local" and plan["estimate"]["step_time_s"] > 0

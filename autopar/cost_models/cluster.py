@@ -70,6 +70,11 @@ class DeviceSpec:
     # bytes of fp32 logits per second through cross-entropy's forward and backward (calibrated: its
     # log-softmax is exp and log per element, not a copy); 0: its passes at `memory_bandwidth`
     loss_bandwidth: float = 0.0
+    # a gradient compressor's own work per method ("dgc", ...): [seconds per tensor, seconds per
+    # element] of encoding one gradient, its memory's update and decoding it, as measured by
+    # `calibrate` (its ops and passes as they run, not as counted); a method not listed: its passes
+    # at `memory_bandwidth` and its ops at `op_overhead_s` (`cost_models.compression.work`)
+    compressor_s: dict[str, list[float]] = field(default_factory=dict, hash=False)
     # how far a rank's progress drifts: L seconds of its computation take L ± jitter·√L (one
     # standard deviation, in √seconds; the system's noise as a random walk), so a group meeting at a
     # collective waits for its slowest (`comm.straggler_wait`); measured in place by `calibrate`,
@@ -176,6 +181,14 @@ def _parse_cluster(data: Any, source: str) -> ClusterSpec:
             return {k: float(number(value, k, "device.matmul_half_flops.", zero=True)) for k in value}
         return optional(dev, "matmul_half_flops", "device.", 0.0)
 
+    def compressor_s(dev: dict) -> dict[str, list[float]]:
+        value = dev.get("compressor_s", {})
+        if not isinstance(value, dict) or not all(isinstance(v, list) and len(v) == 2 for v in value.values()):
+            raise ClusterSpecError(f"{source}: device.compressor_s must map compression methods to [seconds per "
+                                   "tensor, seconds per element]")
+        return {k: [float(number(dict(enumerate(v)), i, f"device.compressor_s.{k}.", zero=True, at_most=1.0))
+                    for i in range(2)] for k, v in value.items()}
+
     def known(obj: dict, keys: set[str], where: str) -> None:
         unknown = sorted(set(obj) - keys)
         if unknown:
@@ -211,6 +224,7 @@ def _parse_cluster(data: Any, source: str) -> ClusterSpec:
         optimizer_dtensor_s=optional(dev, "optimizer_dtensor_s", "device.", 0.0, at_most=1.0),
         loss_bandwidth=optional(dev, "loss_bandwidth", "device.", 0.0),
         jitter=optional(dev, "jitter", "device.", 0.0, at_most=1.0),
+        compressor_s=compressor_s(dev),
     )
     if device.efficiency > 1:
         raise ClusterSpecError(f"{source}: device.efficiency must be in (0, 1], got {device.efficiency}")

@@ -4,8 +4,10 @@ tested against these), and the time of a compressed synchronisation including th
 own work, and which gradients travel compressed at all (`compresses`: where it saves time, and
 enough bytes to be worth the accuracy it costs).
 
-The compressor's work is priced as passes over the fp32 gradient at memory bandwidth (plus
-PowerSGD's two thin matmuls); gather-based methods also decode every rank's part. Threshold
+The compressor's work is priced as `calibrate` measured it on this machine (seconds per unit it
+encodes and per element: `DeviceSpec.compressor_s`), else as its ops at the device's cost per op
+and passes over the fp32 gradient at memory bandwidth (plus PowerSGD's two thin matmuls); gather-based
+methods also decode every rank's part. Threshold
 quantisation sends as many values as exceed τ, which the data decides: it is priced as a dense
 all-reduce (its worst case short of the fallback).
 """
@@ -26,6 +28,12 @@ AUTO = (None, "fp16", "powersgd:4", "dgc:0.999")
 # passes over the gradient the compressor makes (encode, error feedback), before decoding
 _PASSES = {"fp16": 2, "randk": 2, "powersgd": 3, "topk": 4, "dgc": 4, "onebit": 4, "terngrad": 3, "qsgd": 3,
            "signsgd": 2}
+# ops the runtime dispatches per unit it encodes (one rank: encoding, the memory's update, decoding
+# its own part; `tests/test_compression.py` counts them): what a unit costs on the host before its
+# bytes, where `calibrate` has not measured the method
+_OPS = {"fp16": 16, "randk": 23, "powersgd": 26, "topk": 55, "dgc": 69, "onebit": 83, "terngrad": 77, "qsgd": 71,
+        "signsgd": 53}
+MEASURED_RANK = 2  # the PowerSGD rank `calibrate` measures; its matmuls beyond it are priced at FLOP/s
 
 
 def wire(spec: Spec, shape: tuple[int, ...], ranks: int) -> tuple[str, int]:
@@ -120,19 +128,30 @@ def tensor_time(spec: Spec, shape: tuple[int, ...], ranks: int, link: Link, devi
     matmuls), and its bytes at the link's bandwidth."""
     kind, nbytes = wire(spec, shape, ranks)
     link = link.bandwidth_only()
-    return work(spec, shape, ranks, device) + (all_gather_time(ranks * nbytes, ranks, link) if kind == "all_gather"
+    # a method that encodes a bucket's gradients as one pays its fixed cost once per bucket, as the latency
+    return work(spec, shape, ranks, device, fixed=spec.method in PER_TENSOR) + (all_gather_time(ranks * nbytes, ranks, link) if kind == "all_gather"
                                                else all_reduce_time(nbytes, ranks, link))
 
 
-def work(spec: Spec, shape: tuple[int, ...], ranks: int, device: DeviceSpec) -> float:
-    """The compressor's own seconds on one gradient of `shape`: its passes over it at memory
-    bandwidth, decoding every rank's part where they are gathered, PowerSGD's two thin matmuls."""
+def work(spec: Spec, shape: tuple[int, ...], ranks: int, device: DeviceSpec, fixed: bool = True) -> float:
+    """The compressor's own seconds on one unit of `shape` (a gradient, or a bucket's compressed
+    gradients as one), measured (`DeviceSpec.compressor_s`: on one rank) or nominal (its ops at
+    the device's cost per op, its passes at memory bandwidth); decoding every other rank's part
+    where they are gathered; PowerSGD's thin matmuls beyond the rank measured. `fixed=False`:
+    without its cost per unit."""
     n = math.prod(shape)
-    time = _PASSES[spec.method] * 4 * n / device.memory_bandwidth
+    measured = device.compressor_s.get(spec.method)
+    if measured:
+        per_unit, per_element = measured
+        time = per_element * n + per_unit * fixed
+        decoded, rank = ranks - 1, MEASURED_RANK
+    else:
+        time = _PASSES[spec.method] * 4 * n / device.memory_bandwidth + _OPS[spec.method] * device.op_overhead_s * fixed
+        decoded, rank = ranks, 0
     if wire(spec, shape, ranks)[0] == "all_gather":
-        time += ranks * 4 * n / device.memory_bandwidth
+        time += decoded * 4 * n / device.memory_bandwidth
     if spec.method == "powersgd":
-        time += 4 * n * int(spec.arg or 2) / (device.flops_for("float32") * device.efficiency)
+        time += 4 * n * max(0, int(spec.arg or 2) - rank) / (device.flops_for("float32") * device.efficiency)
     return time
 
 
