@@ -32,7 +32,7 @@ from autopar.planner.auto import plan_auto
 from autopar.planner.capture import capture
 from autopar.planner.manual import Layout, manual_plan, manual_search, uncaptured_plan
 from autopar.planner.plan_cache import asked, cached
-from autopar.planner.search import Search, plan_compressed
+from autopar.planner.search import Search, plan_compressed, warn_unmeasured
 from autopar.planner.strategy_costs import REPLICATED_GRADIENTS
 from autopar.planner.tune import candidates, choose
 from autopar.planner.unruled import warn_replicated
@@ -344,6 +344,7 @@ def _checked(resolved: Plan, request: _Request, world: int) -> Plan:
             shapes = {n: tuple(p.shape) for n, p in request.model.named_parameters() if p.requires_grad}
             resolved = resolved.with_gradient(compressed=compressed_params(
                 parse(text), resolved.stages, shapes, get_cluster(request.cluster or "cpu-local")))
+        warn_unmeasured(resolved, sum(p.numel() for p in request.model.parameters() if p.requires_grad))
     return resolved
 
 

@@ -596,7 +596,8 @@ def _parser() -> argparse.ArgumentParser:
                    "(FSDP2's CPUOffloadPolicy; Adam steps on the host); also DP,TP,PP+z1+offload")
     p.add_argument("--compression", metavar="SPEC|auto",
                    help="price the data axis's gradient averaging through a compressor (e.g. dgc:0.999, "
-                        "powersgd:4), or 'auto': weigh none, fp16, powersgd:4 and dgc:0.999 and keep the fastest")
+                        "powersgd:2), or 'auto': weigh none and the methods the convergence sweep found within "
+                        "their accuracy target, and keep the fastest")
     p.add_argument("--tune", type=int, metavar="K", help="run the K best predicted plans (distinct layouts) for a "
                    "few steps on this machine's ranks and keep the measured fastest (plan.search.tuned: both times)")
     p.add_argument("--out", help="write the plan JSON here")

@@ -215,11 +215,47 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     for world in args.ranks:
         if any(json.loads(k)[2] == world for k in wanted - set(args.done)):
             runs += _spawn(_sweep_rank, world, args)
-    return {"steps": args.sweep_steps, "eval_every": args.eval_every, "seeds": list(SEEDS), "batches": args.batches,
-            "ranks": args.ranks,
-            "tasks": {t: {"title": TASKS[t].title, "lrs": args.lrs or list(TASKS[t].lrs)} for t in args.tasks},
-            "link_rate": args.rate if times else None, "link_times": times,
-            "runs": [asdict(r) for r in runs], "summary": summarize(runs, times or {})}
+    result = {"steps": args.sweep_steps, "eval_every": args.eval_every, "seeds": list(SEEDS), "batches": args.batches,
+              "ranks": args.ranks,
+              "tasks": {t: {"title": TASKS[t].title, "lrs": args.lrs or list(TASKS[t].lrs)} for t in args.tasks},
+              "link_rate": args.rate if times else None, "link_times": times,
+              "runs": [asdict(r) for r in runs], "summary": summarize(runs, times or {})}
+    if set(args.tasks) == set(TASKS):
+        write_verdict(result)
+    else:
+        print(f"sweep: the verdict (`--compression auto`'s candidates) is written by a sweep of every task "
+              f"({', '.join(TASKS)}), not of {', '.join(args.tasks)}", file=sys.stderr)
+    return result
+
+
+def write_verdict(result: dict[str, Any]) -> None:
+    """The package's `cost_models.compression.VERDICT`: per method with a target, whether it met it
+    on every task, its worst and median gaps there, and the range the sweep measured (ranks,
+    samples a rank, parameters): `--compression auto` weighs only what held, and a method used
+    outside that range warns (`cost_models.compression.unmeasured`)."""
+    from _stamp import stamp
+
+    from autopar.cost_models.compression import VERDICT
+
+    params = {t: sum(p.numel() for p in TASKS[t].model(0).parameters()) for t in result["tasks"]}
+    methods = {}
+    for text, target in TARGETS.items():
+        rows = [s for s in result["summary"] if s["method"] == text]
+        if target is None or {s["task"] for s in rows} != set(result["tasks"]):
+            continue
+        methods[text] = {"held": all(s["meets"] for s in rows), "target": target,
+                         "worst_gap": min(s["worst_gap"] for s in rows),
+                         "tasks": {s["task"]: {k: s[k] for k in ("worst_gap", "median_gap", "settings",
+                                                                 "link_ratio_median", "link_sooner")} for s in rows}}
+    span = {"ranks": [min(result["ranks"]), max(result["ranks"])],
+            "local_batch": [min(result["batches"]) // max(result["ranks"]), max(result["batches"]) // min(result["ranks"])],
+            "params": [min(params.values()), max(params.values())]}
+    VERDICT.write_text(json.dumps({
+        "schema": "autopar.compression_verdict/1", "written": stamp(),
+        "command": "python benchmarks/" + " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+        "steps": result["steps"], "models": [f"{TASKS[t].title} ({params[t]:,} parameters)" for t in result["tasks"]],
+        "range": span, "methods": methods}, indent=1) + "\n")
+    print(f"wrote {VERDICT} ({sum(m['held'] for m in methods.values())} of {len(methods)} methods held)", file=sys.stderr)
 
 
 LINK_STEPS = 30  # steps timed on the shaped link once a method compresses as it will for the rest of a run

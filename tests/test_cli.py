@@ -355,6 +355,7 @@ def test_plan_compression_auto_compresses_only_over_slow_links(capsys, tmp_path)
     """On NVLink/InfiniBand (a100-dgx) dense averaging hides under backward: no compressor. With the
     same hosts joined by 1 Gb/s, the data axis crosses hosts through a compressor."""
     from autopar.cost_models import get_cluster
+    from autopar.cost_models.compression import auto_candidates
 
     slow = get_cluster("a100-dgx").to_dict()
     slow.update(name="a100-1gbe", description="A100 hosts joined by 1 Gb/s Ethernet")
@@ -367,7 +368,8 @@ def test_plan_compression_auto_compresses_only_over_slow_links(capsys, tmp_path)
     assert slow_plan["dp_gradient"]["compression"] is not None
     assert slow_plan["stages"][0]["logical_mesh"][0] == 2  # the data axis crosses the slow link
     weighed = slow_plan["search"]["compression"]
-    assert set(weighed) == {"none", "fp16", "powersgd:4", "dgc:0.999"}
+    # dense and the methods that held in the convergence sweep (its verdict ships with the package)
+    assert set(weighed) == {text or "none" for text in auto_candidates()} and len(weighed) > 1
     assert weighed[slow_plan["dp_gradient"]["compression"].split(",")[0]] < weighed["none"]
 
 

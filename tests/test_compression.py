@@ -246,6 +246,38 @@ def test_a_compressors_host_work_is_priced_as_calibrated_or_by_the_ops_it_issues
     assert compresses(dgc, (64, 64), 2, link, nominal) and not compresses(dgc, (64, 64), 2, link, slow_host)
 
 
+def test_auto_weighs_what_held_and_a_method_outside_its_measured_range_warns_once(monkeypatch, caplog):
+    """`--compression auto` weighs dense and the methods the convergence sweep found within target
+    on every model; a plan compressing with a method the sweep did not run as configured, or that
+    lost there, or outside the ranks, samples a rank and model sizes it covered, warns once."""
+    from autopar.cost_models import compression as cm
+    from autopar.planner import search
+
+    swept = {"schema": "autopar.compression_verdict/1", "models": ["digits MLP", "digits CNN"],
+             "range": {"ranks": [2, 4], "local_batch": [16, 128], "params": [9_898, 85_002]},
+             "methods": {"powersgd:2": {"held": True, "target": 1.0, "worst_gap": -0.1},
+                         "terngrad": {"held": False, "target": 2.0, "worst_gap": -2.5}}}
+    monkeypatch.setattr(cm, "verdict", lambda: swept)
+    assert cm.auto_candidates() == (None, "powersgd:2")
+    assert cm.unmeasured(parse("powersgd:2"), 4, 32, 50_000) is None
+    assert "not run to convergence" in cm.unmeasured(parse("powersgd:2,start=0"), 4, 32, 50_000)
+    assert "lost 2.50 points" in cm.unmeasured(parse("terngrad"), 4, 32, 50_000)
+    outside = cm.unmeasured(parse("powersgd:2"), 8, 32, 124_000_000)
+    assert "data-parallel ranks 8, measured 2–4" in outside and "parameters 124,000,000" in outside
+    assert "samples a rank" not in outside
+    from autopar.cost_models import get_cluster
+    from autopar.planner.manual import Layout, manual_plan, manual_search
+
+    start = search.Search.start(autopar.load_workload("mlp-tiny", batch=64), get_cluster("a100-dgx").over_link(
+        Link(bandwidth=12.5e6, latency=5e-5)), (1, 2), compression="powersgd:2")
+    plan = manual_plan(manual_search(start), Layout(2, 1, 1, 1))
+    monkeypatch.setattr(search, "_WARNED", set())
+    with caplog.at_level("WARNING"):
+        search.warn_unmeasured(plan, 124_000_000)
+        search.warn_unmeasured(plan, 124_000_000)
+    assert len([r for r in caplog.records if "outside what it measured" in r.message]) == 1
+
+
 def test_specs_parse():
     spec = parse("dgc:0.999,warmup=100,momentum=0.9")
     assert (spec.method, spec.arg, spec.options) == ("dgc", 0.999, {"warmup": 100.0, "momentum": 0.9})

@@ -14,17 +14,21 @@ all-reduce (its worst case short of the fallback).
 
 from __future__ import annotations
 
+import functools
+import json
 import math
+from pathlib import Path
 from typing import Any
 
 from autopar.contract.buckets import bucketed
-from autopar.contract.compression import Spec, matrix
+from autopar.contract.compression import Spec, matrix, parse
 from autopar.contract.placements import Shard
 from autopar.cost_models.cluster import ClusterSpec, DeviceSpec, Link
 from autopar.cost_models.comm import all_gather_time, all_reduce_time, axis_link
 
-# the methods `--compression auto` weighs: those published without loss of accuracy at these settings
-AUTO = (None, "fp16", "powersgd:4", "dgc:0.999")
+# the convergence sweep's verdict (`benchmarks/compression_sweep.py` writes it): per method as swept,
+# whether it held within its accuracy target on every model, and the range it was measured over
+VERDICT = Path(__file__).with_name("compression_verdict.json")
 # passes over the gradient the compressor makes (encode, error feedback), before decoding
 _PASSES = {"fp16": 2, "randk": 2, "powersgd": 3, "topk": 4, "dgc": 4, "onebit": 4, "terngrad": 3, "qsgd": 3,
            "signsgd": 2}
@@ -203,3 +207,41 @@ def _buckets(spec: Spec, shapes: list[tuple[int, ...]], compressed: list[bool]):
 
 def dense_time(shapes: list[tuple[int, ...]], ranks: int, link: Link) -> float:
     return all_reduce_time(4 * sum(math.prod(s) for s in shapes), ranks, link.bandwidth_only())
+
+
+@functools.cache
+def verdict() -> dict[str, Any]:
+    """The convergence sweep's verdict (`VERDICT`; {} where none was written)."""
+    return json.loads(VERDICT.read_text()) if VERDICT.is_file() else {}
+
+
+def auto_candidates() -> tuple[str | None, ...]:
+    """What `--compression auto` weighs: dense, and each method as the convergence sweep ran it that
+    met its accuracy target on every model there. The planner then keeps the fastest predicted."""
+    return (None, *(text for text, v in verdict().get("methods", {}).items() if v["held"]))
+
+
+def unmeasured(spec: Spec, ranks: int, local_batch: int, params: int) -> str | None:
+    """Why the sweep's verdict does not cover `spec` used on `ranks` data-parallel ranks with
+    `local_batch` samples a rank on a model of `params` parameters (None: it does): the method as
+    configured not run to convergence, or lost more than its target there, or this use outside the
+    ranks, batches and model sizes it was measured over."""
+    v = verdict()
+    runs = {parse(text).canonical(): (text, r) for text, r in v.get("methods", {}).items()}
+    measured = runs.get(spec.canonical())
+    if measured is None:
+        swept = ", ".join(text for text, _ in runs.values()) or "none"
+        return (f"compression {spec.text} was not run to convergence by the sweep (it ran {swept}, each with its "
+                "defaults): its accuracy against dense is unmeasured")
+    text, r = measured
+    if not r["held"]:
+        return (f"compression {text} lost {-r['worst_gap']:.2f} points against dense in the sweep, more than its "
+                f"target of {r['target']:g}")
+    span = v["range"]
+    outside = [f"{what} {value:,}, measured {lo:,}–{hi:,}" for what, value, (lo, hi) in (
+        ("data-parallel ranks", ranks, span["ranks"]), ("samples a rank", local_batch, span["local_batch"]),
+        ("parameters", params, span["params"])) if not lo <= value <= hi]
+    if outside:
+        return (f"compression {text} held within {r['target']:g} point of dense on the sweep's models "
+                f"({', '.join(v['models'])}), but this run is outside what it measured ({'; '.join(outside)})")
+    return None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -19,7 +20,7 @@ from autopar.contract.plan import SELECTIVE, Estimate, Plan, StagePlan
 from autopar.contract.units import human_bytes
 from autopar.contract.workload import Workload
 from autopar.cost_models import ClusterSpec
-from autopar.cost_models.compression import AUTO, compressed_params
+from autopar.cost_models.compression import auto_candidates, compressed_params, unmeasured
 from autopar.cost_models.simulator import Hosts, Simulation, StageTimes, simulate, step_floor
 from autopar.planner.capture import capture
 from autopar.planner.graph import OpGraph
@@ -674,9 +675,9 @@ def runs(plan: Plan) -> bool:
 def plan_compressed(search: Search, compression: str | None, make: Callable[[Search], Plan],
                     progress: Callable[[str], None] | None = None) -> Plan:
     """`make(search)` with the data axis priced through `compression`; "auto" weighs none and each
-    of `cost_models.compression.AUTO` and keeps the fastest predicted plan (the choice is recorded
-    in `plan.search["compression"]`)."""
-    candidates = list(AUTO) if compression == "auto" else [compression]
+    of the methods that held in the convergence sweep (`cost_models.compression.auto_candidates`)
+    and keeps the fastest predicted plan (the choice is recorded in `plan.search["compression"]`)."""
+    candidates = list(auto_candidates()) if compression == "auto" else [compression]
     plans = {}
     for text in candidates:
         if progress and len(candidates) > 1:
@@ -690,7 +691,24 @@ def plan_compressed(search: Search, compression: str | None, make: Callable[[Sea
                     "dense, or below min_size): all travel dense. Plan for the link you train over (--cluster), "
                     "or lower min_size", best.dp_gradient["compression"], search.cluster.name)
     warn_time_limited(best, search.costs.time_limit_s)
+    warn_unmeasured(best, sum(math.prod(search.graph.params[f].shape) for f in search.graph.trainable))
     return best
+
+
+_WARNED: set[str] = set()
+
+
+def warn_unmeasured(plan: Plan, params: int) -> None:
+    """One warning per process and reason where the plan compresses gradients in a way the
+    convergence sweep did not show safe (`cost_models.compression.unmeasured`)."""
+    text = plan.dp_gradient.get("compression")
+    ranks = max((s.logical_mesh[0] for s in plan.stages), default=1)
+    if not text or ranks == 1 or plan.dp_gradient.get("compressed") == []:
+        return
+    why = unmeasured(parse(text), ranks, plan.batch // ranks, params)
+    if why and why not in _WARNED:
+        _WARNED.add(why)
+        log.warning("%s: compare it with dense on a short run before relying on it", why)
 
 
 def warn_time_limited(plan: Plan, time_limit_s: float) -> None:
