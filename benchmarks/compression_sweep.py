@@ -38,7 +38,7 @@ import os
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -143,9 +143,17 @@ def train_one(task: Task, spec: str, world: int, batch: int, lr: float, seed: in
                sent / steps, raw / steps, curve)
 
 
+def canonical(spec: str) -> str:
+    """A method with every default written out (`Spec.canonical`): what names it in a record, so a
+    changed default is a different run and a spec spelt otherwise the same one."""
+    from autopar.contract.compression import parse
+
+    return spec if spec == "none" else parse(spec).canonical()
+
+
 def _key(task: str, spec: str, world: int, batch: int, lr: float, seed: int, steps: int) -> str:
     """What names a run in the record: its setting, method and length."""
-    return json.dumps([task, spec, world, batch, lr, seed, steps])
+    return json.dumps([task, canonical(spec), world, batch, lr, seed, steps])
 
 
 def _sweep_rank(rank: int, world: int, args: argparse.Namespace) -> list[Run]:
@@ -203,17 +211,16 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
             if args.record:
                 with open(args.record, "a") as f:
                     f.write(json.dumps({"key": "link", "rate": args.rate, "times": times}) + "\n")
-    wanted = {_key(t, spec, world, b, lr, s, args.sweep_steps) for world in args.ranks for t in args.tasks
-              for b in args.batches for lr in (args.lrs or TASKS[t].lrs) for s in SEEDS
-              for spec in ["none", *args.methods]}
-    args.done = sorted(set(done) & wanted)  # (a list: the link's ranks are handed the arguments as JSON)
+    named = {_key(t, spec, world, b, lr, s, args.sweep_steps): spec for world in args.ranks for t in args.tasks
+             for b in args.batches for lr in (args.lrs or TASKS[t].lrs) for s in SEEDS for spec in ["none", *args.methods]}
+    args.done = sorted(set(done) & set(named))  # (a list: the link's ranks are handed the arguments as JSON)
     print(f"sweep: {len(args.methods) + 1} methods × {len(SEEDS)} seeds × batches {args.batches} × lrs "
           f"{args.lrs or 'per task'} × ranks {args.ranks} × tasks {args.tasks}, {args.sweep_steps} steps each"
-          + (f"; {len(args.done)} of {len(wanted)} runs read back from {args.record}" if args.done else ""),
+          + (f"; {len(args.done)} of {len(named)} runs read back from {args.record}" if args.done else ""),
           file=sys.stderr)
-    runs: list[Run] = [done[k] for k in args.done]
+    runs: list[Run] = [replace(done[k], method=named[k]) for k in args.done]  # as this sweep spells the method
     for world in args.ranks:
-        if any(json.loads(k)[2] == world for k in wanted - set(args.done)):
+        if any(json.loads(k)[2] == world for k in set(named) - set(args.done)):
             runs += _spawn(_sweep_rank, world, args)
     result = {"steps": args.sweep_steps, "eval_every": args.eval_every, "seeds": list(SEEDS), "batches": args.batches,
               "ranks": args.ranks,
@@ -298,7 +305,7 @@ def link_step_times(rank: int, args: argparse.Namespace) -> dict[str, dict[str, 
 
 
 def _link_key(task: str, spec: str, batch: int) -> str:
-    return json.dumps([task, spec, batch])
+    return json.dumps([task, canonical(spec), batch])
 
 
 def link_time(r: Run, steps: int, times: dict[str, dict[str, float]]) -> float | None:

@@ -127,7 +127,7 @@ class Compressed:
         self.compressor = _compressor(self.spec, "nccl" in str(dist.get_backend(group)))
         ef = self.spec.options.get("ef", 1.0 if self.compressor.error_feedback else 0.0)
         if carries_momentum(self.spec):  # DGC masks what it sent; 1-bit's momentum is dense
-            self.memory: Any = DGCMemory(self.spec.option("momentum"), self.spec.options.get("clip"),
+            self.memory: Any = DGCMemory(self.spec.option("momentum"), self.spec.option("clip") or None,
                                          self.n, masking=self.spec.method == "dgc" and self.spec.arg > 0)
         else:
             self.memory = ErrorFeedback() if ef else NoMemory()
