@@ -278,6 +278,18 @@ def test_auto_weighs_what_held_and_a_method_outside_its_measured_range_warns_onc
     assert len([r for r in caplog.records if "outside what it measured" in r.message]) == 1
 
 
+def test_the_shipped_verdict_covers_both_models_and_auto_weighs_what_held():
+    """The package ships the convergence sweep's verdict: every method with a target, on both
+    models, over 2 and 4 ranks; `auto` weighs dense and those that held."""
+    from autopar.cost_models import compression as cm
+
+    v = cm.verdict()
+    assert v["schema"] == "autopar.compression_verdict/1" and v["range"]["ranks"] == [2, 4]
+    assert {"powersgd:2", "topk:0.01", "dgc:0.999", "onebit", "terngrad", "qsgd:16"} <= set(v["methods"])
+    assert all(set(m["tasks"]) == {"mlp", "cnn"} for m in v["methods"].values())
+    assert cm.auto_candidates() == (None, *(t for t, m in v["methods"].items() if m["held"]))
+
+
 def test_specs_parse():
     spec = parse("dgc:0.999,warmup=100,momentum=0.9")
     assert (spec.method, spec.arg, spec.options) == ("dgc", 0.999, {"warmup": 100.0, "momentum": 0.9})
