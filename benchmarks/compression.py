@@ -22,8 +22,10 @@ and the comparison with torch's DDP hooks are `--sweep` and `--part anchor`, in
   better than none (top-k, 1-bit); DGC sends ≥ 100× fewer bytes. fp16, random-k and signSGD have
   no target: reported for reference.
 - link (a real shaped link; needs root, `ip` and `tc`): 2 ranks in their own network namespaces
-  joined by a veth pair, each end shaped with `tc ... tbf rate RATE burst 64kb latency 100ms`
-  (`--rate`, default 100mbit), the MLP widened to hidden 512 (0.3 M parameters, 1.2 MB of fp32
+  joined by a veth pair, each end shaped with `tc ... tbf rate RATE burst 1600 latency 100ms`
+  and its segments cut to an MTU (`gso_max_size 1500`), so each packet waits its turn on the
+  wire (`--rate`, default 100mbit; until 2026-12-06 a 64 KiB burst let a small model's whole
+  gradient through at loopback speed), the MLP widened to hidden 512 (0.3 M parameters, 1.2 MB of fp32
   gradient a step) so that dense steps are communication-bound. Dense, DGC 99.9 % and PowerSGD
   rank 2: wall-clock time per step, and time-to-accuracy: when a run's test accuracy (checked
   every `--eval-every` steps, evaluation excluded from the clock) first reaches the dense run's

@@ -242,6 +242,7 @@ def unmeasured(spec: Spec, ranks: int, local_batch: int, params: int) -> str | N
         ("data-parallel ranks", ranks, span["ranks"]), ("samples a rank", local_batch, span["local_batch"]),
         ("parameters", params, span["params"])) if not lo <= value <= hi]
     if outside:
-        return (f"compression {text} held within {r['target']:g} point of dense on the sweep's models "
+        return (f"compression {text} held within {r['target']:g} point{'s' * (r['target'] != 1)} of dense on the "
+                f"sweep's models "
                 f"({', '.join(v['models'])}), but this run is outside what it measured ({'; '.join(outside)})")
     return None
