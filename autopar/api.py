@@ -344,7 +344,7 @@ def _checked(resolved: Plan, request: _Request, world: int) -> Plan:
             shapes = {n: tuple(p.shape) for n, p in request.model.named_parameters() if p.requires_grad}
             resolved = resolved.with_gradient(compressed=compressed_params(
                 parse(text), resolved.stages, shapes, get_cluster(request.cluster or "cpu-local")))
-        warn_unmeasured(resolved, sum(p.numel() for p in request.model.parameters() if p.requires_grad))
+    warn_unmeasured(resolved, sum(p.numel() for p in request.model.parameters() if p.requires_grad))
     return resolved
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import sys
 import traceback
@@ -32,7 +33,7 @@ from autopar.models import load_workload
 from autopar.planner.auto import plan_auto
 from autopar.planner.manual import Layout, deepspeed_moe_plan, has_experts, layout_grid, manual_plan, manual_search
 from autopar.planner.plan_cache import asked, cached
-from autopar.planner.search import RESERVE, Search, parse_mesh, plan_compressed, warn_time_limited
+from autopar.planner.search import RESERVE, Search, parse_mesh, plan_compressed, warn_time_limited, warn_unmeasured
 from autopar.planner.unruled import warn_replicated
 from autopar.summary import inspect_workload
 
@@ -174,6 +175,7 @@ def cmd_plan(args: argparse.Namespace, out: Console) -> Any:
                           say)
     elapsed = time.perf_counter() - start
     warn_replicated(search.graph, plan)
+    warn_unmeasured(plan, sum(math.prod(search.graph.params[f].shape) for f in search.graph.trainable))
     if args.out:
         plan.save(args.out)
     if args.json:

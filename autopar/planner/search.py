@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -691,7 +690,6 @@ def plan_compressed(search: Search, compression: str | None, make: Callable[[Sea
                     "dense, or below min_size): all travel dense. Plan for the link you train over (--cluster), "
                     "or lower min_size", best.dp_gradient["compression"], search.cluster.name)
     warn_time_limited(best, search.costs.time_limit_s)
-    warn_unmeasured(best, sum(math.prod(search.graph.params[f].shape) for f in search.graph.trainable))
     return best
 
 
@@ -700,7 +698,8 @@ _WARNED: set[str] = set()
 
 def warn_unmeasured(plan: Plan, params: int) -> None:
     """One warning per process and reason where the plan compresses gradients in a way the
-    convergence sweep did not show safe (`cost_models.compression.unmeasured`)."""
+    convergence sweep did not show safe (`cost_models.compression.unmeasured`); called where a
+    plan is handed over (`autopar plan`, `parallelize`), cached or not."""
     text = plan.dp_gradient.get("compression")
     ranks = max((s.logical_mesh[0] for s in plan.stages), default=1)
     if not text or ranks == 1 or plan.dp_gradient.get("compressed") == []:
