@@ -13,7 +13,7 @@ import autopar
 from autopar import AutoparError
 from autopar.contract.compression import DGC_WARMUP_STEPS, carries_momentum, parse
 from autopar.cost_models.cluster import Link
-from autopar.cost_models.compression import compresses, sent_bytes, wire
+from autopar.cost_models.compression import compresses, decide, sent_bytes, sync_time, wire
 from autopar.cost_models.presets import nominal_cpu
 from autopar.runtime.compression import DGCMemory, ErrorFeedback, _compressor
 from autopar.runtime.compressors import (
@@ -490,32 +490,71 @@ def test_powersgd_dense_start_matches_torchs_hook_step_for_step(tmp_path):
     assert torch.linalg.matrix_rank(later[1]) == 2 and torch.linalg.matrix_rank(first[1]) > 2
 
 
-def _floor(rank, world, cluster):
-    """mlp-tiny under top-k 1 % on 100 Mb/s with the default size floor: which tensors the plan
-    lists, the bytes the runtime hands to collectives in a step, and its shapes in backward order."""
-    torch.manual_seed(0)
-    w = autopar.load_workload("mlp-tiny", batch=8, device="cpu")
-    pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=f"{world},1,1",
-                             cluster=cluster, compression="topk:0.01,warmup=0",
-                             optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
-    g = torch.Generator().manual_seed(5)
-    pm.step(*w.make_batch(8, g))
-    named = [(n, tuple(p.shape)) for n, p in w.model.named_parameters()][::-1]  # as backward produces them
-    return pm.plan.dp_gradient["compressed"], pm.comm_stats()["dp"], pm.issued(), named
+def _floor(rank, world, clusters):
+    """mlp-tiny under top-k 1 % on 100 Mb/s with the default size floor, per cluster: which tensors
+    the plan lists, the bytes the runtime hands to collectives in a step, what it issued, and the
+    shapes in backward order."""
+    out = []
+    for cluster in clusters:
+        torch.manual_seed(0)
+        w = autopar.load_workload("mlp-tiny", batch=8, device="cpu")
+        pm = autopar.parallelize(w.model, (1, world), w.example_inputs, loss_fn=w.loss_fn, plan=f"{world},1,1",
+                                 cluster=cluster, compression="topk:0.01,warmup=0",
+                                 optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
+        g = torch.Generator().manual_seed(5)
+        pm.step(*w.make_batch(8, g))
+        named = [(n, tuple(p.shape)) for n, p in w.model.named_parameters()][::-1]  # as backward produces them
+        out.append((pm.plan.dp_gradient["compressed"], pm.comm_stats()["dp"], pm.issued(), named))
+    return out
 
 
-def test_a_tensor_below_the_size_floor_travels_dense_in_plan_runtime_and_price(tmp_path):
-    world = 2
-    cluster = slow_link(tmp_path, world)
-    listed, stats, issued, named = run_ranks(_floor, world, tmp_path, cluster)[0]
+def test_a_tensor_below_the_size_floor_or_in_a_latency_bound_bucket_travels_dense_in_plan_runtime_and_price(
+        tmp_path):
+    """Per tensor, the size floor; per bucket, the collectives compression adds: at a latency of
+    2 ms each (gloo over a slow network) mlp-tiny's one bucket is priced slower compressed, so the
+    plan lists nothing and the runtime sends one dense all-reduce."""
+    world, links = 2, [Link(bandwidth=12.5e6, latency=5e-5), Link(bandwidth=12.5e6, latency=2e-3)]
+    clusters = []
+    for k, link in enumerate(links):
+        clusters.append(str(tmp_path / f"link{k}.json"))
+        nominal_cpu(2, 24 * 2**30).with_ranks(world).over_link(link).save(clusters[-1])
+    (listed, stats, issued, named), (none, stats_slow, issued_slow, _) = run_ranks(_floor, world, tmp_path, clusters)[0]
     # 64 × 64 twice compress; 64 × 32 (2,048 elements) and the 10 × 64 head are below 4,096: dense
     assert listed == ["layers.1.fc.weight", "layers.2.fc.weight"]
     spec, shapes = parse("topk:0.01,warmup=0"), [s for _, s in named]
     flags = [n in listed for n, _ in named]
-    assert flags == [compresses(spec, s, world, Link(bandwidth=12.5e6, latency=5e-5), nominal_cpu(2, 2**34).device) for s in shapes]
+    device = nominal_cpu(2, 2**34).device
+    assert flags == decide(spec, shapes, world, links[0], device)
     assert stats["bytes_sent"] == sent_bytes(spec, shapes, world, flags)  # what ran is what was priced
     dense = 4 * sum(math.prod(s) for s, f in zip(shapes, flags) if not f)
     assert {"axis": "dp", "kind": "all_reduce", "bytes": dense} in issued
+    # the latency-bound bucket: each matrix alone would compress, the bucket goes dense
+    assert [compresses(spec, s, world, links[1], device) for s in shapes] == flags
+    assert none == [] and not any(decide(spec, shapes, world, links[1], device))
+    everything = 4 * sum(math.prod(s) for s in shapes)
+    assert stats_slow["bytes_sent"] == everything == sent_bytes(spec, shapes, world, [False] * len(shapes))
+    assert [c["kind"] for c in issued_slow if c["axis"] == "dp"] == ["all_reduce"]
+
+
+def test_compression_is_decided_per_bucket_where_it_makes_the_bucket_faster():
+    """`decide` keeps a bucket's tensors dense where compressing them would not make the bucket's
+    priced exchange faster (the collectives it adds each cost a latency), and compresses a bucket
+    that gains: never slower than all dense or than each tensor's own decision."""
+    device = nominal_cpu(2, 2**34).device
+    dgc = parse("dgc:0.999")
+    # backward order: a 1 MiB matrix closes the first bucket; the second holds a small layer
+    shapes = [(10,), (512, 512), (64,), (64, 80), (64,)]
+    for ranks in (2, 4):
+        gloo = Link(bandwidth=12.5e6, latency=1e-3)
+        chosen = decide(dgc, shapes, ranks, gloo, device)
+        alone = [compresses(dgc, s, ranks, gloo, device) for s in shapes]
+        assert alone == [False, True, False, True, False]
+        assert chosen == [False, True, False, False, False]  # the second bucket's 20 KB: latency-bound
+        priced = {name: sync_time(dgc, shapes, ranks, gloo, device, flags) for name, flags in (
+            ("chosen", chosen), ("alone", alone), ("dense", [False] * len(shapes)))}
+        assert priced["chosen"] == sync_time(dgc, shapes, ranks, gloo, device) == min(priced.values())
+        # on 10 Mb/s the small layer's bytes outweigh the latency: it compresses too
+        assert decide(dgc, shapes, ranks, Link(bandwidth=1.25e6, latency=1e-3), device) == alone
 
 
 def _one_bit_at_a_large_step(rank, world):
@@ -575,9 +614,10 @@ def test_plans_list_what_they_compress_and_older_plans_compress_every_matrix():
     plan = manual_plan(manual_search(search), Layout(2, 1, 1, 1))
     data = plan.to_dict()
     listed = data["dp_gradient"]["compressed"]
-    weights = {f: s for f, s in ((f, tuple(search.graph.params[f].shape)) for f in search.graph.trainable)}
-    assert listed == sorted(f for f, s in weights.items() if compresses(search.costs.compression, s, 2,
-                                                                           cluster.intra_host, cluster.device))
+    weights = {f: tuple(search.graph.params[f].shape) for f in search.graph.params if f in search.graph.trainable}
+    backward = list(weights)[::-1]
+    chosen = decide(search.costs.compression, [weights[f] for f in backward], 2, cluster.intra_host, cluster.device)
+    assert listed == sorted(f for f, c in zip(backward, chosen) if c)
     assert listed and not any(len(weights[f]) < 2 for f in listed)
     old = {**data, "schema": "autopar.plan/3",
            "dp_gradient": {k: v for k, v in data["dp_gradient"].items() if k != "compressed"}}

@@ -100,29 +100,50 @@ def compresses(spec: Spec, shape: tuple[int, ...], ranks: int, link: Link | None
         return False
     if link is None or device is None:
         return True
-    return tensor_time(spec, shape, ranks, link, device) < dense_time([shape], ranks, link)
+    return tensor_time(spec, shape, ranks, link, device) < all_reduce_time(4 * n, ranks, link.bandwidth_only())
+
+
+def decide(spec: Spec, shapes: list[tuple[int, ...]], ranks: int, link: Link | None = None,
+           device: DeviceSpec | None = None) -> list[bool]:
+    """Which of one synchroniser's gradients (`shapes`: each one's part on a rank, in the order
+    backward produces them) travel compressed: those `compresses` takes, and, on a known link and
+    device, in each bucket (`bucketed`, as the runtime groups them) only where compressing them
+    makes the bucket's exchange predicted faster than sending it all dense. A tensor's own weighing
+    leaves out the collectives a compressor adds to its bucket, a latency each (the digits CNN's
+    40 KB gradient on 100 Mb/s: its two matrices weighed alone compress, the bucket priced and
+    measured slower so)."""
+    chosen = [compresses(spec, s, ranks, link, device) for s in shapes]
+    if link is None or device is None or spec.method == "threshold":
+        return chosen
+    for bucket in bucketed([4 * math.prod(s) for s in shapes]):
+        members, flags = [shapes[i] for i in bucket], [chosen[i] for i in bucket]
+        if any(flags) and (bucket_time(spec, members, flags, ranks, link, device)
+                           >= bucket_time(spec, members, [False] * len(bucket), ranks, link, device)):
+            for i in bucket:
+                chosen[i] = False
+    return chosen
 
 
 def compressed_params(spec: Spec, stages: list[Any], shapes: dict[str, tuple[int, ...]], cluster: ClusterSpec
                       ) -> list[str]:
-    """Of the stages' trainable parameters (`shapes`: FQN → shape), those whose gradients travel
-    compressed (`compresses` on each one's part on a rank, over the link its stage's data axis
-    crosses): what a plan's `dp_gradient.compressed` lists."""
+    """Of the stages' trainable parameters (`shapes`: FQN → shape, in the model's order), those whose
+    gradients travel compressed (`decide` on each stage's parts on a rank, in backward order, over
+    the link its stage's data axis crosses): what a plan's `dp_gradient.compressed` lists."""
     out = set()
     for stage in stages:
         dp, tp = stage.logical_mesh
         if dp == 1:
             continue
         link = axis_link(cluster, stage.logical_mesh, 0, stage.submesh)
-        for fqn, placements in stage.params.items():
-            if fqn not in shapes:
-                continue
+        names, parts = [], []
+        for fqn in reversed([f for f in shapes if f in stage.params]):  # as backward produces them
             shape = list(shapes[fqn])
-            for p in placements[1:]:
+            for p in stage.params[fqn][1:]:
                 if isinstance(p, Shard):
                     shape[p.dim] = -(-shape[p.dim] // tp)
-            if compresses(spec, tuple(shape), dp, link, cluster.device):
-                out.add(fqn)
+            names.append(fqn)
+            parts.append(tuple(shape))
+        out.update(n for n, chosen in zip(names, decide(spec, parts, dp, link, cluster.device)) if chosen)
     return sorted(out)
 
 
@@ -161,52 +182,56 @@ def work(spec: Spec, shape: tuple[int, ...], ranks: int, device: DeviceSpec, fix
 
 def sync_time(spec: Spec, shapes: list[tuple[int, ...]], ranks: int, link: Link, device: DeviceSpec,
               compressed: list[bool] | None = None) -> float:
-    """Seconds to average gradients of these shapes over `ranks` through the compressor, bucket by
-    bucket: those it compresses (`compressed`, else `compresses` on this link) at their bytes
-    (each gradient's for the methods in PER_TENSOR, their concatenation's for the others) and with
-    the compressor's own work, the others in one dense all-reduce per bucket; the collectives'
-    latency once per bucket and kind. Priced as it runs once compressing (PowerSGD's dense start
+    """Seconds to average gradients of these shapes (in backward order) over `ranks` through the
+    compressor, bucket by bucket (`bucket_time`): those it compresses (`compressed`, else `decide`
+    on this link) and the others dense. Priced as it runs once compressing (PowerSGD's dense start
     and the sparsifiers' warm-up are a few hundred steps of a run)."""
-    if spec.method == "threshold":
-        return dense_time(shapes, ranks, link)
     if compressed is None:
-        compressed = [compresses(spec, s, ranks, link, device) for s in shapes]
-    time = 0.0
-    for dense, units in _buckets(spec, shapes, compressed):
-        if dense:  # one plain all-reduce of the bucket's dense gradients
-            time += dense_time(dense, ranks, link) + 2 * (ranks - 1) * link.latency
-        volume: dict[str, int] = {}
-        for shape in units:
-            kind, nbytes = wire(spec, shape, ranks)
-            volume[kind] = volume.get(kind, 0) + nbytes
-            time += work(spec, shape, ranks, device)
-        for kind, nbytes in volume.items():
-            alpha = messages(spec, kind) * (ranks - 1) * link.latency
-            if kind == "all_reduce":
-                time += all_reduce_time(nbytes, ranks, link.bandwidth_only()) + 2 * alpha
-            else:
-                time += all_gather_time(ranks * nbytes, ranks, link.bandwidth_only()) + alpha
+        compressed = decide(spec, shapes, ranks, link, device)
+    return sum(bucket_time(spec, [shapes[i] for i in bucket], [compressed[i] for i in bucket], ranks, link, device)
+               for bucket in bucketed([4 * math.prod(s) for s in shapes]))
+
+
+def bucket_time(spec: Spec, shapes: list[tuple[int, ...]], compressed: list[bool], ranks: int, link: Link,
+                device: DeviceSpec) -> float:
+    """Seconds one bucket's exchange takes: its `compressed` gradients at their bytes (each
+    gradient's for the methods in PER_TENSOR, their concatenation's for the others) with the
+    compressor's own work, the others in one dense all-reduce; each collective's latency once per
+    bucket and kind. Threshold quantisation: as dense (its bytes are the data's)."""
+    if spec.method == "threshold":
+        return all_reduce_time(4 * sum(math.prod(s) for s in shapes), ranks, link)
+    dense, units = _units(spec, shapes, compressed)
+    time = all_reduce_time(4 * sum(math.prod(s) for s in dense), ranks, link) if dense else 0.0
+    volume: dict[str, int] = {}
+    for shape in units:
+        kind, nbytes = wire(spec, shape, ranks)
+        volume[kind] = volume.get(kind, 0) + nbytes
+        time += work(spec, shape, ranks, device)
+    for kind, nbytes in volume.items():
+        alpha = messages(spec, kind) * (ranks - 1) * link.latency
+        if kind == "all_reduce":
+            time += all_reduce_time(nbytes, ranks, link.bandwidth_only()) + 2 * alpha
+        else:
+            time += all_gather_time(ranks * nbytes, ranks, link.bandwidth_only()) + alpha
     return time
 
 
 def sent_bytes(spec: Spec, shapes: list[tuple[int, ...]], ranks: int, compressed: list[bool]) -> int:
     """Bytes this rank hands to collectives per step for gradients of these shapes (those marked
     `compressed` through the compressor, the others dense), as `sync_time` prices them."""
-    return sum(4 * math.prod(s) for dense, _ in _buckets(spec, shapes, compressed) for s in dense) + sum(
-        wire(spec, shape, ranks)[1] for _, units in _buckets(spec, shapes, compressed) for shape in units)
+    total = 0
+    for bucket in bucketed([4 * math.prod(s) for s in shapes]):
+        dense, units = _units(spec, [shapes[i] for i in bucket], [compressed[i] for i in bucket])
+        total += sum(4 * math.prod(s) for s in dense) + sum(wire(spec, shape, ranks)[1] for shape in units)
+    return total
 
 
-def _buckets(spec: Spec, shapes: list[tuple[int, ...]], compressed: list[bool]):
-    """Per bucket, (the shapes of its dense gradients, the units the compressor encodes: each
-    compressed gradient for the methods in PER_TENSOR, their concatenation for the others)."""
-    for bucket in bucketed([4 * math.prod(s) for s in shapes]) or [[]]:
-        coded = [shapes[i] for i in bucket if compressed[i]]
-        units = coded if spec.method in PER_TENSOR or not coded else [(sum(math.prod(s) for s in coded),)]
-        yield [shapes[i] for i in bucket if not compressed[i]], units
-
-
-def dense_time(shapes: list[tuple[int, ...]], ranks: int, link: Link) -> float:
-    return all_reduce_time(4 * sum(math.prod(s) for s in shapes), ranks, link.bandwidth_only())
+def _units(spec: Spec, shapes: list[tuple[int, ...]], compressed: list[bool]):
+    """One bucket's (dense gradients' shapes, the units the compressor encodes: each compressed
+    gradient for the methods in PER_TENSOR, their concatenation for the others)."""
+    coded = [s for s, c in zip(shapes, compressed) if c]
+    units = coded if spec.method in PER_TENSOR or not coded else [(sum(math.prod(s) for s in coded),)]
+    return [s for s, c in zip(shapes, compressed) if not c], units
 
 
 @functools.cache

@@ -951,7 +951,8 @@ def _plan(search: Search, stages: list[StagePlan], sim, m: int, name: str, info:
         dp_gradient={"zero_stage": 3 if zero else max((s.zero or 0 for s in stages), default=0),
                      "compression": search.costs.compression.canonical() if search.costs.compression else None,
                      "compressed": compressed_params(search.costs.compression, stages, {
-                         f: tuple(search.graph.params[f].shape) for f in search.graph.trainable}, search.cluster)
+                         f: tuple(search.graph.params[f].shape) for f in search.graph.params if f in search.graph.trainable},
+                         search.cluster)
                      if search.costs.compression else None,
                      "delay": 0},
         estimate=estimate, name=name, units=None if len(units) == len(search.layers) else units,

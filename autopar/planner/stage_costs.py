@@ -31,7 +31,7 @@ from autopar.contract.plan import SELECTIVE
 from autopar.contract.precision import PRECISIONS
 from autopar.cost_models import ClusterSpec, axis_link, optimizer_time, p2p_time
 from autopar.cost_models.comm import all_reduce_time, exposed_time, stage_send_link, straggler_wait
-from autopar.cost_models.compression import dense_time, sync_time
+from autopar.cost_models.compression import sync_time
 from autopar.cost_models.compute import loss_time
 from autopar.cost_models.memory import OPTIMIZER_STATE_BYTES
 from autopar.planner.graph import OpGraph
@@ -229,10 +229,11 @@ class StageCosts:
             return 0.0
         key = (submesh, lm)
         if key not in self._per_byte:
-            shapes = [tuple(self.graph.params[f].shape) for f in sorted(self.graph.trainable)]
-            link = self.data_link(submesh, lm)
-            extra = (sync_time(self.compression, shapes, lm[0], link, self.cluster.device)
-                     - dense_time(shapes, lm[0], link))
+            shapes = [tuple(self.graph.params[f].shape) for f in reversed(self.graph.params)
+                      if f in self.graph.trainable]  # as backward produces them
+            link, device = self.data_link(submesh, lm), self.cluster.device
+            extra = (sync_time(self.compression, shapes, lm[0], link, device)
+                     - sync_time(self.compression, shapes, lm[0], link, device, [False] * len(shapes)))
             self._per_byte[key] = extra / max(1, 4 * sum(math.prod(s) for s in shapes))
         return self._per_byte[key]
 
