@@ -188,11 +188,19 @@ def build(method: Method, hidden: int, world: int, data: Digits, batch: int, see
                                delay=method.delay, cluster=link_cluster(world))
 
 
+def rate_bytes(rate: str) -> float:
+    """Bytes a second of a tc rate ("100mbit", "1gbit", "500kbit")."""
+    for unit, bits in (("kbit", 1e3), ("mbit", 1e6), ("gbit", 1e9), ("bit", 1.0)):
+        if rate.endswith(unit):
+            return float(rate[:-len(unit)]) * bits / 8
+    raise ValueError(f"rate {rate!r}: write it as tc does, e.g. 100mbit")
+
+
 @functools.cache
 def link_cluster(world: int, bandwidth: float = 12.5e6) -> str:
-    """A cluster file for `world` ranks joined by the link the times are judged on (100 Mb/s): the
-    planner decides on it which gradients travel compressed (on loopback's GB/s it compresses
-    none). This machine's devices as calibrated (`autopar calibrate`: the compressors' own work
+    """A cluster file for `world` ranks joined by a link of `bandwidth` bytes a second (by default
+    the 100 Mb/s the times are judged on): the planner decides on it which gradients travel
+    compressed (on loopback's GB/s it compresses none). This machine's devices as calibrated (`autopar calibrate`: the compressors' own work
     measured; else nominal), its collectives' latency (gloo's, not the wire's). Written once per
     process."""
     from autopar.cost_models.cluster import Link
@@ -345,9 +353,12 @@ def run_convergence(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---- part 2: a real shaped link -------------------------------------------------------------------
 
-NAMESPACES = ("autopar-bench-a", "autopar-bench-b")
-VETH = ("apb-veth-a", "apb-veth-b")
-ADDRESSES = ("10.77.0.1", "10.77.0.2")
+LINK_RANKS = 4  # the most ranks a shaped link joins (the sweep's rank counts)
+NAMESPACES = tuple(f"autopar-bench-{i}" for i in range(LINK_RANKS))
+VETH = tuple(f"apb-veth{i}" for i in range(LINK_RANKS))  # each rank's end, in its namespace
+PORTS = tuple(f"apb-port{i}" for i in range(LINK_RANKS))  # the other ends, on the switch
+BRIDGE = "apb-switch"
+ADDRESSES = tuple(f"10.77.0.{i + 1}" for i in range(LINK_RANKS))
 LINK_PORT = 29517
 SKIPPED = "skipped: needs root (ip netns, tc)"
 
@@ -357,29 +368,41 @@ def _ip(*argv: str, check: bool = True) -> subprocess.CompletedProcess:
 
 
 def link_down() -> None:
-    """Remove the namespaces (their veth ends go with them) and a veth end left in this one."""
-    for ns in NAMESPACES:
+    """Remove the namespaces (their veth ends go with them), ports left on this side, the switch."""
+    for ns, port in zip(NAMESPACES, PORTS):
         _ip("ip", "netns", "del", ns, check=False)
-    _ip("ip", "link", "del", VETH[0], check=False)
+        _ip("ip", "link", "del", port, check=False)
+    _ip("ip", "link", "del", BRIDGE, check=False)
 
 
-def link_up(rate: str) -> None:
-    """Two namespaces joined by a veth pair, both ends shaped to `rate` by a token bucket that holds
-    one packet (a wire sends each at its rate: a 64 KiB bucket let a small model's whole gradient
-    through at loopback speed after each step's computation refilled it), packets of at most an
-    MTU (the kernel's 64 KiB segments would each exceed the bucket)."""
+def _shape(rate: str, dev: str, ns: str | None = None) -> None:
+    """`dev`'s sending shaped to `rate` by a token bucket that holds one packet (a wire sends each
+    at its rate: a 64 KiB bucket let a small model's whole gradient through at loopback speed after
+    each step's computation refilled it), packets of at most an MTU (the kernel's 64 KiB segments
+    would each exceed the bucket)."""
+    where = ("-n", ns) if ns else ()
+    _ip("ip", *where, "link", "set", "dev", dev, "gso_max_size", "1500")
+    _ip(*(("ip", "netns", "exec", ns) if ns else ()), "tc", "qdisc", "replace", "dev", dev, "root", "tbf",
+        "rate", rate, "burst", "1600", "latency", "100ms")
+
+
+def link_up(rate: str, ranks: int = 2) -> None:
+    """`ranks` namespaces, each with a port on one switch (a bridge here), every port shaped to
+    `rate` both ways: hosts with a `rate` NIC each behind a switch that forwards packet by packet."""
     link_down()
-    for ns in NAMESPACES:
+    _ip("ip", "link", "add", BRIDGE, "type", "bridge")
+    _ip("ip", "link", "set", BRIDGE, "up")
+    for ns, dev, port, addr in list(zip(NAMESPACES, VETH, PORTS, ADDRESSES))[:ranks]:
         _ip("ip", "netns", "add", ns)
-    _ip("ip", "link", "add", VETH[0], "type", "veth", "peer", "name", VETH[1])
-    for ns, dev, addr in zip(NAMESPACES, VETH, ADDRESSES):
+        _ip("ip", "link", "add", port, "type", "veth", "peer", "name", dev)
         _ip("ip", "link", "set", dev, "netns", ns)
         _ip("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", dev)
         _ip("ip", "-n", ns, "link", "set", dev, "up")
         _ip("ip", "-n", ns, "link", "set", "lo", "up")
-        _ip("ip", "-n", ns, "link", "set", "dev", dev, "gso_max_size", "1500")
-        _ip("ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", dev, "root", "tbf", "rate", rate,
-            "burst", "1600", "latency", "100ms")
+        _ip("ip", "link", "set", port, "master", BRIDGE)
+        _ip("ip", "link", "set", port, "up")
+        _shape(rate, dev, ns)
+        _shape(rate, port)
 
 
 @dataclass
@@ -402,7 +425,8 @@ class LinkRow:
 def _link_rank(rank: int, config: dict[str, Any]) -> None:
     """One rank on its side of the shaped link (started by `on_link` inside a namespace): the link
     part's runs, or (`config["mode"]` "steps") the sweep's step times."""
-    dist.init_process_group("gloo", init_method=f"tcp://{ADDRESSES[0]}:{LINK_PORT}", rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://{ADDRESSES[0]}:{LINK_PORT}", rank=rank,
+                            world_size=config.get("link_ranks", 2))
     _quiet()
     args = argparse.Namespace(**config)
     if config.get("mode") == "steps":
@@ -486,26 +510,26 @@ def _compute_ms(hidden: int, data: Digits, local_batch: int, lr: float, steps: i
     return 1e3 * statistics.median(times)
 
 
-def on_link(args: argparse.Namespace, **config: Any) -> dict[str, Any]:
-    """Two ranks in network namespaces joined by a veth pair shaped to `args.rate`, each running
-    `_link_rank` with `args` and `config`: what rank 0 returned, or {"skipped": why} without root,
-    `ip` or `tc`. The namespaces are always removed at the end."""
+def on_link(args: argparse.Namespace, ranks: int = 2, **config: Any) -> dict[str, Any]:
+    """`ranks` ranks in network namespaces joined through a switch by links shaped to `args.rate`
+    (`link_up`), each running `_link_rank` with `args` and `config`: what rank 0 returned, or
+    {"skipped": why} without root, `ip` or `tc`. The namespaces are always removed at the end."""
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"):
         print(SKIPPED, file=sys.stderr)
         return {"skipped": SKIPPED}
     out = os.path.join(tempfile.mkdtemp(), "link.json")
     config_path = out + ".config"
     with open(config_path, "w") as f:
-        json.dump({**vars(args), **config, "out": out}, f)
+        json.dump({**vars(args), **config, "link_ranks": ranks, "out": out}, f)
     procs: list[subprocess.Popen] = []
     try:
         try:
-            link_up(args.rate)
+            link_up(args.rate, ranks)
         except (subprocess.CalledProcessError, OSError) as exc:
             detail = exc.stderr.strip() if isinstance(exc, subprocess.CalledProcessError) else str(exc)
             print(f"{SKIPPED}: {detail}", file=sys.stderr)
             return {"skipped": f"{SKIPPED}: {detail}"}
-        for rank, (ns, dev) in enumerate(zip(NAMESPACES, VETH)):
+        for rank, (ns, dev) in enumerate(list(zip(NAMESPACES, VETH))[:ranks]):
             env = {**os.environ, "GLOO_SOCKET_IFNAME": dev, "PYTHONPATH": ROOT}
             procs.append(subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, os.path.abspath(__file__),
                                            "--link-rank", str(rank), "--link-config", config_path], env=env))
