@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 import autopar
 from autopar import AutoparError
-from autopar.contract.compression import DGC_WARMUP_STEPS, carries_momentum, parse
+from autopar.contract.compression import DGC_WARMUP_STEPS, carries_momentum, parse, runs_dense
 from autopar.cost_models.cluster import Link
 from autopar.cost_models.compression import compresses, decide, sent_bytes, sync_time, wire
 from autopar.cost_models.presets import nominal_cpu
@@ -504,7 +504,8 @@ def _floor(rank, world, clusters):
         g = torch.Generator().manual_seed(5)
         pm.step(*w.make_batch(8, g))
         named = [(n, tuple(p.shape)) for n, p in w.model.named_parameters()][::-1]  # as backward produces them
-        out.append((pm.plan.dp_gradient["compressed"], pm.comm_stats()["dp"], pm.issued(), named))
+        out.append((pm.plan.dp_gradient["compressed"], pm.comm_stats()["dp"], pm.issued(), named,
+                    pm.sync.compressed is None))
     return out
 
 
@@ -518,7 +519,8 @@ def test_a_tensor_below_the_size_floor_or_in_a_latency_bound_bucket_travels_dens
     for k, link in enumerate(links):
         clusters.append(str(tmp_path / f"link{k}.json"))
         nominal_cpu(2, 24 * 2**30).with_ranks(world).over_link(link).save(clusters[-1])
-    (listed, stats, issued, named), (none, stats_slow, issued_slow, _) = run_ranks(_floor, world, tmp_path, clusters)[0]
+    (listed, stats, issued, named, plain), (none, stats_slow, issued_slow, _, plain_slow) = run_ranks(
+        _floor, world, tmp_path, clusters)[0]
     # 64 × 64 twice compress; 64 × 32 (2,048 elements) and the 10 × 64 head are below 4,096: dense
     assert listed == ["layers.1.fc.weight", "layers.2.fc.weight"]
     spec, shapes = parse("topk:0.01,warmup=0"), [s for _, s in named]
@@ -534,6 +536,11 @@ def test_a_tensor_below_the_size_floor_or_in_a_latency_bound_bucket_travels_dens
     everything = 4 * sum(math.prod(s) for s in shapes)
     assert stats_slow["bytes_sent"] == everything == sent_bytes(spec, shapes, world, [False] * len(shapes))
     assert [c["kind"] for c in issued_slow if c["axis"] == "dp"] == ["all_reduce"]
+    # compressing nothing, top-k (no momentum of its own) runs as dense training: the plain
+    # synchroniser, overlapped with backward; DGC and 1-bit SGD keep their momentum, so not they
+    assert not plain and plain_slow
+    assert runs_dense(spec, False) and not runs_dense(spec, True)
+    assert not runs_dense(parse("dgc:0.999"), False) and not runs_dense(parse("onebit"), False)
 
 
 def test_compression_is_decided_per_bucket_where_it_makes_the_bucket_faster():
@@ -626,3 +633,18 @@ def test_plans_list_what_they_compress_and_older_plans_compress_every_matrix():
     bad = {**data, "dp_gradient": {**data["dp_gradient"], "compressed": ["no.such.weight"]}}
     with pytest.raises(PlanError, match="dp_gradient.compressed must list parameters of the plan's stages"):
         Plan.from_json(json.dumps(bad))
+
+
+def test_a_compressor_that_compresses_nothing_is_priced_as_the_program_it_runs():
+    """Where no bucket is worth compressing, top-k's plan runs dense averaging overlapped with
+    backward and is priced as dense's; DGC still averages through its momentum after backward."""
+    from autopar.planner.manual import Layout, manual_plan, manual_search
+    from autopar.planner.search import Search
+
+    cluster = nominal_cpu(2, 24 * 2**30).with_ranks(2).over_link(Link(bandwidth=12.5e6, latency=2e-3))
+    workload = autopar.load_workload("mlp-tiny", batch=8)
+    plans = {text: manual_plan(manual_search(Search.start(workload, cluster, (1, 2), compression=text)),
+                               Layout(2, 1, 1, 1)) for text in (None, "topk:0.01", "dgc:0.999")}
+    assert plans["topk:0.01"].dp_gradient["compressed"] == plans["dgc:0.999"].dp_gradient["compressed"] == []
+    assert plans["topk:0.01"].estimate.step_time_s == plans[None].estimate.step_time_s
+    assert plans["dgc:0.999"].estimate.step_time_s > plans[None].estimate.step_time_s

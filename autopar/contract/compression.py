@@ -75,6 +75,14 @@ def carries_momentum(spec: Spec) -> bool:
                                     and spec.options.get("ef", 1) != 0)
 
 
+def runs_dense(spec: Spec, compresses_any: bool) -> bool:
+    """Whether a compressor that compresses no gradient (`compresses_any` False: the cost model
+    found none worth it on the link) runs as dense averaging does, through the plain synchroniser
+    overlapped with backward: it keeps no momentum of its own (DGC and 1-bit SGD keep it for
+    every gradient, dense ones too, so they still average through the compressor)."""
+    return not compresses_any and not carries_momentum(spec)
+
+
 def dgc_density(sparsity: float, warmup: float, step: int) -> float:
     """The fraction of a gradient DGC (and top-k) sends at `step`: the warm-up's stages, then
     1 − sparsity."""

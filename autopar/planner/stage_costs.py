@@ -26,12 +26,12 @@ from typing import Any
 import numpy as np
 
 from autopar.contract.buckets import bucket_count, flat_held
-from autopar.contract.compression import Spec
+from autopar.contract.compression import Spec, runs_dense
 from autopar.contract.plan import SELECTIVE
 from autopar.contract.precision import PRECISIONS
 from autopar.cost_models import ClusterSpec, axis_link, optimizer_time, p2p_time
 from autopar.cost_models.comm import all_reduce_time, exposed_time, stage_send_link, straggler_wait
-from autopar.cost_models.compression import sync_time
+from autopar.cost_models.compression import decide, sync_time
 from autopar.cost_models.compute import loss_time
 from autopar.cost_models.memory import OPTIMIZER_STATE_BYTES
 from autopar.planner.graph import OpGraph
@@ -232,10 +232,21 @@ class StageCosts:
             shapes = [tuple(self.graph.params[f].shape) for f in reversed(self.graph.params)
                       if f in self.graph.trainable]  # as backward produces them
             link, device = self.data_link(submesh, lm), self.cluster.device
-            extra = (sync_time(self.compression, shapes, lm[0], link, device)
+            chosen = decide(self.compression, shapes, lm[0], link, device)
+            extra = (sync_time(self.compression, shapes, lm[0], link, device, chosen)
                      - sync_time(self.compression, shapes, lm[0], link, device, [False] * len(shapes)))
-            self._per_byte[key] = extra / max(1, 4 * sum(math.prod(s) for s in shapes))
-        return self._per_byte[key]
+            self._per_byte[key] = (extra / max(1, 4 * sum(math.prod(s) for s in shapes)),
+                                   runs_dense(self.compression, any(chosen)))
+        return self._per_byte[key][0]
+
+    def compressor_runs(self, submesh: tuple[int, int], lm: tuple[int, int]) -> bool:
+        """Whether a stage's data-axis averaging goes through the compressor on this mesh (after
+        its last backward), not the plain synchroniser: a compressor that compresses nothing here
+        and keeps no momentum runs as dense averaging (`contract.compression.runs_dense`)."""
+        if self.compression is None or lm[0] == 1:
+            return False
+        self.compressed_per_byte(submesh, lm)
+        return not self._per_byte[(submesh, lm)][1]
 
     def loss_time(self, loss):
         return loss_time(loss, self.cluster.device)
@@ -247,7 +258,7 @@ class StageCosts:
         And the data axis's ranks meet there after the step's `computed` seconds: they wait for
         the slowest (`straggler_wait`)."""
         wait = self.data_wait(computed, lm, trainable)
-        if self.compression is not None and lm[0] > 1:
+        if self.compressor_runs(submesh, lm):
             return sync + self.compressed_per_byte(submesh, lm) * trainable + wait
         return exposed_time(sync, backward, self.data_link(submesh, lm)) + wait
 

@@ -21,7 +21,7 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from autopar.contract.compat import plan_refusal
-from autopar.contract.compression import carries_momentum, parse
+from autopar.contract.compression import carries_momentum, parse, runs_dense
 from autopar.contract.errors import AutoparError
 from autopar.contract.export import first_tensor
 from autopar.contract.inputs import as_args
@@ -243,7 +243,8 @@ def data_sync(named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup, p
     if gradient.get("delay"):
         return DelayedSync(params, group, int(gradient["delay"]), link=link)
     compressed = travels = None
-    if gradient.get("compression"):
+    if gradient.get("compression") and not runs_dense(parse(gradient["compression"]),
+                                                      gradient.get("compressed") != []):
         compressed = Compressed(gradient["compression"], group)
         if gradient.get("compressed") is not None:
             listed = set(gradient["compressed"])
