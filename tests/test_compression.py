@@ -32,7 +32,7 @@ from tests.test_parallelize import _assert_same_training, _single
 # every tensor the method can take, compressing from the first step (a tiny model's layers are below
 # the size floor, and the sparsifiers warm up and PowerSGD starts dense by default)
 METHODS = [m + ",min_size=0" for m in ["fp16", "topk:0.01,warmup=0", "randk:0.05", "dgc:0.99,warmup=0",
-                                       "powersgd:2,start=0", "onebit", "threshold:0.001", "terngrad", "qsgd:16",
+                                       "powersgd:2,start=0", "onebit,start=0", "threshold:0.001", "terngrad", "qsgd:16",
                                        "signsgd"]]
 
 
@@ -308,7 +308,7 @@ def _wire(rank, world):
     out = {}
     torch.manual_seed(rank)
     w = torch.randn(64, 40)
-    for text in ["fp16", "topk:0.01,warmup=0", "randk:0.05", "powersgd:2,start=0", "onebit", "terngrad", "qsgd:16",
+    for text in ["fp16", "topk:0.01,warmup=0", "randk:0.05", "powersgd:2,start=0", "onebit,start=0", "terngrad", "qsgd:16",
                  "signsgd"]:
         c = Compressed(text, None)
         c.average([w], ["w"])
@@ -342,7 +342,7 @@ def test_bytes_on_the_wire_match_the_formulas(tmp_path, world):
         "topk:0.01,warmup=0": math.ceil(0.01 * n) * (4 + 4),  # fp32 values + int32 indices
         "randk:0.05": math.ceil(0.05 * n) * 4,  # shared indices: values only
         "powersgd:2,start=0": (rows + cols) * 2 * 4,  # P and Q
-        "onebit": n // 8 + 2 * cols * 4,  # a bit per element, two fp32 per column
+        "onebit,start=0": n // 8 + 2 * cols * 4,  # a bit per element, two fp32 per column
         "terngrad": n // 4 + 4,  # 2 bits per element, one fp32 scale
         "qsgd:16": n + 4 * n // 512,  # int8 per element, an fp32 norm per bucket of 512
         "signsgd": n // 8,
@@ -423,7 +423,7 @@ def test_every_method_trains_on_gloo_and_keeps_replicas_identical(tmp_path, worl
             assert first[5] == sorted(k for k in first[1][0] if k.endswith("weight")), method
     # the plan records every option the compressor ran with, defaults written out
     assert ranks[0][METHODS[3]][4] == "dgc:0.99,clip=1,min_rate=2,min_size=0,momentum=0.9,warmup=0"
-    assert ranks[0][METHODS[5]][4] == "onebit,min_rate=2,min_size=0,momentum=0.9"
+    assert ranks[0][METHODS[5]][4] == "onebit,min_rate=2,min_size=0,momentum=0.9,start=0"
     # DGC at 0 % sparsity with its momentum correction, unclipped, is momentum SGD (and its dense fallback)
     losses, params = _single("mlp-tiny")
     dense = ranks[0]["dgc:0,momentum=0.9,clip=0"]
@@ -579,7 +579,7 @@ def _one_bit_at_a_large_step(rank, world):
     out = {}
     # every weight matrix compressed, the 256 × 10 head too: with the size floor's default it travels
     # dense, and Seide's form then held 88 % here (one seed): the floor is part of what keeps it safe
-    for spec in (None, "onebit,momentum=0,min_size=0", "onebit,min_size=0"):
+    for spec in (None, "onebit,momentum=0,min_size=0,start=0", "onebit,min_size=0,start=0"):
         m = method(str(spec), spec, 0.2)
         pm = autopar.parallelize(mlp(256, 0), (1, world), (data.x_train[:64],), loss_fn=F.cross_entropy,
                                  optimizer=lambda ps, m=m: torch.optim.SGD(ps, lr=m.lr, momentum=m.momentum),
@@ -598,11 +598,11 @@ def test_one_bit_sgd_trains_where_error_feedback_on_the_gradient_collapsed(tmp_p
     pytest.importorskip("sklearn")
     got = run_ranks(_one_bit_at_a_large_step, 4, tmp_path)[0]
     assert got["None"] > 90  # dense training holds at this step size
-    assert got["onebit,momentum=0,min_size=0"] < 50  # Seide's form beside the optimizer's momentum: the residual runs away
+    assert got["onebit,momentum=0,min_size=0,start=0"] < 50  # Seide's form beside the optimizer's momentum: the residual runs away
     # the momentum compressed with error feedback trains: seeds 0-5 (data split, weights, batches) at
     # these 200 steps measured 70.0-92.7 % against dense's 94.0-95.6 and the collapsed form's 9.6-21.3
     # (chance: 10); how close it comes to dense depends on the seed at 200 steps, so only the rescue is asserted
-    assert got["onebit,min_size=0"] > 60
+    assert got["onebit,min_size=0,start=0"] > 60
 
 
 def test_plans_list_what_they_compress_and_older_plans_compress_every_matrix():
