@@ -7,7 +7,7 @@ load as plans with `virtual` 1. Schema 3 adds `units`: the layers where a unit o
 and of ZeRO-3 begins, so that stages may be cut at finer layers than a recomputing stage
 checkpoints at; schema 1 and 2 files load with every layer a unit of its own. Schema 4 adds
 `dp_gradient.compressed`: the parameters whose gradients a compressor compresses (the cost model's
-decision per tensor, `cost_models.compression.compresses`); older files load with none listed
+decision per tensor and bucket, `cost_models.compression.decide`); older files load with none listed
 (null), which runs every weight matrix compressed, as they were priced.
 
 Keyed by stable strings only (parameter FQNs, exported node names, layer names), so a plan

@@ -151,8 +151,8 @@ class Compressed:
     def average(self, grads: list[torch.Tensor], keys: list[str], compressed: list[bool] | None = None
                 ) -> list[torch.Tensor]:
         """One bucket. `compressed` says which gradients travel compressed (the plan's decision,
-        `cost_models.compression.compresses`; None: every weight matrix); the others, and all of
-        them during PowerSGD's dense start, travel in one plain all-reduce, through the memory only
+        `cost_models.compression.decide`; None: every weight matrix); the others, and all of
+        them during a dense start (PowerSGD's, 1-bit SGD's), travel in one plain all-reduce, through the memory only
         where the compressor carries the momentum. signSGD votes on those too (its step is the
         vote's). The compressed ones' parts travel together, as torch's PowerSGD hook batches its
         Ps and Qs: one all-reduce per round, or one all-gather per kind of part, whatever the
