@@ -22,7 +22,8 @@ and the comparison with torch's DDP hooks are `--sweep` and `--part anchor`, in
   better than none (top-k, 1-bit); DGC sends ≥ 100× fewer bytes. fp16, random-k and signSGD have
   no target: reported for reference.
 - link (a real shaped link; needs root, `ip` and `tc`): 2 ranks in their own network namespaces
-  joined by a veth pair, each end shaped with `tc ... tbf rate RATE burst 1600 latency 100ms`
+  joined through a bridge (`link_up`; the sweep's step times use 2 and 4), each veth end shaped
+  with `tc ... tbf rate RATE burst 1600 latency 100ms`
   and its segments cut to an MTU (`gso_max_size 1500`), so each packet waits its turn on the
   wire (`--rate`, default 100mbit; until 2026-12-06 a 64 KiB burst let a small model's whole
   gradient through at loopback speed), the MLP widened to hidden 512 (0.3 M parameters, 1.2 MB of fp32
@@ -31,7 +32,7 @@ and the comparison with torch's DDP hooks are `--sweep` and `--part anchor`, in
   every `--eval-every` steps, evaluation excluded from the clock) first reaches the dense run's
   final accuracy. Dense runs 10 epochs; the compressed runs may go on to twice that many steps
   if they have not reached it by then. Speedup = dense's time-to-accuracy / theirs (target ≥ 3×).
-  The namespaces and the veth pair are created at the start (stale ones of the same names
+  The namespaces, veth pairs and bridge are created at the start (stale ones of the same names
   removed first) and always removed at the end. Without root, or where `ip netns` fails, the part
   says so and is skipped.
 - latency (EMULATED, not a real link): 2 local gloo ranks with `AUTOPAR_EMULATE_LINK=0.1`, i.e.
