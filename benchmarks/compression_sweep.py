@@ -297,9 +297,8 @@ def warmup_steps(spec: str) -> int:
 def link_step_times(rank: int, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """On the shaped link (a rank of `compression.on_link`'s): per task, batch and method, planned
     for this link, the median step over its warm-up (`warmup_steps`, its first two steps left out:
-    set-up) and over `LINK_ROUNDS` × `LINK_STEPS` steps after it (the methods' in turn), the
-    parameters the plan compressed and the bytes it sent (of the raw gradient) over those steps, by
-    `_link_key`."""
+    set-up) and over `LINK_ROUNDS` × `LINK_STEPS` steps after it (the methods' in turn), and the
+    parameters the plan compressed, by `_link_key`."""
     world = dist.get_world_size()
     data, out, plans = load_data(SEEDS[0]), {}, {}
 
@@ -317,18 +316,14 @@ def link_step_times(rank: int, args: argparse.Namespace) -> dict[str, dict[str, 
                             args.rate)
                 stream, warm = batch_stream(data, batch, SEEDS[0]), warmup_steps(spec)
                 times = [timed(pm, stream) for _ in range(warm + 2)]
-                runs[spec] = (pm, stream, warm, times[min(2, warm - 1):warm] if warm else [], [], [0, 0])
+                runs[spec] = (pm, stream, warm, times[min(2, warm - 1):warm] if warm else [], [])
             for _ in range(LINK_ROUNDS):
-                for pm, stream, _, _, steady, sent in runs.values():
-                    for _ in range(LINK_STEPS):
-                        steady.append(timed(pm, stream))
-                        stats = pm.comm_stats()["dp"]
-                        sent[0], sent[1] = sent[0] + stats["bytes_sent"], sent[1] + stats["bytes_raw"]
-            for spec, (pm, _, warm, warming, steady, (nbytes, raw)) in runs.items():
+                for pm, stream, _, _, steady in runs.values():
+                    steady += [timed(pm, stream) for _ in range(LINK_STEPS)]
+            for spec, (pm, _, warm, warming, steady) in runs.items():
                 key = _link_key(t, spec, batch, world)
                 out[key] = {"warmup_steps": warm, "warm_s": statistics.median(warming) if warming else 0.0,
-                            "steady_s": statistics.median(steady), "compressed": pm.plan.dp_gradient.get("compressed"),
-                            "ratio": raw / max(1, nbytes)}
+                            "steady_s": statistics.median(steady), "compressed": pm.plan.dp_gradient.get("compressed")}
                 if rank == 0:
                     print(f"  link: {t} batch {batch} {world} ranks {spec}: {1e3 * out[key]['steady_s']:.1f} ms a step, "
                           f"{len(out[key]['compressed'] or [])} compressed", file=sys.stderr, flush=True)

@@ -225,8 +225,19 @@ class StageCosts:
         gradient averaging on this mesh: the model's parameter shapes set the ratio. The runtime
         compresses after the last backward (its rounds depend on the data), so the callers also
         start the synchronisation there rather than overlapping it with that backward."""
+        return self._compressed(submesh, lm)[0]
+
+    def compressor_runs(self, submesh: tuple[int, int], lm: tuple[int, int]) -> bool:
+        """Whether a stage's data-axis averaging goes through the compressor on this mesh (after
+        its last backward), not the plain synchroniser: a compressor that compresses nothing here
+        and keeps no momentum runs as dense averaging (`contract.compression.runs_dense`)."""
+        return self._compressed(submesh, lm)[1]
+
+    def _compressed(self, submesh: tuple[int, int], lm: tuple[int, int]) -> tuple[float, bool]:
+        """(`compressed_per_byte`, `compressor_runs`), decided once per mesh (`decide` over the
+        model's parameters in backward order)."""
         if self.compression is None or lm[0] == 1:
-            return 0.0
+            return 0.0, False
         key = (submesh, lm)
         if key not in self._per_byte:
             shapes = [tuple(self.graph.params[f].shape) for f in reversed(self.graph.params)
@@ -236,17 +247,8 @@ class StageCosts:
             extra = (sync_time(self.compression, shapes, lm[0], link, device, chosen)
                      - sync_time(self.compression, shapes, lm[0], link, device, [False] * len(shapes)))
             self._per_byte[key] = (extra / max(1, 4 * sum(math.prod(s) for s in shapes)),
-                                   runs_dense(self.compression, any(chosen)))
-        return self._per_byte[key][0]
-
-    def compressor_runs(self, submesh: tuple[int, int], lm: tuple[int, int]) -> bool:
-        """Whether a stage's data-axis averaging goes through the compressor on this mesh (after
-        its last backward), not the plain synchroniser: a compressor that compresses nothing here
-        and keeps no momentum runs as dense averaging (`contract.compression.runs_dense`)."""
-        if self.compression is None or lm[0] == 1:
-            return False
-        self.compressed_per_byte(submesh, lm)
-        return not self._per_byte[(submesh, lm)][1]
+                                   not runs_dense(self.compression, any(chosen)))
+        return self._per_byte[key]
 
     def loss_time(self, loss):
         return loss_time(loss, self.cluster.device)
