@@ -27,10 +27,10 @@ compression_anchor.md. With `--record FILE` the sweep appends each finished run 
 lines) and, started again, reads back the runs FILE holds instead of running them: a long sweep
 resumes where it stopped.
 
-Two links decide which gradients travel compressed (`compression.link_cluster`, the planner's
-per-bucket decision). The accuracy runs are planned for a slow one (`--plan-rate`, 10 Mb/s), where
-every method compresses every gradient it can take (both models' matrices past the size floor):
-the question there is whether the method holds its accuracy where it is used. Time is judged on
+The accuracy runs compress every gradient the method's own rules take (`every_gradient`: a weight
+matrix past the size floor that it shrinks `min_rate` times on the wire; both models' two large
+matrices), whatever a link would make of it: the question there is whether the method holds its
+accuracy wherever it is used. Time is judged on
 the link the plan would run over (`--rate`, 100 Mb/s): each method's step is measured once per
 task, batch and rank count on that link shaped for real (`compression.on_link`, as root), planned
 for it, so where the planner sends a bucket dense there (the digits CNN's 40 KB gradient on 4
@@ -114,10 +114,25 @@ class Run:
     compressed: list[str] | None = None  # the parameters the run's plan compressed (dense: None)
 
 
+def every_gradient(plan: Any, spec: str, model: nn.Module, world: int) -> Any:
+    """`plan` compressing with `spec` every gradient the method's own rules take (`compresses` with
+    no link: a weight matrix, the size floor, the rate on the wire), listed as the planner lists
+    what it decides (`dp_gradient.compressed`), so that no link's pricing leaves one dense."""
+    from autopar.contract.compression import parse
+    from autopar.cost_models.compression import compresses
+
+    s = parse(spec)
+    listed = sorted(n for n, p in model.named_parameters() if compresses(s, tuple(p.shape), world))
+    return plan.with_gradient(compression=s.canonical(), compressed=listed)
+
+
 def _build(task: Task, spec: str, world: int, batch: int, lr: float, seed: int, data: Digits, rank: int,
-           plans: dict, rate: str) -> Any:
-    """The task's model under `spec` on `world` ranks, planned for a link of `rate`."""
+           plans: dict, rate: str | None) -> Any:
+    """The task's model under `spec` on `world` ranks, planned for a link of `rate`; with none,
+    compressing every gradient it can take (`every_gradient`) in dense's plan."""
     m = method(spec, None if spec == "none" else spec, lr)
+    if rate is None and m.compression is not None and (task.name, batch, world) not in plans:
+        _build(task, "none", world, batch, lr, seed, data, rank, plans, None)  # dense's plan, to compress in
     model = task.model(seed)
     torch.manual_seed(seed + 1 + rank)  # stochastic compressors draw differently on each rank
 
@@ -126,17 +141,19 @@ def _build(task: Task, spec: str, world: int, batch: int, lr: float, seed: int, 
 
     import autopar
 
+    plan = plans.get((task.name, batch, world), f"{world},1,1")
+    if rate is None and m.compression is not None:
+        plan = every_gradient(plan, m.compression, model, world)
     pm = autopar.parallelize(model, (1, world), (data.x_train[:batch],), loss_fn=F.cross_entropy, optimizer=optimizer,
-                             plan=plans.get((task.name, batch, world), f"{world},1,1"), compression=m.compression,
-                             cluster=link_cluster(world, rate_bytes(rate)))
+                             plan=plan, compression=m.compression, cluster=link_cluster(world, rate_bytes(rate or "100mbit")))
     if m.compression is None:  # the same layout serves every method of this task and batch: planned once
         plans[(task.name, batch, world)] = pm.plan
     return pm
 
 
 def train_one(task: Task, spec: str, world: int, batch: int, lr: float, seed: int, data: Digits, steps: int,
-              eval_every: int, rank: int, plans: dict, rate: str) -> Run:
-    pm = _build(task, spec, world, batch, lr, seed, data, rank, plans, rate)
+              eval_every: int, rank: int, plans: dict) -> Run:
+    pm = _build(task, spec, world, batch, lr, seed, data, rank, plans, None)
     stream = batch_stream(data, batch, seed)
     clock, sent, raw, curve, loss = 0.0, 0, 0, [], 0.0
     for step in range(1, steps + 1):
@@ -177,7 +194,7 @@ def _sweep_rank(rank: int, world: int, args: argparse.Namespace) -> list[Run]:
             if _key(t, spec, world, batch, lr, seed, args.sweep_steps) in done:
                 continue
             runs.append(train_one(TASKS[t], spec, world, batch, lr, seed, data[seed], args.sweep_steps,
-                                  args.eval_every, rank, plans, args.plan_rate))
+                                  args.eval_every, rank, plans))
             if rank == 0 and args.record:
                 with open(args.record, "a") as f:
                     f.write(json.dumps({"key": _key(t, spec, world, batch, lr, seed, args.sweep_steps),
@@ -213,7 +230,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     done, times = recorded(args.record)
     for world in args.ranks if args.link_times else ():  # each method's step on the shaped link
         wanted = {_link_key(t, spec, b, world) for t in args.tasks for b in args.batches for spec in ["none", *args.methods]}
-        if wanted <= set(times):
+        if wanted <= set(times) and not args.link_again:
             continue
         print(f"sweep: step times on the {args.rate} link, {world} ranks", file=sys.stderr)
         measured = on_link(args, ranks=world, mode="steps")
@@ -237,7 +254,7 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
     result = {"steps": args.sweep_steps, "eval_every": args.eval_every, "seeds": list(SEEDS), "batches": args.batches,
               "ranks": args.ranks,
               "tasks": {t: {"title": TASKS[t].title, "lrs": args.lrs or list(TASKS[t].lrs)} for t in args.tasks},
-              "plan_rate": args.plan_rate, "link_rate": args.rate if times else None, "link_times": times,
+              "link_rate": args.rate if times else None, "link_times": times,
               "runs": [asdict(r) for r in runs], "summary": summarize(runs, times or {})}
     if set(args.tasks) == set(TASKS):
         write_verdict(result)
@@ -502,15 +519,8 @@ def _ddp(hook: str, task: Task, world: int, batch: int, lr: float, seed: int, da
 
 
 def _ours(spec: str, task: Task, world: int, batch: int, lr: float, seed: int, data: Digits, steps: int,
-          rank: int, rate: str) -> AnchorRow:
-    m = method(spec, None if spec == "none" else spec, lr)
-    model = task.model(seed)
-    torch.manual_seed(seed + 1 + rank)
-    import autopar
-
-    pm = autopar.parallelize(model, (1, world), (data.x_train[:batch],), loss_fn=F.cross_entropy,
-                             optimizer=lambda ps: torch.optim.SGD(ps, lr=m.lr, momentum=m.momentum),
-                             plan=f"{world},1,1", compression=m.compression, cluster=link_cluster(world, rate_bytes(rate)))
+          rank: int) -> AnchorRow:
+    pm = _build(task, spec, world, batch, lr, seed, data, rank, {}, None)  # compressing all it can, as torch's hook
     stream = batch_stream(data, batch, seed)
     times, sent = [], 0
     for _ in range(steps):
@@ -530,8 +540,7 @@ def _anchor_rank(rank: int, world: int, args: argparse.Namespace) -> list[Anchor
         # torch's hook as configured there: its first two steps dense, no size floor
         for ours, theirs in (("powersgd:2,start=2,min_size=0", "powersgd"), ("fp16,min_size=0", "fp16")):
             dist.barrier()
-            rows.append(_ours(ours, task, world, args.batch, args.lr, seed, data, args.sweep_steps, rank,
-                              args.plan_rate))
+            rows.append(_ours(ours, task, world, args.batch, args.lr, seed, data, args.sweep_steps, rank))
             dist.barrier()
             rows.append(_ddp(theirs, task, world, args.batch, args.lr, seed, data, args.sweep_steps, rank))
         if rank == 0:
@@ -566,8 +575,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--sweep-steps", type=int, default=160, help="steps per run of the sweep and the anchor")
     ap.add_argument("--no-link-times", dest="link_times", action="store_false", help="leave out the step times on "
                     "the shaped link (measured once per task, batch and method, as root: `compression.on_link`)")
-    ap.add_argument("--plan-rate", default="10mbit", help="the link the accuracy runs (and the anchor) are planned "
-                    "for: slow enough that every method compresses all it can take (tc's units)")
+    ap.add_argument("--link-again", action="store_true", help="measure the step times on the link again though the "
+                    "record holds them: after a change to what the planner sends compressed there")
     ap.add_argument("--record", default=None, help="JSON lines of the sweep's finished runs: each appended as it "
                     "finishes, and those already there (same setting, method and steps) read back, not run again")
     ap.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=["mlp", "cnn"])

@@ -545,8 +545,9 @@ def test_a_tensor_below_the_size_floor_or_in_a_latency_bound_bucket_travels_dens
 
 def test_compression_is_decided_per_bucket_where_it_makes_the_bucket_faster():
     """`decide` keeps a bucket's tensors dense where compressing them would not make the bucket's
-    priced exchange faster (the collectives it adds each cost a latency), and compresses a bucket
-    that gains: never slower than all dense or than each tensor's own decision."""
+    priced exchange faster (the collectives it adds each cost a latency), or faster by less than
+    `min_rate` (2×, torch's hook's `min_compression_rate`), and compresses a bucket that gains that
+    much: never priced slower than all dense or than each tensor's own decision where it does."""
     device = nominal_cpu(2, 2**34).device
     dgc = parse("dgc:0.999")
     # backward order: a 1 MiB matrix closes the first bucket; the second holds a small layer
@@ -560,8 +561,11 @@ def test_compression_is_decided_per_bucket_where_it_makes_the_bucket_faster():
         priced = {name: sync_time(dgc, shapes, ranks, gloo, device, flags) for name, flags in (
             ("chosen", chosen), ("alone", alone), ("dense", [False] * len(shapes)))}
         assert priced["chosen"] == sync_time(dgc, shapes, ranks, gloo, device) == min(priced.values())
-        # on 10 Mb/s the small layer's bytes outweigh the latency: it compresses too
-        assert decide(dgc, shapes, ranks, Link(bandwidth=1.25e6, latency=1e-3), device) == alone
+        # on 10 Mb/s the small layer's bytes outweigh the latency: its bucket is priced 3.4× faster
+        # compressed on 2 ranks, which takes it, and 1.98× on 4, short of the default rate
+        slow = Link(bandwidth=1.25e6, latency=1e-3)
+        assert decide(dgc, shapes, ranks, slow, device) == (alone if ranks == 2 else chosen)
+        assert decide(parse("dgc:0.999,min_rate=1"), shapes, ranks, slow, device) == alone
 
 
 def _one_bit_at_a_large_step(rank, world):

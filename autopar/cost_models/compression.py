@@ -108,16 +108,19 @@ def decide(spec: Spec, shapes: list[tuple[int, ...]], ranks: int, link: Link | N
     """Which of one synchroniser's gradients (`shapes`: each one's part on a rank, in the order
     backward produces them) travel compressed: those `compresses` takes, and, on a known link and
     device, in each bucket (`bucketed`, as the runtime groups them) only where compressing them
-    makes the bucket's exchange predicted faster than sending it all dense. A tensor's own weighing
-    leaves out the collectives a compressor adds to its bucket, a latency each (the digits CNN's
-    40 KB gradient on 100 Mb/s: its two matrices weighed alone compress, the bucket priced and
+    makes the bucket's priced exchange at least `min_rate` times faster than sending it all dense:
+    the saving torch's hook asks of a tensor's bytes (`min_compression_rate`) asked of the time the
+    bytes stand for, which on a latency- or compressor-bound bucket they do not (the digits CNN's
+    40 KB gradient on 100 Mb/s and 2 ranks: top-k shrinks it 12.5×, its exchange is priced 1.15×
+    faster). A tensor's own weighing leaves out the collectives a compressor adds to its bucket, a
+    latency each (that CNN's two matrices weighed alone compress on 4 ranks, the bucket priced and
     measured slower so)."""
     chosen = [compresses(spec, s, ranks, link, device) for s in shapes]
     if link is None or device is None or spec.method == "threshold":
         return chosen
     for bucket in bucketed([4 * math.prod(s) for s in shapes]):
         members, flags = [shapes[i] for i in bucket], [chosen[i] for i in bucket]
-        if any(flags) and (bucket_time(spec, members, flags, ranks, link, device)
+        if any(flags) and (spec.option("min_rate") * bucket_time(spec, members, flags, ranks, link, device)
                            >= bucket_time(spec, members, [False] * len(bucket), ranks, link, device)):
             for i in bucket:
                 chosen[i] = False
