@@ -242,7 +242,9 @@ def run_sweep(args: argparse.Namespace) -> dict[str, Any]:
                 f.write(json.dumps({"key": "link", "rate": args.rate, "ranks": world, "times": measured}) + "\n")
     named = {_key(t, spec, world, b, lr, s, args.sweep_steps): spec for world in args.ranks for t in args.tasks
              for b in args.batches for lr in (args.lrs or TASKS[t].lrs) for s in SEEDS for spec in ["none", *args.methods]}
-    args.done = sorted(set(done) & set(named))  # (a list: the link's ranks are handed the arguments as JSON)
+    again = {canonical(m) for m in args.rerun}
+    # (a list: the link's ranks are handed the arguments as JSON)
+    args.done = sorted(k for k in set(done) & set(named) if json.loads(k)[1] not in again)
     print(f"sweep: {len(args.methods) + 1} methods × {len(SEEDS)} seeds × batches {args.batches} × lrs "
           f"{args.lrs or 'per task'} × ranks {args.ranks} × tasks {args.tasks}, {args.sweep_steps} steps each"
           + (f"; {len(args.done)} of {len(named)} runs read back from {args.record}" if args.done else ""),
@@ -577,6 +579,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     "the shaped link (measured once per task, batch and method, as root: `compression.on_link`)")
     ap.add_argument("--link-again", action="store_true", help="measure the step times on the link again though the "
                     "record holds them: after a change to what the planner sends compressed there")
+    ap.add_argument("--rerun", nargs="+", default=[], help="methods whose runs the record holds to run again (and "
+                    "append: a record's last run of a key is the one read back), after a change to how they train")
     ap.add_argument("--record", default=None, help="JSON lines of the sweep's finished runs: each appended as it "
                     "finishes, and those already there (same setting, method and steps) read back, not run again")
     ap.add_argument("--tasks", nargs="+", choices=sorted(TASKS), default=["mlp", "cnn"])

@@ -321,6 +321,13 @@ def _wire(rank, world):
     dist.all_reduce(summed)
     full = Compressed("powersgd:40,start=0").average([w], ["w"])[0]  # rank 40 = min(64, 40): full rank
     out["powersgd-full-rank-error"] = float((full - summed / world).abs().max())
+    # half kept: gathering would move as much as a dense all-reduce, so the tensors travel whole in one
+    for text in ("topk:0.5,warmup=0", "dgc:0.5,warmup=0,clip=0"):
+        c = Compressed(text)
+        got = c.average([w], ["w"])[0]
+        [left] = (c.memory.v if text.startswith("dgc") else c.memory.residual).values()  # top-k's key: the bucket's
+        out[text] = (float((got - summed / world).abs().max()), float(left.abs().max()), c.collectives[-1],
+                     bool((c.memory.u["w"] != 0).all()) if text.startswith("dgc") else True)
     # delayed averaging, D = 2: rank r's gradient at step t is (r + 1)(t + 1)
     from autopar.runtime.delayed import DelayedSync
 
@@ -354,6 +361,10 @@ def test_bytes_on_the_wire_match_the_formulas(tmp_path, world):
         assert {k: got[k] for k in expected} == expected
         assert got["fp16-equal"]
         assert got["powersgd-full-rank-error"] < 1e-5
+        # the exact average, nothing left behind, DGC's momentum not masked (as at 0 % sparsity)
+        for text in ("topk:0.5,warmup=0", "dgc:0.5,warmup=0,clip=0"):
+            error, residual, last, unmasked = got[text]
+            assert error < 1e-6 and residual == 0 and unmasked and last == ("all_reduce", 4 * n)
     # step t applies g_t − g_{t−2} + avg_{t−2} (the local gradient alone for t < 2)
     mean = sum(range(1, world + 1)) / world
     for rank, got in enumerate(ranks):

@@ -194,11 +194,15 @@ class Compressed:
         else:
             totals, owns = self._gathered(xs)
         for k, x, own in zip(keys, xs, owns):
-            self.memory.update(k, x, own)
+            self.memory.update(k, x, own, compressed=own is not x)
         return list(totals)
 
     def _gathered(self, xs: list[torch.Tensor]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        """(sum over ranks, own decoded) of each tensor, for the methods whose parts are gathered."""
+        """(sum over ranks, own decoded) of each tensor, for the methods whose parts are gathered.
+        Where a sparse method's gathers would move as much as a dense all-reduce (a warm-up's first
+        stage on 4 ranks and more, a density near the rate's break-even), the tensors travel whole
+        in that all-reduce instead: the same bytes, nothing left in the residual, and, as at 0 %
+        sparsity, no momentum masked (each rank's own decoded is then its tensor itself)."""
         if not xs:
             return [], []
         c = self.compressor
@@ -206,9 +210,9 @@ class Compressed:
         owns = [c.decompress(p, x) for p, x in zip(parts, xs)]
         dense_bytes = sum(2 * x.numel() * x.element_size() for x in xs) if getattr(c, "sparse", False) else None
         gathered = self._all_gather(parts, dense_bytes)
-        if gathered is None:  # gathering would move more than a dense all-reduce: the same selection, dense
-            total = self._all_reduce_rounds([_once(torch.cat([o.reshape(-1) for o in owns]))])[0][0]
-            return [t.view_as(x) for t, x in zip(total.split([x.numel() for x in xs]), xs)], owns
+        if gathered is None:  # gathering would move more than a dense all-reduce: everything, dense
+            total = self._all_reduce_rounds([_once(torch.cat([x.reshape(-1) for x in xs]))])[0][0]
+            return [t.view_as(x) for t, x in zip(total.split([x.numel() for x in xs]), xs)], xs
         totals = []
         for i, x in enumerate(xs):
             every = [g[i] for g in gathered]

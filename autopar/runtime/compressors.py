@@ -173,7 +173,7 @@ class TopK(_Sparse):
     warmup: float = 0
     allreduce = False
     error_feedback = True
-    sparse = True  # falls back to a dense all-reduce when gathering would move more
+    sparse = True  # falls back to a dense all-reduce of the whole tensors when gathering would move more
 
     def k(self, numel: int, step: int) -> int:
         return max(1, math.ceil(numel * dgc_density(1 - self.ratio, self.warmup, step)))
