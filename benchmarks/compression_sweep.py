@@ -33,8 +33,11 @@ matrices), whatever a link would make of it: the question there is whether the m
 accuracy wherever it is used. Time is judged on
 the link the plan would run over (`--rate`, 100 Mb/s): each method's step is measured once per
 task, batch and rank count on that link shaped for real (`compression.on_link`, as root), planned
-for it, so where the planner sends a bucket dense there (the digits CNN's 40 KB gradient on 4
-ranks) the method runs dense and reaches dense's accuracy when dense does, at its own step time.
+for it, so where the planner sends a bucket dense there (the digits CNN's 40 KB gradient, no
+bucket of it priced `min_rate` times faster compressed) the method runs dense and reaches dense's
+accuracy when dense does, at its own step time. `--rerun` runs a method's recorded runs again
+after a change to how it trains, `--link-again` the link's step times after one to what the
+planner sends compressed.
 """
 
 from __future__ import annotations

@@ -82,11 +82,12 @@ def carries_momentum(spec: Spec) -> bool:
 
 
 def runs_dense(spec: Spec, compresses_any: bool) -> bool:
-    """Whether a compressor that compresses no gradient (`compresses_any` False: the cost model
-    found none worth it on the link) runs as dense averaging does, through the plain synchroniser
-    overlapped with backward: it keeps no momentum of its own (DGC and 1-bit SGD keep it for
-    every gradient, dense ones too, so they still average through the compressor)."""
-    return not compresses_any and not carries_momentum(spec)
+    """Whether a compressor runs as dense averaging does, through the plain synchroniser overlapped
+    with backward: where it compresses no gradient (`compresses_any` False: the cost model found
+    none worth it on the link). DGC and 1-bit SGD keep the momentum for every gradient, dense ones
+    too: the synchroniser then clips each rank's gradient before sending it (DGC's local clipping)
+    and applies their momentum to the average, which equals averaging each rank's (it is linear)."""
+    return not compresses_any
 
 
 def dgc_density(sparsity: float, warmup: float, step: int) -> float:

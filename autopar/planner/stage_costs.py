@@ -230,7 +230,7 @@ class StageCosts:
     def compressor_runs(self, submesh: tuple[int, int], lm: tuple[int, int]) -> bool:
         """Whether a stage's data-axis averaging goes through the compressor on this mesh (after
         its last backward), not the plain synchroniser: a compressor that compresses nothing here
-        and keeps no momentum runs as dense averaging (`contract.compression.runs_dense`)."""
+        runs as dense averaging (`contract.compression.runs_dense`)."""
         return self._compressed(submesh, lm)[1]
 
     def _compressed(self, submesh: tuple[int, int], lm: tuple[int, int]) -> tuple[float, bool]:

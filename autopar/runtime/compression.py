@@ -76,10 +76,16 @@ class DGCMemory:
     u: dict[str, torch.Tensor] = field(default_factory=dict)
     v: dict[str, torch.Tensor] = field(default_factory=dict)
 
-    def compensate(self, key: str, grad: torch.Tensor) -> torch.Tensor:
-        if self.clip is not None:
-            bound = self.clip / math.sqrt(self.ranks)
-            grad = grad * min(1.0, bound / (float(grad.norm()) + 1e-12))
+    def clip_scale(self, grad: torch.Tensor) -> torch.Tensor:
+        """The factor local clipping scales this rank's gradient by (its norm at most clip/√N; in
+        float64, as Python's arithmetic on the norm would be), a tensor: no wait for the device."""
+        return torch.clamp(self.clip / math.sqrt(self.ranks) / (grad.norm().double() + 1e-12), max=1.0)
+
+    def compensate(self, key: str, grad: torch.Tensor, clip: bool = True) -> torch.Tensor:
+        """`clip=False`: the gradient was clipped where it was computed (`GradSync` clips each
+        rank's before averaging where nothing is compressed)."""
+        if clip and self.clip is not None:
+            grad = grad * self.clip_scale(grad)
         u = self.u[key] = self.momentum * self.u[key] + grad if key in self.u else grad.clone()
         v = self.v[key] = self.v[key] + u if key in self.v else u.clone()
         return v
@@ -88,6 +94,12 @@ class DGCMemory:
         self.v[key] = compensated - sent  # zero where sent: the selected values travel exactly
         if self.masking and compressed:
             self.u[key] = torch.where(sent != 0, 0, self.u[key])
+
+
+def momentum_memory(spec: Spec, ranks: int, masking: bool = False) -> DGCMemory:
+    """The memory of a compressor that carries the momentum (`carries_momentum`: DGC, 1-bit SGD),
+    for the compressor or, where the plan compresses nothing, for the plain synchroniser."""
+    return DGCMemory(spec.option("momentum"), spec.option("clip") or None, ranks, masking=masking)
 
 
 def _compressor(spec: Spec, nccl: bool) -> Any:
@@ -127,8 +139,7 @@ class Compressed:
         self.compressor = _compressor(self.spec, "nccl" in str(dist.get_backend(group)))
         ef = self.spec.options.get("ef", 1.0 if self.compressor.error_feedback else 0.0)
         if carries_momentum(self.spec):  # DGC masks what it sent; 1-bit's momentum is dense
-            self.memory: Any = DGCMemory(self.spec.option("momentum"), self.spec.option("clip") or None,
-                                         self.n, masking=self.spec.method == "dgc" and self.spec.arg > 0)
+            self.memory: Any = momentum_memory(self.spec, self.n, self.spec.method == "dgc" and self.spec.arg > 0)
         else:
             self.memory = ErrorFeedback() if ef else NoMemory()
         # the compressors' own draws (sampling, stochastic rounding): independent across ranks, so

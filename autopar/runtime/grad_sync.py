@@ -12,7 +12,10 @@ set to a tensor of your own is copied in at launch. Under
 gradient accumulation (pipeline microbatches), only the backward that runs with `sync=True`
 launches anything. With a compressor
 (`runtime.compression`) the buckets are compressed and averaged in `finish()`, after backward:
-their collectives come in rounds whose sizes depend on the data.
+their collectives come in rounds whose sizes depend on the data. A compressor that carries the
+momentum (DGC, 1-bit SGD) but compresses nothing here averages as dense does (`momentum`): each
+rank's gradient clipped as it is produced, the buckets overlapped with backward, the momentum
+applied to the averages in `finish()`.
 """
 
 from __future__ import annotations
@@ -171,11 +174,14 @@ class GradSync:
         compressed: Any = None,
         link: EmulatedLink | None = None,
         travels: dict[torch.nn.Parameter, bool] | None = None,
+        momentum: Any = None,
     ) -> None:
         """`travels`: which gradients the compressor compresses (the plan's decision; None: every
-        weight matrix)."""
+        weight matrix). `momentum`: the memory (`runtime.compression.momentum_memory`) of a
+        compressor that carries the momentum where the plan compresses nothing: its local clipping
+        and its momentum around the plain averaging, keyed as the compressor keys it."""
         self.group, self.reduce, self.compressed, self.link = group, reduce, compressed, link
-        self.travels = travels
+        self.travels, self.momentum = travels, momentum
         self.world = dist.get_world_size(group)
         self.sync = True
         self.stats = SyncStats()
@@ -192,9 +198,11 @@ class GradSync:
         self._carries = bool(dtypes) and dtypes <= {torch.float32, torch.float64}  # a loss rides along in full
 
     def _hook(self, bucket: _Bucket) -> Callable[[torch.Tensor], None]:
-        def ready(_: torch.Tensor) -> None:
+        def ready(p: torch.Tensor) -> None:
             if not self.sync or self.compressed is not None:
                 return
+            if self.momentum is not None and self.momentum.clip is not None and p.grad is not None:
+                local(p.grad).mul_(self.momentum.clip_scale(local(p.grad)))  # DGC's local clipping, before it is sent
             bucket.ready += 1
             if bucket.ready == len(bucket.params):
                 self._launch(bucket, in_backward=True)
@@ -259,6 +267,18 @@ class GradSync:
                 self.carried = carried
             bucket.ready, bucket.flat, bucket.work = 0, None, None
         self._launched, self._carry = 0, None
+        if self.momentum is not None:
+            self._momentum()
+
+    def _momentum(self) -> None:
+        """The carried momentum on the averages: u = m·u + avg (each rank's u averaged, since the
+        update is linear), sent whole, so nothing stays behind and nothing is masked."""
+        for b, bucket in enumerate(self.buckets):
+            for i, p in enumerate(bucket.params):
+                key, avg = f"{b}.{i}", local(p.grad) if p.grad is not None else torch.zeros_like(local(p))
+                x = self.momentum.compensate(key, avg, clip=False)
+                self.momentum.update(key, x, x, compressed=False)
+                write_grad(p, x)
 
     def _finish_compressed(self) -> None:
         before = self.compressed.bytes_sent
@@ -282,12 +302,19 @@ class GradSync:
         """After the optimizer's step (delayed averaging re-synchronises replicas there)."""
 
     def state_dict(self) -> dict[str, Any] | None:
-        """Per-rank state a resumed run needs (a compressor's memories); dense averaging has none."""
-        return self.compressed.state_dict() if self.compressed is not None else None
+        """Per-rank state a resumed run needs (a compressor's memories, a carried momentum); dense
+        averaging has none."""
+        if self.compressed is not None:
+            return self.compressed.state_dict()
+        return {"memory": dict(vars(self.momentum))} if self.momentum is not None else None
 
     def load_state_dict(self, state: dict[str, Any] | None) -> None:
-        if self.compressed is not None and state is not None:
+        if state is None:
+            return
+        if self.compressed is not None:
             self.compressed.load_state_dict(state)
+        elif self.momentum is not None:
+            vars(self.momentum).update(state["memory"])
 
     def reset_stats(self) -> SyncStats:
         stats, self.stats = self.stats, SyncStats()

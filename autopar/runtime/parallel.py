@@ -32,7 +32,7 @@ from autopar.runtime import rng
 from autopar.runtime.breakdown import phase
 from autopar.runtime.buffers import AveragedBuffers, persistent
 from autopar.runtime.comm_count import CollectiveBytes
-from autopar.runtime.compression import Compressed
+from autopar.runtime.compression import Compressed, momentum_memory
 from autopar.runtime.delayed import DelayedSync
 from autopar.runtime.export import export_as_planned, export_standing_in, same_on_every_rank
 from autopar.runtime.failures import guarded
@@ -242,14 +242,16 @@ def data_sync(named: list[tuple[str, nn.Parameter]], group: dist.ProcessGroup, p
     params = [p for _, p in named]
     if gradient.get("delay"):
         return DelayedSync(params, group, int(gradient["delay"]), link=link)
-    compressed = travels = None
-    if gradient.get("compression") and not runs_dense(parse(gradient["compression"]),
-                                                      gradient.get("compressed") != []):
+    compressed = travels = momentum = None
+    spec = parse(gradient["compression"]) if gradient.get("compression") else None
+    if spec is not None and runs_dense(spec, gradient.get("compressed") != []):
+        momentum = momentum_memory(spec, dist.get_world_size(group)) if carries_momentum(spec) else None
+    elif spec is not None:
         compressed = Compressed(gradient["compression"], group)
         if gradient.get("compressed") is not None:
             listed = set(gradient["compressed"])
             travels = {p: name in listed for name, p in named}
-    return GradSync(params, group, compressed=compressed, link=link, travels=travels)
+    return GradSync(params, group, compressed=compressed, link=link, travels=travels, momentum=momentum)
 
 
 def check_optimizer(optimizer: torch.optim.Optimizer, plan: Plan) -> None:
