@@ -319,8 +319,9 @@ def warmup_steps(spec: str) -> int:
 def link_step_times(rank: int, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
     """On the shaped link (a rank of `compression.on_link`'s): per task, batch and method, planned
     for this link, the median step over its warm-up (`warmup_steps`, its first two steps left out:
-    set-up) and over `LINK_ROUNDS` × `LINK_STEPS` steps after it (the methods' in turn), and the
-    parameters the plan compressed, by `_link_key`."""
+    set-up) and over `LINK_ROUNDS` × `LINK_STEPS` steps after it, and the parameters the plan
+    compressed, by `_link_key`. Warm-ups and steady steps alike in rounds of `LINK_STEPS`, the
+    methods' in turn."""
     world = dist.get_world_size()
     data, out, plans = load_data(SEEDS[0]), {}, {}
 
@@ -336,13 +337,15 @@ def link_step_times(rank: int, args: argparse.Namespace) -> dict[str, dict[str, 
             for spec in ["none", *args.methods]:
                 pm = _build(TASKS[t], spec, world, batch, (args.lrs or TASKS[t].lrs)[0], SEEDS[0], data, rank, plans,
                             args.rate)
-                stream, warm = batch_stream(data, batch, SEEDS[0]), warmup_steps(spec)
-                times = [timed(pm, stream) for _ in range(warm + 2)]
-                runs[spec] = (pm, stream, warm, times[min(2, warm - 1):warm] if warm else [], [])
+                runs[spec] = (pm, batch_stream(data, batch, SEEDS[0]), warmup_steps(spec), [], [])
+            while any(len(first) < warm + 2 for _, _, warm, first, _ in runs.values()):
+                for pm, stream, warm, first, _ in runs.values():
+                    first += [timed(pm, stream) for _ in range(min(LINK_STEPS, warm + 2 - len(first)))]
             for _ in range(LINK_ROUNDS):
                 for pm, stream, _, _, steady in runs.values():
                     steady += [timed(pm, stream) for _ in range(LINK_STEPS)]
-            for spec, (pm, _, warm, warming, steady) in runs.items():
+            for spec, (pm, _, warm, first, steady) in runs.items():
+                warming = first[min(2, warm - 1):warm] if warm else []
                 key = _link_key(t, spec, batch, world)
                 out[key] = {"warmup_steps": warm, "warm_s": statistics.median(warming) if warming else 0.0,
                             "steady_s": statistics.median(steady), "compressed": pm.plan.dp_gradient.get("compressed")}
