@@ -686,9 +686,10 @@ def plan_compressed(search: Search, compression: str | None, make: Callable[[Sea
     if len(plans) > 1:
         best.search["compression"] = {text or "none": p.estimate.step_time_s for text, p in plans.items()}
     elif compression and best.dp_gradient.get("compressed") == [] and any(s.logical_mesh[0] > 1 for s in best.stages):
-        log.warning("compression %s: no gradient is worth compressing on %s's links (every one is cheaper sent "
-                    "dense, or below min_size): all travel dense. Plan for the link you train over (--cluster), "
-                    "or lower min_size", best.dp_gradient["compression"], search.cluster.name)
+        log.warning("compression %s: no gradient is worth compressing on %s's links (no bucket's exchange is "
+                    "priced min_rate times faster compressed, or its matrices are below min_size): all travel dense. "
+                    "Plan for the link you train over (--cluster), or lower min_rate or min_size",
+                    best.dp_gradient["compression"], search.cluster.name)
     warn_time_limited(best, search.costs.time_limit_s)
     return best
 
