@@ -271,8 +271,8 @@ class GradSync:
             self._momentum()
 
     def _momentum(self) -> None:
-        """The carried momentum on the averages: u = m·u + avg (each rank's u averaged, since the
-        update is linear), sent whole, so nothing stays behind and nothing is masked."""
+        """The carried momentum on the averages: u = m·u + avg, the average of each rank's u (the
+        update is linear); nothing was held back, so nothing stays behind and nothing is masked."""
         for b, bucket in enumerate(self.buckets):
             for i, p in enumerate(bucket.params):
                 key, avg = f"{b}.{i}", local(p.grad) if p.grad is not None else torch.zeros_like(local(p))
