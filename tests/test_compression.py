@@ -552,6 +552,7 @@ def test_a_tensor_below_the_size_floor_or_in_a_latency_bound_bucket_travels_dens
     assert not plain and plain_slow
     assert runs_dense(spec, False) and not runs_dense(spec, True)
     assert runs_dense(parse("dgc:0.999"), False) and runs_dense(parse("onebit"), False)
+    assert not runs_dense(parse("signsgd"), False)  # a vote on every gradient, compressed or not
 
 
 def _momentum_without_compressing(rank, world):

@@ -86,8 +86,9 @@ def runs_dense(spec: Spec, compresses_any: bool) -> bool:
     with backward: where it compresses no gradient (`compresses_any` False: the cost model found
     none worth it on the link). DGC and 1-bit SGD keep the momentum for every gradient, dense ones
     too: the synchroniser then clips each rank's gradient before sending it (DGC's local clipping)
-    and applies their momentum to the average, which equals averaging each rank's (it is linear)."""
-    return not compresses_any
+    and applies their momentum to the average, which equals averaging each rank's (it is linear).
+    Not signSGD: its step is a majority vote on every gradient, dense ones too, never an average."""
+    return not compresses_any and spec.method != "signsgd"
 
 
 def dgc_density(sparsity: float, warmup: float, step: int) -> float:
