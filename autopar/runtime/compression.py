@@ -218,12 +218,12 @@ class Compressed:
             return [], []
         c = self.compressor
         parts = [c.compress(x, self.step, self.generator) for x in xs]
-        owns = [c.decompress(p, x) for p, x in zip(parts, xs)]
         dense_bytes = sum(2 * x.numel() * x.element_size() for x in xs) if getattr(c, "sparse", False) else None
         gathered = self._all_gather(parts, dense_bytes)
         if gathered is None:  # gathering would move more than a dense all-reduce: everything, dense
             total = self._all_reduce_rounds([_once(torch.cat([x.reshape(-1) for x in xs]))])[0][0]
             return [t.view_as(x) for t, x in zip(total.split([x.numel() for x in xs]), xs)], xs
+        owns = [c.decompress(p, x) for p, x in zip(parts, xs)]
         totals = []
         for i, x in enumerate(xs):
             every = [g[i] for g in gathered]
