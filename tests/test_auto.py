@@ -69,3 +69,20 @@ def test_a_stage_count_that_rules_out_every_fitting_layout_is_named():
         plan_auto(search, stages=2)
     plan = plan_auto(search)
     assert plan.estimate.fits and plan.estimate.peak_memory_bytes <= 70 * 2**20
+
+
+def test_a_rank_microbatch_holds_whole_expert_groups():
+    """GShard's MoE routes groups of tokens (moe-tiny: 64, two samples of 32): a rank's microbatch of
+    one sample runs one group of 32 with half the capacity, another program than the plan prices
+    (the whole batch's scaled down). Such a layout is refused, saying why; the search's plans and
+    the grid's layouts keep whole groups."""
+    search = _search("moe-tiny")
+    assert search.costs.needs.group == 2 and "groups 2 samples" in search.costs.needs.why
+    view = manual_search(search)
+    with pytest.raises(AutoparError, match=r"would hold 1 sample\(s\); the model needs a multiple of 2 .*fewer microbatches"):
+        manual_plan(view, Layout(2, 2, 1, 8))  # 16 samples, 2 ranks, 8 microbatches
+    assert manual_plan(view, Layout(2, 2, 1, 4)).num_microbatches == 4
+    plans = [plan_auto(search)] + [manual_plan(view, layout) for layout in layout_grid(view)]
+    for plan in plans:
+        dp = max(stage.logical_mesh[0] for stage in plan.stages)
+        assert (16 // plan.num_microbatches // dp) % 2 == 0, plan.name

@@ -231,8 +231,10 @@ def check(search: Search, layout: Layout) -> str | None:
         return f"batch {batch} does not split into {layout.num_microbatches} microbatches of a multiple of {layout.dp}"
     fewest = layout.num_microbatches or 1  # without a count, the fewest microbatches hold the most samples
     if not search.costs.splits_batch(fewest, layout.dp):
+        needs = search.costs.needs
         return (f"a rank's microbatch would hold {batch // fewest // layout.dp} sample(s); the model needs "
-                f"{search.costs.fewest} (a BatchNorm normalises a 1×1 map over them): use "
+                + (f"a multiple of {needs.group}" if needs.group > 1 else f"at least {needs.fewest}")
+                + f" ({needs.why}): use "
                 + ("fewer microbatches" if layout.num_microbatches else "a larger batch or less data parallelism"))
     # without a microbatch count, only counts the schedule runs are tried (one round: any runs)
     return schedules.problem(search.schedule, layout.pp, layout.num_microbatches or layout.pp, layout.virtual)

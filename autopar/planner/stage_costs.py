@@ -47,7 +47,7 @@ from autopar.planner.intra_op import (
 )
 from autopar.planner.layering import cut_bytes
 from autopar.planner.placement import P, R, redistribution
-from autopar.planner.stage_graph import layer_hash
+from autopar.planner.stage_graph import layer_hash, whole_batch_dims
 from autopar.planner.strategy_costs import DTYPE_BYTES, Rule
 
 
@@ -200,7 +200,7 @@ class StageCosts:
         self._collectives: dict = {}  # (atoms, submesh, logical, lean) -> priced collectives, whole batch
         self.cut = cut_bytes(self.graph, self.atoms)  # bytes crossing the boundary after atom k
         self._batch = next(n for n in self.graph if n.op == "input").outputs[0].shape[0]
-        self.fewest = fewest_samples(self.graph, self._batch)  # samples a rank's microbatch needs
+        self.needs = sample_needs(self.graph, self._batch)  # what a rank's microbatch must hold
         self.flops = [(a.flops_fwd, a.flops_bwd) for a in self.atoms]
         self.largest_grad = max((self.graph.params[f].nbytes for f in self.graph.trainable), default=0)
         self._per_byte: dict = {}
@@ -519,7 +519,7 @@ class StageCosts:
                  ) -> list[tuple[tuple[int, int], bool, bool | str, int]]:
         """The (logical mesh, lean, recompute, ZeRO level) combinations a stage on `submesh` may use
         (ZeRO-2 only where the stage may hold every device: one-stage plans, `zeroed`); a rank's
-        microbatch holds at least the samples the model needs (`fewest_samples`)."""
+        microbatch holds the samples the model needs (`sample_needs`)."""
         whole = submesh[0] * submesh[1] == self.world
         recompute = self.recomputes if recompute is None else recompute
         return [(lm, lean, rc, z) for lm in (logical or logical_meshes(submesh)) if self.splits_batch(m, lm[0])
@@ -542,8 +542,8 @@ class StageCosts:
 
     def splits_batch(self, m: int, dp: int) -> bool:
         """Whether m microbatches over a data axis of dp leave each rank whole samples, as many as the
-        model needs (`fewest_samples`)."""
-        return (self._batch // m) % dp == 0 and self._batch // m // dp >= self.fewest
+        model needs (`sample_needs`)."""
+        return (self._batch // m) % dp == 0 and self.needs.holds(self._batch // m // dp)
 
     def zeroed(self, z: int, submesh: tuple[int, int], lm: tuple[int, int], m: int, whole: bool | np.ndarray,
                q: dict) -> dict:
@@ -959,13 +959,48 @@ _BATCH_NORMS = ("aten.batch_norm", "aten._native_batch_norm_legit_functional", "
                 "aten.cudnn_batch_norm", "aten._batch_norm_with_update")
 
 
-def fewest_samples(graph: OpGraph, batch: int) -> int:
-    """The fewest samples a rank's microbatch may hold: a BatchNorm that trains needs more than one
-    value per channel (torch refuses one), and where it normalises a 1×1 map, one sample gives one."""
+@dataclass(frozen=True)
+class SampleNeeds:
+    """What a rank's microbatch must hold for the program that runs to be the one priced: the
+    shardings are solved at the whole batch and scaled down to a microbatch, which holds only where
+    the model's program at b samples is its whole-batch program cut into B / b pieces."""
+
+    fewest: int = 1  # samples at least: a BatchNorm that trains on a 1×1 map needs 2
+    group: int = 1  # samples in one unit of a batch dimension that groups them: a microbatch holds whole units
+    why: str = ""  # what sets them, for the message a layout that breaks them gets
+
+    def holds(self, samples: int) -> bool:
+        return samples >= self.fewest and samples % self.group == 0
+
+
+def sample_needs(graph: OpGraph, batch: int) -> SampleNeeds:
+    """A BatchNorm that trains needs more than one value per channel (torch refuses one), and where
+    it normalises a 1×1 map, one sample gives one. A batch dimension smaller than the batch groups
+    samples (GShard's MoE routes groups of `expert_group` tokens, [B·T/group, group, M]): a
+    microbatch with part of a group runs another program (its groups shrink, and the experts'
+    capacity with them; the planner's capture scaled down would price groups that are not there),
+    so a rank's microbatch must hold whole groups, as the data axis must divide the dimension
+    (`StageGraph._check_batch`)."""
+    fewest, why = 1, []
     for node in graph:
         if node.op.startswith(_BATCH_NORMS) and node.inputs and len(node.inputs[0].shape) >= 2:
             shape = node.inputs[0].shape
             per_sample = math.prod(shape) // (shape[0] * shape[1])  # values per channel of one sample
             if shape[0] == batch and per_sample == 1:
-                return 2
-    return 1
+                fewest = 2
+                why.append(f"a BatchNorm ({node.name}) normalises a 1×1 map over them")
+                break
+    group, grouping = 1, None
+    dims = whole_batch_dims(graph)[0]
+    for node in graph:
+        for k, d in enumerate(dims.get(node.name) or []):
+            if d is not None and k < len(node.outputs):
+                size = node.outputs[k].shape[d]
+                unit = batch // math.gcd(batch, size)  # samples per index of the dimension
+                if math.lcm(group, unit) > group:
+                    group, grouping = math.lcm(group, unit), (node, size)
+    if grouping:
+        node, size = grouping
+        why.append(f"{node.module_path or 'the model'} groups {group} samples ({node.name}'s batch dimension "
+                   f"is {size} at a batch of {batch})")
+    return SampleNeeds(max(fewest, group), group, "; ".join(why))
