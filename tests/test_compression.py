@@ -171,6 +171,8 @@ def test_dgc_momentum_correction_accumulates_velocity_and_masks_what_was_sent():
     ("topk:0.01,ef=no", "values must be numbers"),
     ("dgc:0.999,warmup=-5", "warmup is a number of steps ≥ 0"),
     ("onebit,momentum=1.5", "momentum in [0, 1)"),
+    ("dgc:0.999,masking=2", "masking= is DGC's momentum factor masking"),
+    ("topk:0.01,masking=0", "masking= is DGC's momentum factor masking"),
 ])
 def test_bad_compression_specs_are_one_clear_message(spec, message):
     with pytest.raises(AutoparError, match=message.replace("(", r"\(").replace("[", r"\[").replace(")", r"\)")):
@@ -328,6 +330,11 @@ def _wire(rank, world):
         [left] = (c.memory.v if text.startswith("dgc") else c.memory.residual).values()  # top-k's key: the bucket's
         out[text] = (float((got - summed / world).abs().max()), float(left.abs().max()), c.collectives[-1],
                      bool((c.memory.u["w"] != 0).all()) if text.startswith("dgc") else True)
+    # DGC compressing (1 % kept): momentum factor masking clears what was sent, `masking=0` keeps it
+    for text in ("dgc:0.99,warmup=0,clip=0", "dgc:0.99,warmup=0,clip=0,masking=0"):
+        c = Compressed(text)
+        c.average([w], ["w"])
+        out[text] = int((c.memory.u["w"] == 0).sum())
     # delayed averaging, D = 2: rank r's gradient at step t is (r + 1)(t + 1)
     from autopar.runtime.delayed import DelayedSync
 
@@ -365,6 +372,9 @@ def test_bytes_on_the_wire_match_the_formulas(tmp_path, world):
         for text in ("topk:0.5,warmup=0", "dgc:0.5,warmup=0,clip=0"):
             error, residual, last, unmasked = got[text]
             assert error < 1e-6 and residual == 0 and unmasked and last == ("all_reduce", 4 * n)
+        # about 1 % of the momentum cleared (DGC's sampled threshold keeps about k), none without masking
+        assert 0 < got["dgc:0.99,warmup=0,clip=0"] <= 1.3 * math.ceil(0.01 * n)
+        assert got["dgc:0.99,warmup=0,clip=0,masking=0"] == 0
     # step t applies g_t − g_{t−2} + avg_{t−2} (the local gradient alone for t < 2)
     mean = sum(range(1, world + 1)) / world
     for rank, got in enumerate(ranks):

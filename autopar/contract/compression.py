@@ -140,6 +140,9 @@ def parse(text: str) -> Spec:
     if options.get("start", 0) < 0 or options.get("min_size", 0) < 0 or options.get("min_rate", 1) < 0:
         raise AutoparError(f"compression {text!r}: start (dense steps first), min_size (elements) and min_rate "
                            "(times smaller on the wire) are numbers ≥ 0, e.g. powersgd:2,start=100,min_size=4096")
+    if "masking" in options and (name != "dgc" or options["masking"] not in (0, 1)):
+        raise AutoparError(f"compression {text!r}: masking= is DGC's momentum factor masking, 1 (on, the "
+                           "default) or 0 (off), e.g. dgc:0.999,masking=0")
     if "start" in options and name not in ("powersgd", "onebit"):
         raise AutoparError(f"compression {text!r}: start= (dense steps first) is PowerSGD's and 1-bit SGD's; "
                            + ("DGC and top-k warm their density up instead (warmup=STEPS per stage)"

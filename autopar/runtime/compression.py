@@ -138,8 +138,9 @@ class Compressed:
         self.n = dist.get_world_size(group)
         self.compressor = _compressor(self.spec, "nccl" in str(dist.get_backend(group)))
         ef = self.spec.options.get("ef", 1.0 if self.compressor.error_feedback else 0.0)
-        if carries_momentum(self.spec):  # DGC masks what it sent; 1-bit's momentum is dense
-            self.memory: Any = momentum_memory(self.spec, self.n, self.spec.method == "dgc" and self.spec.arg > 0)
+        if carries_momentum(self.spec):  # DGC masks what it sent (`masking=0`: not); 1-bit's momentum is dense
+            masking = self.spec.method == "dgc" and self.spec.arg > 0 and self.spec.options.get("masking", 1) != 0
+            self.memory: Any = momentum_memory(self.spec, self.n, masking)
         else:
             self.memory = ErrorFeedback() if ef else NoMemory()
         # the compressors' own draws (sampling, stochastic rounding): independent across ranks, so
