@@ -181,12 +181,12 @@ def _dp_for(allowed, sizes, devices, n_layers, n_shapes) -> tuple[float, list[St
                     continue
                 t = np.diagonal(allowed[s, :, :, k], offset=w)  # t[i] = allowed[s, i, i + w, k]
                 cand = t[:, None] + shifted[w:, :]  # [i, d]
-                better = cand < g[s, : n_layers + 1 - w]
+                best = g[s, : n_layers + 1 - w]  # views: written in place where the candidate is better
+                better = cand < best
                 if better.any():
-                    g[s, : n_layers + 1 - w][better] = cand[better]
-                    arg_j[s, : n_layers + 1 - w][better] = (np.arange(n_layers + 1 - w)[:, None] + w
-                                                             ).repeat(devices + 1, axis=1)[better]
-                    arg_k[s, : n_layers + 1 - w][better] = k
+                    np.copyto(best, cand, where=better)
+                    np.copyto(arg_j[s, : n_layers + 1 - w], np.arange(w, n_layers + 1)[:, None], where=better)
+                    np.copyto(arg_k[s, : n_layers + 1 - w], k, where=better)
     totals = g[1:, 0, devices]
     if not np.isfinite(totals).any():
         return INF, []
